@@ -1,0 +1,263 @@
+"""The one registry of changes we make to megatron-core, each named, grouped and explained.
+
+An adaptation replaces one attribute, named by its dotted path (a module function, a class method), with a new
+object built from the original: a plain replacement ignores the original, a wrapper stacks on it. Applying sets
+the new object on the owner and on every `sys.modules` entry that holds the original by identity (modules that
+did `from x import f` keep their own reference), once; reverting puts the originals back. Groups say when an
+adaptation is wanted: "cpu" (no CUDA device), "compile" (Dynamo capture); later "tp_compile", "sp", "npu".
+
+Megatron is imported only when an adaptation is applied, so importing this module stays cheap.
+We never disable or replace `torch.compile` itself: the point of this project is to compile Megatron.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    name: str
+    target: str  # dotted path of the attribute replaced, e.g. "megatron.core.utils.GlobalMemoryBuffer.get_tensor"
+    group: str
+    reason: str  # one line: why, citing the Megatron file:line it works around
+    build: Callable[[Any], Any]  # original -> new object; runs once per apply
+
+
+@dataclass
+class _Applied:
+    adaptation: Adaptation
+    owner: Any
+    attr: str
+    original: Any  # the raw attribute (descriptor included), or _MISSING when it was inherited
+    new: Any
+    holders: list = field(default_factory=list)  # other modules that held the original
+
+
+def resolve(target: str) -> tuple[Any, str]:
+    """(owner, attribute name) for a dotted path, importing the longest module prefix."""
+    parts = target.split(".")
+    owner, rest = None, []
+    for i in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            owner = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            # Only a missing prefix means "try a shorter one"; a broken import inside it is a real error.
+            if e.name is None or not module_name.startswith(e.name):
+                raise
+            continue
+        rest = parts[i:]
+        break
+    if owner is None:
+        raise AttributeError(f"target {target!r} does not exist: no module of it can be imported")
+    for depth, part in enumerate(rest[:-1]):
+        if not hasattr(owner, part):
+            found = ".".join(parts[: len(parts) - len(rest) + depth])
+            raise AttributeError(f"target {target!r} does not exist: {found} has no attribute {part!r}")
+        owner = getattr(owner, part)
+    if not hasattr(owner, rest[-1]):
+        raise AttributeError(f"target {target!r} does not exist: {'.'.join(parts[:-1])} has no attribute {rest[-1]!r}")
+    return owner, rest[-1]
+
+
+class Registry:
+    """Named adaptations, applied by name or by group, listed with reasons, reverted in reverse order."""
+
+    def __init__(self):
+        self._known: dict[str, Adaptation] = {}
+        self._applied: dict[str, _Applied] = {}  # insertion order = application order
+
+    # -- declaring -----------------------------------------------------------------------------------------
+    def add(self, adaptation: Adaptation) -> Adaptation:
+        if adaptation.name in self._known:
+            raise ValueError(f"adaptation {adaptation.name!r} is already registered")
+        self._known[adaptation.name] = adaptation
+        return adaptation
+
+    def replaces(self, name: str, target: str, group: str, reason: str):
+        """Decorator: the decorated object replaces `target` outright."""
+        def register(new):
+            self.add(Adaptation(name, target, group, reason, build=lambda original: new))
+            return new
+        return register
+
+    def wraps(self, name: str, target: str, group: str, reason: str):
+        """Decorator: the decorated factory gets the current `target` and returns what stands in its place."""
+        def register(factory):
+            self.add(Adaptation(name, target, group, reason, build=factory))
+            return factory
+        return register
+
+    # -- looking -------------------------------------------------------------------------------------------
+    def known(self, group: str | None = None) -> list[str]:
+        return [n for n, a in self._known.items() if group is None or a.group == group]
+
+    def groups(self) -> list[str]:
+        return list(dict.fromkeys(a.group for a in self._known.values()))
+
+    def get(self, name: str) -> Adaptation:
+        if name not in self._known:
+            raise ValueError(f"unknown adaptation {name!r}; known: {', '.join(self.known())}")
+        return self._known[name]
+
+    def applied(self) -> dict[str, str]:
+        """name -> reason, in the order applied."""
+        return {n: a.adaptation.reason for n, a in self._applied.items()}
+
+    # -- doing ---------------------------------------------------------------------------------------------
+    def apply(self, *names: str) -> None:
+        adaptations = [self.get(n) for n in names]  # all names checked before anything changes
+        for adaptation in adaptations:
+            if adaptation.name not in self._applied:
+                self._applied[adaptation.name] = self._apply_one(adaptation)
+
+    def apply_groups(self, groups: Iterable[str]) -> None:
+        groups = [groups] if isinstance(groups, str) else list(groups)
+        for g in groups:
+            if g not in self.groups():
+                raise ValueError(f"unknown adaptation group {g!r}; known: {', '.join(self.groups())}")
+        self.apply(*[n for g in groups for n in self.known(g)])
+
+    def revert(self, *names: str) -> None:
+        for name in names:
+            self.get(name)
+        for name in reversed([n for n in self._applied if n in names]):
+            record = self._applied[name]
+            if _current(record.owner, record.attr) is not record.new:
+                raise RuntimeError(
+                    f"cannot revert {name!r}: {record.adaptation.target} was replaced again since; revert that first"
+                )
+            self._revert_one(record)
+            del self._applied[name]
+
+    def revert_all(self) -> None:
+        self.revert(*self._applied)
+
+    # -- mechanics -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _apply_one(adaptation: Adaptation) -> _Applied:
+        owner, attr = resolve(adaptation.target)
+        current = getattr(owner, attr)
+        raw = vars(owner).get(attr, _MISSING) if inspect.isclass(owner) else current
+        new = adaptation.build(current)
+        setattr(owner, attr, new)
+        holders = []
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            # __dict__ lookup, not getattr: some modules compute attributes lazily on access.
+            if module is not owner and namespace is not None and namespace.get(attr) is current:
+                setattr(module, attr, new)
+                holders.append(module)
+        return _Applied(adaptation, owner, attr, raw, new, holders)
+
+    @staticmethod
+    def _revert_one(record: _Applied) -> None:
+        if record.original is _MISSING:
+            delattr(record.owner, record.attr)  # it was inherited; removing ours uncovers it again
+        else:
+            setattr(record.owner, record.attr, record.original)
+        original = getattr(record.owner, record.attr)
+        for module in record.holders:
+            if vars(module).get(record.attr) is record.new:
+                setattr(module, record.attr, original)
+
+
+def _current(owner, attr):
+    return vars(owner).get(attr, _MISSING) if inspect.isclass(owner) else getattr(owner, attr, _MISSING)
+
+
+registry = Registry()
+
+
+# ======================================================================================================
+# group "cpu": megatron-core 0.16.1 hard-codes CUDA in places a CPU (or not-yet-adapted device) run reaches.
+# ======================================================================================================
+
+@registry.wraps(
+    "inference_rng_tracker", "megatron.core.tensor_parallel.random.initialize_rng_tracker", "cpu",
+    reason="CudaRNGStatesTracker seeds and forks torch.cuda generators (tensor_parallel/random.py:237,250); "
+    "use the inference tracker, whose fork() is a nullcontext",
+)
+def _inference_rng_tracker(initialize_rng_tracker):
+    # Replace any tracker built before now; the wrapper keeps later (re)initialisations CPU-safe too,
+    # e.g. model_parallel_cuda_manual_seed(force_reset_rng=True).
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    def initialize_cpu_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False,
+                                   use_cudagraphable_rng=False, force_reset=False):
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=force_reset)
+
+    return initialize_cpu_rng_tracker
+
+
+@registry.replaces(
+    "fresh_global_buffer", "megatron.core.utils.GlobalMemoryBuffer.get_tensor", "cpu",
+    reason="GlobalMemoryBuffer allocates on torch.cuda.current_device() (utils.py:631); a fresh tensor on the "
+    "default device also keeps cached state out of Dynamo guards and autograd",
+)
+def _fresh_buffer(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    import torch
+
+    return torch.empty(tensor_shape, dtype=dtype)
+
+
+@registry.replaces(
+    "causal_mask_on_default_device", "megatron.core.transformer.utils.get_default_causal_mask", "cpu",
+    reason="get_default_causal_mask builds the mask with device='cuda' (transformer/utils.py:35), "
+    "reached when attention_mask is None",
+)
+def _default_causal_mask(sq):
+    import torch
+
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+@registry.replaces(
+    "rope_stays_on_device", "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb",
+    "cpu",
+    reason="RotaryEmbedding.get_emb moves inv_freq from cpu to torch.cuda.current_device() "
+    "(models/common/embeddings/rotary_pos_embedding.py:162)",
+)
+def _rope_emb(self, max_seq_len, offset=0):
+    # Megatron's get_emb without the device move: inv_freq stays where the module put it.
+    import torch
+
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    if self.rotary_interleaved:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]  # [seq, 1, 1, dim]
+
+
+# ======================================================================================================
+# group "compile": what stops Dynamo from capturing Megatron's forward and backward as one graph.
+# ======================================================================================================
+
+@registry.wraps(
+    "quiet_default_tp_group", "megatron.core.utils.get_tensor_model_parallel_group_if_none", "compile",
+    reason="warnings.warn(DeprecationWarning) on every RowParallelLinear forward (utils.py:501, layers.py:1281 "
+    "passes tp_group=None) is a Dynamo graph break",
+)
+def _quiet_default_tp_group(get_group_if_none):
+    import functools
+
+    from megatron.core import parallel_state
+
+    @functools.wraps(get_group_if_none)
+    def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+        # Hand the original the default group it would pick, so it has nothing to warn about.
+        if tp_group is None and parallel_state.is_initialized():
+            default = (parallel_state.get_expert_tensor_parallel_group if is_expert
+                       else parallel_state.get_tensor_model_parallel_group)
+            tp_group = default(check_initialized=check_initialized)
+        return get_group_if_none(tp_group, is_expert, check_initialized)
+
+    return get_tensor_model_parallel_group_if_none

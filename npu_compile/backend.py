@@ -1,0 +1,146 @@
+"""The ``ascend`` torch.compile backend: the whole pipeline, top to bottom.
+
+    Dynamo graph
+      → aot_autograd (functionalized aten; inputs mutated in inference graphs stay mutations)
+      → training: joint forward+backward graph → fusion rules → min-cut partition under ``memory_budget``
+        inference: fusion rules on the forward graph
+      → per graph (forward / backward / inference): aten-level stages → lowering for the target → executor
+
+Each stage's graph goes to the dump dir and to tlparse; each compiled Dynamo graph gets one report.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import config as functorch_config
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from npu_compile import comm, config, lowering, passes
+from npu_compile.debug.dump import GraphDump
+from npu_compile.debug.report import Report, count_ops, publish
+from npu_compile.debug.verify import verified
+from npu_compile.executor import boxed_executor
+from npu_compile.passes.memory import graph_liveness, saved_activation_bytes, training_liveness
+
+log = logging.getLogger("npu_compile")
+
+# Aten-level stages run on every forward / backward / inference graph, in order, before lowering:
+# (name, pass). Comm scheduling and memory ordering join here.
+ATEN_STAGES: list[tuple[str, Callable[[torch.fx.GraphModule, config.Options], None]]] = []
+
+_direct_ids = itertools.count()
+
+
+def _graph_id(gm: torch.fx.GraphModule) -> str:
+    compile_id = gm.meta.get("dynamo_compile_id") or torch._guards.CompileContext.current_compile_id()
+    if compile_id is None:  # called outside Dynamo, e.g. on a hand-made GraphModule
+        return f"direct_{next(_direct_ids)}"
+    return str(compile_id).replace("/", "_")
+
+
+class _Compilation:
+    """The state shared by the compilers of one Dynamo graph: options, dump and report."""
+
+    def __init__(self, gm: torch.fx.GraphModule, opts: config.Options):
+        self.opts = opts
+        self.graph_id = _graph_id(gm)
+        self.dump = GraphDump(opts.dump_dir, self.graph_id)
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        broke = bool(reason is not None and reason.graph_break)
+        self.report = Report(
+            graph_id=self.graph_id,
+            target=opts.target,
+            graph_breaks=int(broke),
+            graph_break_reason=reason.reason if broke else None,
+            options={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
+        )
+        self.final: dict[str, torch.fx.GraphModule] = {}  # kind -> graph as it runs
+        self.partitioned_bw: torch.fx.GraphModule | None = None
+        publish(self.report)
+        self.dump.stage("dynamo", "captured", gm)
+
+    # -- training: runs once on the joint graph, before either half is compiled
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        self.dump.stage("joint", "aot_joint", joint)
+        self._count_fusions(passes.run_joint_rules(joint, self.opts))
+        self.dump.stage("joint", "fused", joint)
+        with functorch_config.patch(activation_memory_budget=self.opts.memory_budget):
+            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        before = training_liveness(fw.graph, bw.graph)
+        self.report.memory["peak_bytes_before"] = before.peak
+        self.partitioned_bw = bw
+        return fw, bw
+
+    def compiler(self, kind: str) -> Callable:
+        """The compiler aot_autograd calls for the ``kind`` graph: forward, backward or inference."""
+
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
+            self.dump.stage(kind, "aot", gm)
+            if kind == "inference":
+                self.report.memory["peak_bytes_before"] = graph_liveness(gm.graph).peak
+                self._count_fusions(passes.run_inference_rules(gm, self.opts))
+                self.dump.stage(kind, "fused", gm)
+            for name, stage in ATEN_STAGES:
+                stage(gm, self.opts)
+                self.dump.stage(kind, name, gm)
+            self.report.unfused += lowering.lower(gm, self.opts.target)
+            gm.graph.lint()
+            gm.recompile()
+            self.dump.stage(kind, f"lowered_{self.opts.target}", gm)
+            self.final[kind] = gm
+            self._finish_report(kind)
+            return boxed_executor(gm)
+
+        return compile_graph
+
+    def _count_fusions(self, counts: dict[str, int]) -> None:
+        for rule, n in counts.items():
+            self.report.fusions[rule] = self.report.fusions.get(rule, 0) + n
+
+    def _finish_report(self, kind: str) -> None:
+        r = self.report
+        r.graphs.append(kind)
+        graphs = list(self.final.values())
+        r.lowered_ops = count_ops(*graphs)
+        r.comm["collectives"] = len(comm.collectives(*graphs))
+        if "inference" in self.final:
+            live = graph_liveness(self.final["inference"].graph)
+            r.memory["saved_activation_bytes"] = 0
+        else:
+            bw = self.final.get("backward", self.partitioned_bw)
+            live = training_liveness(self.final["forward"].graph, bw.graph)
+            r.memory["saved_activation_bytes"] = saved_activation_bytes(bw.graph)
+        r.memory["peak_bytes_after"] = live.peak
+        # No arena plan yet: the allocator's lower bound for this order is the live-bytes peak itself.
+        r.memory["lower_bound_bytes"] = live.peak
+        self.dump.report(r.to_json())
+        log.info(
+            "graph %s (%s): %s compiled, fusions %s, peak %.2f MiB, %d collectives",
+            r.graph_id, r.target, kind, r.fusions or "none", live.peak / 2**20, r.comm["collectives"],
+        )
+
+
+def ascend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None, mode: str | None = None):
+    """``torch.compile(model, backend="ascend", options={...})``: compile one Dynamo graph for Ascend."""
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"the ascend backend takes no torch.compile mode (got {mode!r}); pass options={{...}} with keys "
+            f"{', '.join(config.KEYS)}"
+        )
+    opts = config.resolve(options)
+    c = _Compilation(gm, opts)
+    compiled = aot_autograd(
+        fw_compiler=c.compiler("forward"),
+        bw_compiler=c.compiler("backward"),
+        inference_compiler=c.compiler("inference"),
+        partition_fn=c.partition,
+        decompositions=passes.decompositions(),
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)
+    return verified(compiled, gm, c.report, c.dump) if opts.verify else compiled

@@ -1,0 +1,176 @@
+"""Typed options of the ``ascend`` backend, validated at the door.
+
+``torch.compile(model, backend="ascend", options={...})`` hands its dict to :func:`resolve`; every key not given
+there falls back to :data:`defaults`, which users may change for a whole program (``npu_compile.config.defaults``)
+or for a block (``with npu_compile.config.patch(target="npu-sim"): ...``). A wrong key or value raises
+``ValueError`` naming the key and what would be right; nothing else in the package validates options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal, Union
+
+TARGETS = ("auto", "npu", "npu-sim", "reference")
+GRAPH_MODES = ("ge", "aclgraph", "eager")
+DUMP_DIR_ENV = "NPU_COMPILE_DUMP_DIR"
+
+Fusions = Union[Literal["all"], tuple[str, ...], Mapping[str, bool]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """One compiled graph's settings. Field docs are the README's option table."""
+
+    target: str = "auto"  # where the graph runs: auto | npu | npu-sim | reference
+    graph_mode: str = "ge"  # how the npu target runs the lowered graph: ge | aclgraph | eager
+    fusions: Fusions = "all"  # "all", a list of rule names, or {rule name: on/off}
+    memory_budget: float = 1.0  # activation memory budget for recompute, 1.0 = save everything
+    overlap: bool = True  # comm/compute overlap scheduling
+    dump_dir: str | None = None  # where graphs and report.json go (None: $NPU_COMPILE_DUMP_DIR, else nowhere)
+    verify: bool = False  # run the unfused graph beside the compiled one on first call and compare
+
+    def fusion_enabled(self, rule: str) -> bool:
+        """Whether rule ``rule`` runs under this ``fusions`` setting."""
+        if self.fusions == "all":
+            return True
+        if isinstance(self.fusions, Mapping):
+            return self.fusions.get(rule, True)
+        return rule in self.fusions
+
+
+KEYS = tuple(f.name for f in dataclasses.fields(Options))
+
+defaults = Options()
+
+
+def _known_rules() -> tuple[str, ...]:
+    from npu_compile.passes import rule_names  # late: the rule registry imports torch's pattern matcher
+
+    return rule_names()
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"npu_compile option {key!r} got {value!r}; valid values are {', '.join(map(repr, choices))}")
+    return value
+
+
+def _check_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"npu_compile option {key!r} got {value!r}; it takes True or False")
+    return value
+
+
+def _check_fusions(value: Any) -> Fusions:
+    known = _known_rules()
+
+    def check_names(names: Any) -> None:
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(
+                f"npu_compile option 'fusions' names unknown rule(s) {', '.join(map(repr, unknown))}; "
+                f"known rules are {', '.join(map(repr, known)) or '(none registered)'}"
+            )
+
+    if value == "all":
+        return "all"
+    if isinstance(value, Mapping):
+        check_names(value)
+        bad = [k for k, v in value.items() if not isinstance(v, bool)]
+        if bad:
+            raise ValueError(f"npu_compile option 'fusions' maps {bad[0]!r} to {value[bad[0]]!r}; use True or False")
+        return dict(value)
+    if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in value):
+        check_names(value)
+        return tuple(value)
+    raise ValueError(
+        f"npu_compile option 'fusions' got {value!r}; it takes \"all\", a list of rule names, or {{rule name: bool}}"
+    )
+
+
+def _check_budget(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"npu_compile option 'memory_budget' got {value!r}; it takes a float in [0, 1]")
+    return float(value)
+
+
+def _check_dump_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"npu_compile option 'dump_dir' got {value!r}; it takes a path (str or os.PathLike) or None")
+    return os.fspath(value)
+
+
+_CHECKS = {
+    "target": lambda v: _check_choice("target", v, TARGETS),
+    "graph_mode": lambda v: _check_choice("graph_mode", v, GRAPH_MODES),
+    "fusions": _check_fusions,
+    "memory_budget": _check_budget,
+    "overlap": lambda v: _check_bool("overlap", v),
+    "dump_dir": _check_dump_dir,
+    "verify": lambda v: _check_bool("verify", v),
+}
+
+
+def validate(options: Mapping[str, Any] | None, base: Options | None = None) -> Options:
+    """``base`` (default: :data:`defaults`) updated by ``options``, every key and value checked."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown npu_compile option(s) {', '.join(map(repr, unknown))}; valid options are {', '.join(KEYS)}"
+        )
+    checked = {k: _CHECKS[k](v) for k, v in options.items()}
+    return dataclasses.replace(base or defaults, **checked)
+
+
+def resolve(options: Mapping[str, Any] | None) -> Options:
+    """Validated options with ``target="auto"`` and the dump dir made concrete for this machine."""
+    opts = validate(options)
+    dump_dir = opts.dump_dir if opts.dump_dir is not None else os.environ.get(DUMP_DIR_ENV) or None
+    return dataclasses.replace(opts, target=resolve_target(opts.target), dump_dir=dump_dir)
+
+
+def _torch_npu_error() -> Exception | None:
+    """None when torch_npu imports and sees a device, else the reason it cannot be used."""
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except Exception as e:  # ImportError, or OSError from a missing CANN runtime (libhccl.so)
+        return e
+    if not torch_npu.npu.is_available():
+        return RuntimeError("torch_npu imported but torch.npu.is_available() is False")
+    return None
+
+
+def resolve_target(target: str) -> str:
+    """``auto`` → ``npu`` when torch_npu and a device are present, else ``reference``; ``npu`` is checked."""
+    if target == "auto":
+        return "npu" if _torch_npu_error() is None else "reference"
+    if target == "npu":
+        err = _torch_npu_error()
+        if err is not None:
+            raise RuntimeError(
+                f"npu_compile option target='npu' needs torch_npu with an Ascend device, which is not usable here "
+                f"({type(err).__name__}: {err}). Install it on a machine with Ascend CANN: "
+                f"pip install 'npu_compile[npu]' (torch-npu==2.13.0). To run the same lowered NPU graph on the CPU, "
+                f"use target='npu-sim'."
+            )
+    return target
+
+
+@contextlib.contextmanager
+def patch(**options: Any) -> Iterator[Options]:
+    """Change :data:`defaults` inside a ``with`` block (validated like ``options=``)."""
+    global defaults
+    saved = defaults
+    defaults = validate(options, base=saved)
+    try:
+        yield defaults
+    finally:
+        defaults = saved

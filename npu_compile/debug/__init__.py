@@ -1,0 +1,1 @@
+"""Instruments: the dump dir, report.json, tlparse artifacts, verification, and (later) plots and traces."""
