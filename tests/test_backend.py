@@ -1,0 +1,189 @@
+"""The pipeline end to end on small modules: results, dumps, report.json, the executor, the entry point."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import pytest
+import torch
+
+import npu_compile
+from npu_compile.executor import boxed_executor
+
+REPORT_KEYS = {"graph_id", "target", "fusions", "unfused", "lowered_ops", "graph_breaks", "memory", "comm"}
+MEMORY_KEYS = {"peak_bytes_before", "peak_bytes_after", "lower_bound_bytes", "saved_activation_bytes"}
+COMM_KEYS = {"collectives", "comm_us", "compute_us", "exposed_comm_us_before", "exposed_comm_us_after"}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, h=32):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.fc1 = torch.nn.Linear(h, 4 * h)
+        self.fc2 = torch.nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def _train_steps(model, x, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outs = []
+    for _ in range(steps):
+        opt.zero_grad()
+        y = model(x)
+        y.square().mean().backward()
+        outs.append((y.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        opt.step()
+    return outs
+
+
+def test_training_bitwise_equal_to_eager_when_nothing_fuses():
+    torch.manual_seed(0)
+    eager = Block()
+    compiled = Block()
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(4, 16, 32)
+    ref = _train_steps(eager, x)
+    got = _train_steps(torch.compile(compiled, backend="ascend"), x)
+    for (y0, g0), (y1, g1) in zip(ref, got):
+        assert torch.equal(y0, y1)
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_inference_graph_goes_through_pipeline(tmp_path):
+    m = Block().eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        y = torch.compile(m, backend="ascend", options={"dump_dir": str(tmp_path)})(x)
+        assert torch.equal(y, m(x))
+    report = json.loads((tmp_path / "0_0" / "report.json").read_text())
+    assert report["graphs"] == ["inference"]
+    assert sorted(os.listdir(tmp_path / "0_0" / "inference")) == ["00_aot.py", "01_fused.py", "02_lowered_reference.py"]
+    assert report["memory"]["saved_activation_bytes"] == 0
+
+
+def test_dump_dir_layout_and_report_keys(tmp_path):
+    m = Block()
+    cm = torch.compile(m, backend="ascend", options={"dump_dir": str(tmp_path)})
+    cm(torch.randn(2, 8, 32)).sum().backward()
+    root = tmp_path / "0_0"
+    assert sorted(os.listdir(root)) == ["backward", "dynamo", "forward", "joint", "report.json"]
+    assert sorted(os.listdir(root / "forward")) == ["00_aot.py", "01_lowered_reference.py"]
+    assert sorted(os.listdir(root / "joint")) == ["00_aot_joint.py", "01_fused.py"]
+    assert "torch.ops.aten.native_layer_norm.default" in (root / "forward" / "01_lowered_reference.py").read_text()
+    report = json.loads((root / "report.json").read_text())
+    assert REPORT_KEYS <= report.keys()
+    assert MEMORY_KEYS <= report["memory"].keys() and COMM_KEYS <= report["comm"].keys()
+    assert report["graph_id"] == "0_0" and report["target"] == "reference" and report["graph_breaks"] == 0
+    assert report["graphs"] == ["forward", "backward"]
+    assert report["lowered_ops"]["aten.native_layer_norm"] == 1
+    assert report["lowered_ops"]["aten.native_layer_norm_backward"] == 1
+    mem = report["memory"]
+    # 8x128 fp32 hidden activations at least are saved for the backward (fc1 out / gelu in).
+    assert mem["saved_activation_bytes"] >= 2 * 8 * 128 * 4
+    assert mem["peak_bytes_after"] >= mem["saved_activation_bytes"] > 0
+
+
+def test_environment_variable_sets_dump_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPU_COMPILE_DUMP_DIR", str(tmp_path))
+    torch.compile(torch.nn.Linear(4, 4), backend="ascend")(torch.randn(2, 4))
+    assert (tmp_path / "0_0" / "report.json").exists()
+
+
+def test_unwritable_dump_dir_warns_and_compiles_on(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    m = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.WARNING, logger="npu_compile"):
+        y = torch.compile(m, backend="ascend", options={"dump_dir": str(blocker / "dumps")})(x)
+    assert torch.equal(y, m(x))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"npu_compile: cannot write dumps under {blocker / 'dumps' / '0_0'} (")
+    assert warnings[0].endswith("); compiling on without them")
+
+
+def test_graph_break_is_reported():
+    def f(x):
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return y.cos()
+
+    exp = npu_compile.explain(f, torch.randn(3))
+    assert exp.graph_count == 2 and exp.graph_break_count == 1
+    assert [r.graph_breaks for r in exp.graphs] == [1, 0]
+    assert "graph_break" in exp.break_reasons[0]
+
+
+def test_explain_reports_backward_without_running_it():
+    m = Block()
+    exp = npu_compile.explain(m, torch.randn(2, 8, 32))
+    assert exp.graph_count == 1 and exp.graph_break_count == 0
+    (r,) = exp.graphs
+    assert r.graphs == ["forward", "backward"]
+    assert r.lowered_ops["aten.gelu_backward"] == 1
+    assert all(p.grad is None for p in m.parameters())
+    assert json.loads(str(exp))["graphs"][0]["graph_id"] == r.graph_id
+
+
+def test_verify_compares_first_call(tmp_path):
+    m = Block()
+    cm = torch.compile(m, backend="ascend", options={"verify": True, "dump_dir": str(tmp_path)})
+    cm(torch.randn(2, 8, 32)).sum().backward()
+    v = json.loads((tmp_path / "0_0" / "report.json").read_text())["verify"]
+    assert v["ok"] is True and v["max_abs_diff"] == 0.0
+
+
+def test_memory_budget_zero_saves_less():
+    def saved(budget):
+        (r,) = npu_compile.explain(Block(64), torch.randn(4, 32, 64), memory_budget=budget).graphs
+        return r.memory["saved_activation_bytes"]
+
+    assert saved(0.0) < saved(1.0)
+
+
+def test_executor_frees_each_input_after_its_last_use():
+    # x's last use is the sum; a later node checks that x is already gone while the graph still runs.
+    seen_alive = []
+
+    def probe(y):
+        seen_alive.append(x_ref() is not None)
+        return y
+
+    g = torch.fx.Graph()
+    x_node, y_node = g.placeholder("x"), g.placeholder("y")
+    s = g.call_function(torch.ops.aten.sum.default, (x_node,))
+    p = g.call_function(probe, (y_node,))
+    g.output(g.call_function(torch.ops.aten.add.Tensor, (p, s)))
+    run = boxed_executor(torch.fx.GraphModule(torch.nn.Module(), g))
+
+    x = torch.randn(1000)
+    x_ref = weakref.ref(x)
+    args = [x, torch.randn(3)]
+    del x
+    out = run(args)
+    assert args == [] and seen_alive == [False] and out.shape == (3,)
+
+
+def test_entry_point_works_in_fresh_interpreter():
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        x = torch.randn(3, 4)
+        assert "npu_compile" not in sys.modules
+        y = torch.compile(m, backend="ascend")(x)
+        assert torch.equal(y, m(x))
+        assert "npu_compile" in sys.modules  # loaded by Dynamo through the entry point
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
