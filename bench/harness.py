@@ -1,0 +1,87 @@
+"""Measurement helpers shared by every benchmark: peak memory, step time, compile time, tables.
+
+All figures of one table are measured side by side in one process run; ratios are taken against the eager row of
+the same model, never against a number from another run (the machine is shared and noisy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def peak_bytes(step: Callable[[], object]) -> int:
+    """Peak CPU bytes allocated above the level at the start of ``step``, from the profiler's memory events.
+
+    The raw kineto events include every allocation and free (``prof.events()`` only lists those no op owns).
+    """
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events()
+         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+        key=lambda e: e.start_ns(),
+    )
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def median_seconds(step: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    backend: str
+    peak_bytes: int
+    step_s: float
+    compile_s: float
+    graphs: int | None = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def markdown_table(rows: list[Row], baseline: str = "eager") -> str:
+    """One table, ratios against the ``baseline`` backend's row of the same model."""
+    base = {r.model: r for r in rows if r.backend == baseline}
+    extra_keys = list(dict.fromkeys(k for r in rows for k in r.extra))
+    head = ["model", "backend", "peak MiB", "peak ×eager", "step ms", "step ×eager", "compile s", "graphs", *extra_keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        b = base.get(r.model)
+        cells = [
+            r.model,
+            r.backend,
+            f"{r.peak_bytes / 2**20:.1f}",
+            f"{r.peak_bytes / b.peak_bytes:.2f}" if b and b.peak_bytes else "–",
+            f"{r.step_s * 1e3:.1f}",
+            f"{r.step_s / b.step_s:.2f}" if b else "–",
+            f"{r.compile_s:.1f}",
+            "–" if r.graphs is None else str(r.graphs),
+            *(str(r.extra.get(k, "–")) for k in extra_keys),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_result(name: str, text: str) -> Path:
+    out = Path(__file__).parent / "results" / f"{name}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    return out
