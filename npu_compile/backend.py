@@ -68,7 +68,7 @@ class _Compilation:
     # -- training: runs once on the joint graph, before either half is compiled
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
         self.dump.stage("joint", "aot_joint", joint)
-        self._count_fusions(passes.run_joint_rules(joint, self.opts))
+        self._record_fusions(*passes.apply_rules(joint, self.opts.fusion_enabled, passes.TRAINING))
         self.dump.stage("joint", "fused", joint)
         with functorch_config.patch(activation_memory_budget=self.opts.memory_budget):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -84,7 +84,7 @@ class _Compilation:
             self.dump.stage(kind, "aot", gm)
             if kind == "inference":
                 self.report.memory["peak_bytes_before"] = graph_liveness(gm.graph).peak
-                self._count_fusions(passes.run_inference_rules(gm, self.opts))
+                self._record_fusions(*passes.apply_rules(gm, self.opts.fusion_enabled, passes.INFERENCE))
                 self.dump.stage(kind, "fused", gm)
             for name, stage in ATEN_STAGES:
                 stage(gm, self.opts)
@@ -99,9 +99,10 @@ class _Compilation:
 
         return compile_graph
 
-    def _count_fusions(self, counts: dict[str, int]) -> None:
+    def _record_fusions(self, counts: dict[str, int], unfused: list[dict[str, str]]) -> None:
         for rule, n in counts.items():
             self.report.fusions[rule] = self.report.fusions.get(rule, 0) + n
+        self.report.unfused += unfused
 
     def _finish_report(self, kind: str) -> None:
         r = self.report

@@ -49,7 +49,7 @@ defaults = Options()
 
 
 def _known_rules() -> tuple[str, ...]:
-    from npu_compile.passes import rule_names  # late: the rule registry imports torch's pattern matcher
+    from npu_compile.passes import rule_names  # late: rule families register when npu_compile.passes loads
 
     return rule_names()
 
