@@ -5,13 +5,37 @@ One line for users:
     import megatron_glue; megatron_glue.adapt()          # groups "cpu" and "compile"
 
 `adaptations` holds every change we make to Megatron, with its reason; `models` builds small GPT/Llama-style
-models and batches on one process; `testing` holds fixtures shared by test folders.
+models and batches on one process; `testing` holds pytest fixtures shared by test folders.
 """
+
+import contextlib
+import warnings
 
 from megatron_glue.adaptations import registry
 
 
+# What megatron-core 0.16.1 (and torch under it) says on import or model build that does not apply here:
+# we use neither TE nor Apex, and the deprecations are Megatron's own business.
+_MEGATRON_NOISE = (
+    (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed"),
+    (DeprecationWarning, r"`torch\.jit\.script_method` is deprecated"),
+    (DeprecationWarning, r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine'"),
+    (DeprecationWarning, r"The following imports from `dynamic_context\.py`"),
+    (DeprecationWarning, r"MLP requires ffn_hidden_size"),
+)
+
+
+@contextlib.contextmanager
+def quiet_megatron():
+    """Silence _MEGATRON_NOISE, and nothing else, inside the block."""
+    with warnings.catch_warnings():
+        for category, message in _MEGATRON_NOISE:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
+
+
 def adapt(groups=("cpu", "compile")) -> dict:
     """Apply the named groups of adaptations (idempotent); returns what is applied, name -> reason."""
-    registry.apply_groups(groups)
+    with quiet_megatron():  # applying imports the Megatron modules it changes
+        registry.apply_groups(groups)
     return registry.applied()

@@ -12,11 +12,14 @@ We never disable or replace `torch.compile` itself: the point of this project is
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
+
+import torch
 
 _MISSING = object()
 
@@ -37,7 +40,6 @@ class _Applied:
     attr: str
     original: Any  # the raw attribute (descriptor included), or _MISSING when it was inherited
     new: Any
-    holders: list = field(default_factory=list)  # other modules that held the original
 
 
 def resolve(target: str) -> tuple[Any, str]:
@@ -50,7 +52,7 @@ def resolve(target: str) -> tuple[Any, str]:
             owner = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             # Only a missing prefix means "try a shorter one"; a broken import inside it is a real error.
-            if e.name is None or not module_name.startswith(e.name):
+            if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
                 raise
             continue
         rest = parts[i:]
@@ -148,14 +150,8 @@ class Registry:
         raw = vars(owner).get(attr, _MISSING) if inspect.isclass(owner) else current
         new = adaptation.build(current)
         setattr(owner, attr, new)
-        holders = []
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            # __dict__ lookup, not getattr: some modules compute attributes lazily on access.
-            if module is not owner and namespace is not None and namespace.get(attr) is current:
-                setattr(module, attr, new)
-                holders.append(module)
-        return _Applied(adaptation, owner, attr, raw, new, holders)
+        _swap_in_modules(attr, current, new)
+        return _Applied(adaptation, owner, attr, raw, new)
 
     @staticmethod
     def _revert_one(record: _Applied) -> None:
@@ -163,10 +159,17 @@ class Registry:
             delattr(record.owner, record.attr)  # it was inherited; removing ours uncovers it again
         else:
             setattr(record.owner, record.attr, record.original)
-        original = getattr(record.owner, record.attr)
-        for module in record.holders:
-            if vars(module).get(record.attr) is record.new:
-                setattr(module, record.attr, original)
+        # Also reaches modules imported after the apply that took the new object by name.
+        _swap_in_modules(record.attr, record.new, getattr(record.owner, record.attr))
+
+
+def _swap_in_modules(attr: str, old, new) -> None:
+    """Every module that holds `old` under `attr` (by identity) gets `new` instead."""
+    for module in list(sys.modules.values()):
+        # __dict__ lookup, not getattr: some modules compute attributes lazily on access.
+        namespace = getattr(module, "__dict__", None)
+        if namespace is not None and namespace.get(attr) is old:
+            setattr(module, attr, new)
 
 
 def _current(owner, attr):
@@ -203,8 +206,6 @@ def _inference_rng_tracker(initialize_rng_tracker):
     "default device also keeps cached state out of Dynamo guards and autograd",
 )
 def _fresh_buffer(self, tensor_shape, dtype, name, mem_alloc_context=None):
-    import torch
-
     return torch.empty(tensor_shape, dtype=dtype)
 
 
@@ -214,8 +215,6 @@ def _fresh_buffer(self, tensor_shape, dtype, name, mem_alloc_context=None):
     "reached when attention_mask is None",
 )
 def _default_causal_mask(sq):
-    import torch
-
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
@@ -227,8 +226,6 @@ def _default_causal_mask(sq):
 )
 def _rope_emb(self, max_seq_len, offset=0):
     # Megatron's get_emb without the device move: inv_freq stays where the module put it.
-    import torch
-
     freqs = self.get_freqs_non_repeated(max_seq_len, offset)
     if self.rotary_interleaved:
         emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
@@ -247,8 +244,6 @@ def _rope_emb(self, max_seq_len, offset=0):
     "passes tp_group=None) is a Dynamo graph break",
 )
 def _quiet_default_tp_group(get_group_if_none):
-    import functools
-
     from megatron.core import parallel_state
 
     @functools.wraps(get_group_if_none)

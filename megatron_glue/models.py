@@ -6,15 +6,13 @@ applied (`megatron_glue.adapt()`); nothing here patches Megatron itself.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# Megatron's import announces missing TE/Apex and deprecated modules, many times over; none of it applies here.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
+from megatron_glue import quiet_megatron
+
+with quiet_megatron():
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -47,6 +45,7 @@ def _config(defaults: dict, overrides: dict) -> TransformerConfig:
         use_cpu_initialization=True,  # Megatron's default init path allocates on CUDA
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        cuda_graph_scope=[],  # the default, "full", only earns a deprecation warning (transformer_config.py:1705)
     )
     return TransformerConfig(**{**base, **defaults, **overrides})
 
@@ -72,9 +71,10 @@ def build_gpt_model(config: TransformerConfig, vocab_size: int = 128, seq_len: i
     """
     if position_embedding_type is None:
         position_embedding_type = "rope" if config.normalization == "RMSNorm" else "learned_absolute"
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("Megatron's model-parallel state is not initialised: call init_single_process() first")
     torch.manual_seed(seed)  # use_cpu_initialization draws every weight from torch's CPU generator
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Apex is not installed. Falling back to Torch Norm", once per layer
+    with quiet_megatron():
         return GPTModel(
             config=config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
