@@ -1,7 +1,8 @@
 """Graph passes: fusion rules on the joint / inference graphs, and memory analysis.
 
 Passes rewrite aten-level FX graphs and never import lowering (a fused op is matched here, mapped per target
-there). Importing this package registers every rule family.
+there). Importing this package registers every rule family; rules apply in this import order, so a family
+that should claim shared ops first (an add feeding a norm) is imported first.
 """
 
 from npu_compile.passes.engine import (
@@ -17,3 +18,6 @@ from npu_compile.passes.engine import (
 )
 
 __all__ = ["INFERENCE", "RULES", "TRAINING", "Rule", "apply_rules", "decompositions", "register_rule", "rule_names", "unregister_rule"]
+
+# Rule families, in the order their rules apply.
+from npu_compile.passes import attention, norms, activations, rotary, dropout_add  # noqa: E402,F401

@@ -1,0 +1,1 @@
+"""Fusion rules: attention family (see npu_compile.passes.engine for the rule API)."""
