@@ -18,12 +18,13 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # cold compile
 
 import torch  # noqa: E402
 
-from bench.harness import Row, markdown_table, median_seconds, peak_bytes, write_result  # noqa: E402
+from bench.harness import Row, bar_plot, markdown_table, median_seconds, peak_bytes, write_result  # noqa: E402
 
 # name -> (config factory name, seq, micro-batch, vocab)
 MODELS = {
     "demo": ("gpt_config", 128, 4, 256),
     "seq1024": ("gpt_config", 1024, 2, 256),
+    "seq2048": ("gpt_config", 2048, 2, 256),
     "llama-seq1024": ("llama_config", 1024, 2, 256),
 }
 
@@ -60,7 +61,7 @@ def measure(model_name: str, backend: str, repeats: int) -> Row:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--models", default="demo,seq1024")
+    p.add_argument("--models", default="demo,seq1024,seq2048")
     p.add_argument("--backends", default="eager,inductor,ascend")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="demo model only, 3 repeats")
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = header + "\n" + markdown_table(rows)
     path = write_result("three_way", text)
-    print("\n" + text + f"\n\nwritten to {path}")
+    plot = bar_plot(rows, "eager vs Inductor vs ascend, megatron-core GPT (fp32, CPU)", path.with_suffix(".png"))
+    print("\n" + text + f"\n\nwritten to {path} and {plot}")
     return 0
 
 

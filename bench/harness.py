@@ -80,6 +80,36 @@ def markdown_table(rows: list[Row], baseline: str = "eager") -> str:
     return "\n".join(lines)
 
 
+def bar_plot(rows: list[Row], title: str, path: Path) -> Path:
+    """Peak memory and step time per model, one bar per backend, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    backends = list(dict.fromkeys(r.backend for r in rows))
+    by = {(r.model, r.backend): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(backends)
+    for ax, (label, value) in zip(axes, [("peak MiB (one fwd+bwd)", lambda r: r.peak_bytes / 2**20),
+                                         ("median step ms", lambda r: r.step_s * 1e3)]):
+        for i, b in enumerate(backends):
+            xs = [m + i * width for m in range(len(models))]
+            ys = [value(by[(m, b)]) if (m, b) in by else 0 for m in models]
+            ax.bar(xs, ys, width, label=b)
+        ax.set_xticks([m + width * (len(backends) - 1) / 2 for m in range(len(models))], models, fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_result(name: str, text: str) -> Path:
     out = Path(__file__).parent / "results" / f"{name}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
