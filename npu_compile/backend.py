@@ -11,6 +11,7 @@ Each stage's graph goes to the dump dir and to tlparse; each compiled Dynamo gra
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -26,7 +27,15 @@ from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.report import Report, count_ops, publish
 from npu_compile.debug.verify import verified
 from npu_compile.executor import boxed_executor
-from npu_compile.passes.memory import graph_liveness, saved_activation_bytes, training_liveness
+from npu_compile.passes.memory import (
+    arena,
+    graph_buffers,
+    graph_liveness,
+    liveness,
+    saved_activation_bytes,
+    training_buffers,
+    training_liveness,
+)
 
 log = logging.getLogger("npu_compile")
 
@@ -111,15 +120,18 @@ class _Compilation:
         r.lowered_ops = count_ops(*graphs)
         r.comm["collectives"] = len(comm.collectives(*graphs))
         if "inference" in self.final:
-            live = graph_liveness(self.final["inference"].graph)
+            gb = graph_buffers(self.final["inference"].graph)
+            buffers, steps = gb.buffers, len(gb.steps)
             r.memory["saved_activation_bytes"] = 0
         else:
             bw = self.final.get("backward", self.partitioned_bw)
-            live = training_liveness(self.final["forward"].graph, bw.graph)
+            buffers, steps = training_buffers(self.final["forward"].graph, bw.graph)
             r.memory["saved_activation_bytes"] = saved_activation_bytes(bw.graph)
-        r.memory["peak_bytes_after"] = live.peak
-        # No arena plan yet: the allocator's lower bound for this order is the live-bytes peak itself.
-        r.memory["lower_bound_bytes"] = live.peak
+        live = liveness(buffers, steps)
+        _, arena_bytes = arena(buffers)
+        r.memory["peak_bytes_after"] = arena_bytes  # what the static plan of the final order needs
+        r.memory["lower_bound_bytes"] = live.peak  # what any allocator needs for that order
+        r.memory["peak_tensors"] = [dataclasses.asdict(b) for b in live.at_peak[:8]]
         self.dump.report(r.to_json())
         log.info(
             "graph %s (%s): %s compiled, fusions %s, peak %.2f MiB, %d collectives",

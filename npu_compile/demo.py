@@ -75,9 +75,9 @@ def run(config: str, steps: int, dump_dir: str, options: dict) -> int:
         print(f"  graph {r['graph_id']}: target {r['target']}, {r['graph_breaks']} graph break(s), "
               f"compiled {' + '.join(r['graphs'])}")
         print(f"    fusions: {r['fusions'] or 'none matched'}; sites left unfused: {len(r['unfused'])}")
-        print(f"    memory (estimated from the graphs): peak {_mib(mem['peak_bytes_before'])} before passes, "
-              f"{_mib(mem['peak_bytes_after'])} after; activations saved for backward "
-              f"{_mib(mem['saved_activation_bytes'])}")
+        print(f"    memory (planned from the graphs): live-bytes peak {_mib(mem['peak_bytes_before'])} as partitioned, "
+              f"{_mib(mem['lower_bound_bytes'])} as compiled, static plan {_mib(mem['peak_bytes_after'])}; "
+              f"activations saved for backward {_mib(mem['saved_activation_bytes'])}")
         print(f"    collectives in the graphs: {r['comm']['collectives']}; most used ops: {ops}")
     print(f"\nDumps: {os.path.abspath(dump_dir)}/<graph-id>/ holds the code after every stage "
           f"(dynamo/, joint/, forward/, backward/) and report.json")

@@ -26,7 +26,7 @@ class Report:
     lowered_ops: dict[str, int] = dataclasses.field(default_factory=dict)
     graph_breaks: int = 0
     graph_break_reason: str | None = None
-    memory: dict[str, int] = dataclasses.field(
+    memory: dict[str, Any] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(
             ("peak_bytes_before", "peak_bytes_after", "lower_bound_bytes", "saved_activation_bytes"), 0
         )

@@ -3,7 +3,15 @@
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from npu_compile.passes.memory import graph_liveness, saved_activation_bytes, training_liveness
+from npu_compile.passes.memory import (
+    Buffer,
+    arena,
+    graph_liveness,
+    liveness,
+    saved_activation_bytes,
+    training_buffers,
+    training_liveness,
+)
 
 N = 1024  # elements; fp32 → 4 KiB per full tensor
 B = 4 * N
@@ -55,6 +63,7 @@ def test_peak_names_the_tensors_that_make_it():
     assert live.peak == 8 * B + 4  # big, and its 0-dim sum allocated before big is released
     top = live.at_peak[0]
     assert (top.name, top.op, top.shape, top.dtype, top.bytes) == ("repeat", "aten.repeat.default", (8 * N,), "float32", 8 * B)
+    assert live.peak_step == 1  # the first sum, while `big` is still live
 
 
 def test_training_liveness_carries_saved_activations_across_the_boundary():
@@ -81,3 +90,23 @@ def test_training_liveness_carries_saved_activations_across_the_boundary():
     live = training_liveness(graphs["fw"].graph, graphs["bw"].graph)
     assert live.peak >= bw_saved
     assert len(live.curve) == sum(1 for g in graphs.values() for n in g.graph.nodes if n.op == "call_function")
+    # each saved activation is ONE buffer spanning the boundary, not one per graph
+    buffers, n = training_buffers(graphs["fw"].graph, graphs["bw"].graph)
+    n_fw = sum(1 for node in graphs["fw"].graph.nodes if node.op == "call_function")
+    spanning = [b for b in buffers if b.start < n_fw <= b.end]
+    assert sum(b.bytes for b in spanning) == bw_saved
+    assert not any(b.op == "input" for b in buffers)
+
+
+def test_arena_reaches_the_bound_on_disjoint_lifetimes_and_never_goes_below():
+    bufs = [Buffer(f"b{i}", "op", (), "float32", size, start, end)
+            for i, (size, start, end) in enumerate([(100, 0, 1), (50, 1, 2), (100, 2, 3), (70, 3, 4), (30, 0, 4)])]
+    offsets, size = arena(bufs)
+    peak = liveness(bufs, 5).peak
+    assert peak == 200  # b2 + b3 + b4 at step 3
+    assert size >= peak
+    for i, a in enumerate(bufs):  # no two buffers live at once share bytes
+        for j, b in enumerate(bufs[:i]):
+            if a.start <= b.end and b.start <= a.end:
+                assert offsets[i] + a.bytes <= offsets[j] or offsets[j] + b.bytes <= offsets[i]
+    assert size == peak  # the two 100-byte buffers share one slot, the rest fits beside them
