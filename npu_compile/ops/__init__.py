@@ -1,0 +1,19 @@
+"""The fused-op vocabulary: torch.library custom ops in namespace `npu_compile`, one module per family.
+
+Importing this package registers every op under `torch.ops.npu_compile`. Each op has a reference kernel in
+plain torch (any device), a fake kernel with the real kernel's shapes and strides, and autograd through a
+backward op that is itself a custom op, so the partitioner sees one opaque node each way:
+
+    attention    fused_attention, fused_attention_backward
+    norms        rms_norm, add_rms_norm, add_layer_norm (+ _backward each)
+    activations  bias_gelu, swiglu (+ _backward each)
+    rotary       rotary, rotary_backward
+    dropout_add  bias_dropout_add, bias_dropout_add_backward
+
+Rules (passes/) insert these ops; targets (lowering/) map them to device calls. Argument conventions follow
+the torch_npu ops they lower to (documented per module).
+"""
+
+from npu_compile.ops import activations, attention, dropout_add, norms, rotary
+
+__all__ = ["activations", "attention", "dropout_add", "norms", "rotary"]
