@@ -6,7 +6,7 @@ The backend registers itself with Dynamo through the ``torch_dynamo_backends`` e
 
 from torch._dynamo import list_backends, register_backend
 
-from npu_compile import config
+from npu_compile import config, ops  # ops: registers torch.ops.npu_compile.*
 from npu_compile.backend import ascend
 from npu_compile.explain import Explanation, explain
 
