@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,11 +27,12 @@ from npu_compile import comm, config, lowering, passes
 from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.report import Report, count_ops, publish
 from npu_compile.debug.verify import verified
-from npu_compile.executor import boxed_executor
+from npu_compile.passes.reorder import reorder_for_peak
 from npu_compile.passes.memory import (
     arena,
     graph_buffers,
     graph_liveness,
+    is_saved_activation,
     liveness,
     saved_activation_bytes,
     training_buffers,
@@ -39,9 +41,21 @@ from npu_compile.passes.memory import (
 
 log = logging.getLogger("npu_compile")
 
+
+
+def _memory_order(gm: torch.fx.GraphModule, opts: config.Options, kind: str) -> None:
+    # In a backward graph the saved activations die inside it: ordering can release them early.
+    reorder_for_peak(gm, is_saved_activation if kind == "backward" else (lambda n: False))
+
+
 # Aten-level stages run on every forward / backward / inference graph, in order, before lowering:
-# (name, pass). Comm scheduling and memory ordering join here.
-ATEN_STAGES: list[tuple[str, Callable[[torch.fx.GraphModule, config.Options], None]]] = []
+# (name, pass(gm, options, kind)). Overlap scheduling (a no-op unless ``options.overlap``) comes after memory
+# ordering: memory ordering pins only the collectives' relative order and may move compute across their waits,
+# while the overlap pass keeps peak memory within a cap of the order it is given.
+ATEN_STAGES: list[tuple[str, Callable[[torch.fx.GraphModule, config.Options, str], None]]] = [
+    ("memory_order", _memory_order),
+    ("overlap", comm.overlap_stage),
+]
 
 _direct_ids = itertools.count()
 
@@ -71,6 +85,8 @@ class _Compilation:
         )
         self.final: dict[str, torch.fx.GraphModule] = {}  # kind -> graph as it runs
         self.partitioned_bw: torch.fx.GraphModule | None = None
+        # kind -> simulated comm timelines of the graph as aot_autograd gave it and after the aten stages
+        self.comm_timelines: dict[str, tuple[comm.Timeline, comm.Timeline]] = {}
         publish(self.report)
         self.dump.stage("dynamo", "captured", gm)
 
@@ -95,16 +111,18 @@ class _Compilation:
                 self.report.memory["peak_bytes_before"] = graph_liveness(gm.graph).peak
                 self._record_fusions(*passes.apply_rules(gm, self.opts.fusion_enabled, passes.INFERENCE))
                 self.dump.stage(kind, "fused", gm)
+            comm_before = comm.simulate(gm)
             for name, stage in ATEN_STAGES:
-                stage(gm, self.opts)
+                stage(gm, self.opts, kind)
                 self.dump.stage(kind, name, gm)
-            self.report.unfused += lowering.lower(gm, self.opts.target)
+            self.comm_timelines[kind] = (comm_before, comm.simulate(gm))
+            self.report.unfused += lowering.lower(gm, self.opts)
             gm.graph.lint()
             gm.recompile()
             self.dump.stage(kind, f"lowered_{self.opts.target}", gm)
             self.final[kind] = gm
             self._finish_report(kind)
-            return boxed_executor(gm)
+            return lowering.executor(gm, example_inputs, self.opts)  # op by op, or torchair on the NPU
 
         return compile_graph
 
@@ -119,6 +137,7 @@ class _Compilation:
         graphs = list(self.final.values())
         r.lowered_ops = count_ops(*graphs)
         r.comm["collectives"] = len(comm.collectives(*graphs))
+        self._record_comm()
         if "inference" in self.final:
             gb = graph_buffers(self.final["inference"].graph)
             buffers, steps = gb.buffers, len(gb.steps)
@@ -137,6 +156,24 @@ class _Compilation:
             "graph %s (%s): %s compiled, fusions %s, peak %.2f MiB, %d collectives",
             r.graph_id, r.target, kind, r.fusions or "none", live.peak / 2**20, r.comm["collectives"],
         )
+
+    def _record_comm(self) -> None:
+        """report.json ``comm`` from the simulated timelines, summed over the graphs compiled so far, and, when
+        they hold collectives, their Chrome / Perfetto trace as ``overlap_trace.json`` in the dump dir."""
+        runs = self.comm_timelines.values()
+        self.report.comm.update(
+            comm_us=round(sum(after.comm_us for _, after in runs), 3),
+            compute_us=round(sum(after.compute_us for _, after in runs), 3),
+            exposed_comm_us_before=round(sum(before.exposed_comm_us for before, _ in runs), 3),
+            exposed_comm_us_after=round(sum(after.exposed_comm_us for _, after in runs), 3),
+        )
+        if self.dump.root is not None and any(before.collectives for before, _ in runs):
+            timelines = {
+                f"{kind} · {when}": timeline
+                for kind, (before, after) in self.comm_timelines.items()
+                for when, timeline in (("as captured", before), ("scheduled", after))
+            }
+            self.dump.write("overlap_trace.json", json.dumps(comm.chrome_trace(timelines)))
 
 
 def ascend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None, mode: str | None = None):

@@ -33,6 +33,8 @@ class Options:
     overlap: bool = True  # comm/compute overlap scheduling
     dump_dir: str | None = None  # where graphs and report.json go (None: $NPU_COMPILE_DUMP_DIR, else nowhere)
     verify: bool = False  # run the unfused graph beside the compiled one on first call and compare
+    # npu / npu-sim: lower GeLU to npu_fast_gelu, x·σ(1.702x) — a different function from GeLU, so opt-in only
+    fast_gelu: bool = False
 
     def fusion_enabled(self, rule: str) -> bool:
         """Whether rule ``rule`` runs under this ``fusions`` setting."""
@@ -115,6 +117,7 @@ _CHECKS = {
     "overlap": lambda v: _check_bool("overlap", v),
     "dump_dir": _check_dump_dir,
     "verify": lambda v: _check_bool("verify", v),
+    "fast_gelu": lambda v: _check_bool("fast_gelu", v),
 }
 
 

@@ -1,21 +1,32 @@
-"""Collectives in the graph: counting now; the Ascend cost model, overlap scheduling and MC2 rewrites build here."""
+"""Collectives in the graph: the Ascend cost model, the two-stream simulator, the overlap scheduler and bucketing.
+
+    profile    a device as data (default: an Ascend 910B-class NPU in an 8-NPU HCCS server); ``load`` your own
+    cost       per-node cost in µs: roofline for compute, the collective's algorithm for comm
+    simulate   two-stream timeline (compute_us, comm_us, exposed_comm_us) and its Chrome / Perfetto trace
+    schedule   the overlap pass on aten graphs: bucketing, then issue early / wait late under a memory cap
+    nodes      what a node is to this room (collective, wait, kind, bytes, group)
+
+This room reads FX graphs and rewrites their order and their collectives; it imports nothing from passes/,
+ops/ or lowering/.
+"""
 
 from __future__ import annotations
 
-import torch
+from npu_compile.comm.nodes import collectives
+from npu_compile.comm.profile import ASCEND_910B, DeviceProfile, load
+from npu_compile.comm.schedule import OverlapResult, overlap_stage, schedule_overlap
+from npu_compile.comm.simulate import Timeline, chrome_trace, exposed_comm_lower_bound, simulate
 
-# Functional collectives (``_c10d_functional``) as Dynamo emits them; ``wait_tensor`` only completes one.
-_NOT_COLLECTIVES = {"wait_tensor"}
-
-
-def collectives(*graphs: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The collective nodes of ``graphs`` in order."""
-    return [
-        n
-        for gm in graphs
-        for n in gm.graph.nodes
-        if n.op == "call_function"
-        and isinstance(n.target, torch._ops.OpOverload)
-        and n.target.namespace == "_c10d_functional"
-        and n.target._opname not in _NOT_COLLECTIVES
-    ]
+__all__ = [
+    "ASCEND_910B",
+    "DeviceProfile",
+    "OverlapResult",
+    "Timeline",
+    "chrome_trace",
+    "collectives",
+    "exposed_comm_lower_bound",
+    "load",
+    "overlap_stage",
+    "schedule_overlap",
+    "simulate",
+]

@@ -33,7 +33,8 @@ class GraphDump:
         self._counters: dict[str, int] = {}
         self._failed = False
 
-    def _write(self, relpath: str, text: str) -> Path | None:
+    def write(self, relpath: str, text: str) -> Path | None:
+        """Write ``text`` to ``relpath`` under this graph's folder; a failure is logged once, never raised."""
         if self.root is None or self._failed:
             return None
         path = self.root / relpath
@@ -59,7 +60,7 @@ class GraphDump:
             payload_fn=lambda: code,
         )
         log.debug("graph %s %s after %s:\n%s", self.graph_id, kind, stage, code)
-        self._write(f"{kind}/{n:02d}_{stage}.py", code)
+        self.write(f"{kind}/{n:02d}_{stage}.py", code)
 
     def report(self, content: dict[str, Any]) -> Path | None:
-        return self._write("report.json", json.dumps(content, indent=2, sort_keys=False) + "\n")
+        return self.write("report.json", json.dumps(content, indent=2, sort_keys=False) + "\n")

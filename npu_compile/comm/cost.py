@@ -1,0 +1,159 @@
+"""Per-node cost in microseconds on a :class:`~npu_compile.comm.profile.DeviceProfile`.
+
+- Matmul-class ops (mm, addmm, bmm, baddbmm, ``npu_compile.fused_attention`` and its backward, anything in
+  torch's flop registry): FLOPs counted from the shapes in ``node.meta["val"]`` over the cube rate, against
+  the bytes they move over HBM bandwidth; the larger wins (roofline).
+- Everything else that computes: bytes moved over HBM bandwidth against one vector op per output element.
+- Views, ``getitem``, ``wait_tensor``: free.
+- Collectives: the profile's algorithm for that kind of collective (:func:`collective_us`).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.utils.flop_counter import flop_registry
+
+from npu_compile.comm import nodes
+from npu_compile.comm.profile import DeviceProfile, load
+
+aten = torch.ops.aten
+
+
+def collective_us(kind: str, nbytes: int, ranks: int, profile: DeviceProfile) -> float:
+    """Time of one collective of size S = ``nbytes`` over ``ranks`` ranks (S: the gathered output of an
+    all-gather, the unreduced input of a reduce-scatter / all-reduce / all-to-all).
+
+    ring:       n-1 steps, each moving S/n over one link:          (n-1)·α + (n-1)/n · S / B
+    full_mesh:  one step, S/n to each of n-1 peers on n-1 links:   α + (n-1)/n · S / ((n-1)·B)
+    An all-reduce is a reduce-scatter then an all-gather: twice either.
+    """
+    n = ranks
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    alpha, bw = profile.link_latency_us, profile.link_bytes_per_s
+    if profile.algorithm(kind) == "full_mesh":
+        steps, seconds = 1, (n - 1) / n * nbytes / ((n - 1) * bw)
+    else:
+        steps, seconds = n - 1, (n - 1) / n * nbytes / bw
+    one_pass = steps * alpha + seconds * 1e6
+    return 2 * one_pass if kind == "all_reduce" else one_pass
+
+
+def _hint(x) -> int:
+    return optimization_hint(x, fallback=0)
+
+
+def _shape(arg) -> tuple[int, ...]:
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+    return tuple(_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+# [b, n, s, d] positions of each fused_attention layout (the op's documented conventions).
+_BNSD = {"bnsd": (0, 1, 2, 3), "sbnd": (1, 2, 0, 3), "bsnd": (0, 2, 1, 3)}
+
+
+def _attention_flops(node: torch.fx.Node, backward: bool) -> int:
+    """QKᵀ and PV: 2·b·n·sq·sk·(d + dv); the backward recomputes QKᵀ and makes dV, dP, dQ, dK:
+    2·b·n·sq·sk·(3d + 2dv). A causal mask skips about half of the score tiles."""
+    q_at, k_at, v_at = (1, 2, 3) if backward else (0, 1, 2)
+    q, k, v = (_shape(node.args[i]) for i in (q_at, k_at, v_at))
+    if not (len(q) == len(k) == len(v) == 4):
+        return 0
+    bi, ni, si, di = _BNSD.get(node.kwargs.get("layout", "bnsd"), _BNSD["bnsd"])
+    b, n, sq, d = q[bi], q[ni], q[si], q[di]
+    sk, dv = k[si], v[di]
+    flops = 2 * b * n * sq * sk * ((3 * d + 2 * dv) if backward else (d + dv))
+    return flops // 2 if node.kwargs.get("causal", False) else flops
+
+
+# matmul op -> positions of its two operands
+_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
+
+
+def flops(node: torch.fx.Node) -> int:
+    """Matrix FLOPs of a node (0 for ops that do not use the cube, and for nodes without shapes)."""
+    target = node.target
+    if target in _MATMULS:
+        a, b = (_shape(node.args[i]) for i in _MATMULS[target])
+        if not a or not b:
+            return 0
+        batch = a[0] if len(a) == 3 else 1  # bmm / baddbmm: [B, M, K] @ [B, K, N]
+        return 2 * batch * a[-2] * a[-1] * b[-1]
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "npu_compile":
+        if target._opname == "fused_attention":
+            return _attention_flops(node, backward=False)
+        if target._opname == "fused_attention_backward":
+            return _attention_flops(node, backward=True)
+        return 0
+    # Anything else torch knows the FLOPs of (convolution, SDPA, ...): its own formula, on the fake values.
+    key = getattr(target, "overloadpacket", None)
+    if key in flop_registry:
+        args, kwargs = torch.utils._pytree.tree_map_only(
+            torch.fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs)
+        )
+        try:
+            return _hint(flop_registry[key](*args, **kwargs, out_val=node.meta.get("val")))
+        except Exception:  # a formula that wants arguments this node lacks: treat as elementwise
+            return 0
+    return 0
+
+
+def bytes_moved(node: torch.fx.Node) -> int:
+    """Bytes a kernel reads and writes: its tensor inputs and outputs, each counted once."""
+    return sum(nodes.nbytes(a.meta.get("val")) for a in set(node.all_input_nodes)) + nodes.nbytes(node.meta.get("val"))
+
+
+# Allocations without a fill launch no kernel.
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
+
+
+def is_free(node: torch.fx.Node) -> bool:
+    """Nodes that launch no kernel: graph plumbing, views, ``getitem``, ``wait_tensor``, bare allocations."""
+    if node.op != "call_function":
+        return True
+    if node.target is operator.getitem or nodes.is_wait(node) or node.target in _ALLOCATIONS:
+        return True
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype:
+    outs = nodes.tensors(node.meta.get("val"))
+    if outs:
+        return outs[0].dtype
+    ins = [t for a in node.all_input_nodes for t in nodes.tensors(a.meta.get("val"))]
+    return ins[0].dtype if ins else torch.float32
+
+
+def compute_us(node: torch.fx.Node, profile: DeviceProfile) -> float:
+    """Roofline time of a compute node: max(FLOPs / rate, bytes / HBM bandwidth)."""
+    if is_free(node) or nodes.is_collective(node):
+        return 0.0
+    dtype = _dtype(node)
+    memory_s = bytes_moved(node) / profile.hbm_bytes_per_s
+    matrix = flops(node)
+    if matrix:
+        return max(matrix / profile.matrix_rate(dtype), memory_s) * 1e6
+    elements = sum(_hint(t.numel()) for t in nodes.tensors(node.meta.get("val")))
+    return max(elements / profile.vector_rate(dtype), memory_s) * 1e6
+
+
+def comm_us(node: torch.fx.Node, profile: DeviceProfile, nbytes: int | None = None) -> float:
+    """Time of a collective node (``nbytes`` overrides its size, as Inductor's estimator interface asks)."""
+    ranks = nodes.group_size(node) or profile.ranks_per_node
+    size = nodes.comm_bytes(node) if nbytes is None else nbytes
+    return collective_us(nodes.kind(node), size, ranks, profile)
+
+
+def node_us(node: torch.fx.Node, profile: DeviceProfile | None = None) -> float:
+    """Cost of any node: its collective time for collectives, its compute time otherwise."""
+    profile = load(profile)
+    return comm_us(node, profile) if nodes.is_collective(node) else compute_us(node, profile)
+
+
+def costs(graph: torch.fx.Graph, profile: DeviceProfile | None = None) -> dict[torch.fx.Node, float]:
+    profile = load(profile)
+    return {n: node_us(n, profile) for n in graph.nodes}
+

@@ -1,0 +1,114 @@
+"""What a node is to the comm room: a collective (and which), the wait that completes one, its bytes and group.
+
+Collectives are functional collectives (``_c10d_functional``) as Dynamo and aot_autograd emit them: the op
+returns at once and ``wait_tensor`` on its result completes it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+_C10D = "_c10d_functional"
+
+# op name (without overload) -> collective kind, as the cost model knows them
+KINDS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "all_gather",  # one rank's buffer to all: the bytes of an all-gather's output
+}
+
+
+def _opname(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if node.target.namespace != _C10D:
+        return None
+    return node.target._opname
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    name = _opname(node)
+    return name is not None and name != "wait_tensor"
+
+
+def is_wait(node: torch.fx.Node) -> bool:
+    return _opname(node) == "wait_tensor"
+
+
+def kind(node: torch.fx.Node) -> str:
+    """all_gather | reduce_scatter | all_reduce | all_to_all (unknown collectives cost like an all-gather)."""
+    return KINDS.get(_opname(node) or "", "all_gather")
+
+
+def collective_of(wait: torch.fx.Node) -> torch.fx.Node | None:
+    """The collective a ``wait_tensor`` completes (through the ``getitem`` of a coalesced collective)."""
+    arg = wait.args[0]
+    while isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target is operator.getitem:
+        arg = arg.args[0]
+    return arg if isinstance(arg, torch.fx.Node) and is_collective(arg) else None
+
+
+def collectives(*graphs: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The collective nodes of ``graphs`` in order."""
+    return [n for gm in graphs for n in gm.graph.nodes if is_collective(n)]
+
+
+def tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors(v)]
+    return []
+
+
+def nbytes(value: object) -> int:
+    """Bytes of the tensors in a node's ``meta["val"]`` (or any value), shapes taken at their hints."""
+    return sum(optimization_hint(t.numel(), fallback=0) * t.element_size() for t in tensors(value))
+
+
+def comm_bytes(node: torch.fx.Node) -> int:
+    """The size S of a collective in the cost formulas: the gathered output for an all-gather (and broadcast),
+    the unreduced input otherwise."""
+    if kind(node) == "all_gather":
+        return nbytes(node.meta.get("val"))
+    first = node.args[0]
+    return nbytes(first.meta.get("val") if isinstance(first, torch.fx.Node) else first)
+
+
+def group_name(node: torch.fx.Node) -> str | None:
+    """The process group a collective runs on, by name (Dynamo passes names; compile-on-one-rank passes a node)."""
+    schema_args = node.target._schema.arguments
+    for i, arg in enumerate(schema_args):
+        if arg.name == "group_name":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get("group_name")
+            if isinstance(value, torch.fx.Node):
+                pg = value.meta.get("val")
+                return getattr(pg, "group_name", None)
+            return value if isinstance(value, str) else None
+    return None
+
+
+def group_size(node: torch.fx.Node) -> int | None:
+    """Ranks in the collective's group: from its ``group_size`` argument, else from the live process group."""
+    schema_args = node.target._schema.arguments
+    for i, arg in enumerate(schema_args):
+        if arg.name == "group_size":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get("group_size")
+            if isinstance(value, int):
+                return value
+    name = group_name(node)
+    if name is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    try:
+        return torch.distributed.distributed_c10d._resolve_process_group(name).size()
+    except (KeyError, ValueError, RuntimeError):
+        return None

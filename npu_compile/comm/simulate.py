@@ -1,0 +1,144 @@
+"""A two-stream timeline of one FX graph in its node order, and its Chrome / Perfetto trace.
+
+The compute stream runs the compute nodes one after another, in graph order. A collective is issued when the
+compute stream reaches it (its inputs are ready by then) and starts once the comm stream is free; comm runs
+collectives one at a time, in issue order. Its ``wait_tensor`` holds the compute stream until the collective
+has finished: that hold is *exposed* communication. Costs come from :mod:`npu_compile.comm.cost`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from npu_compile.comm import cost, nodes
+from npu_compile.comm.profile import DeviceProfile, load
+
+log = logging.getLogger("npu_compile")
+
+COMPUTE, COMM, EXPOSED = "compute", "comm", "exposed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    name: str
+    stream: str  # compute | comm | exposed (the compute stream held by a wait)
+    start_us: float
+    dur_us: float
+    op: str = ""
+
+
+@dataclasses.dataclass
+class Timeline:
+    events: list[Event]
+    compute_us: float  # sum of compute node costs
+    comm_us: float  # sum of collective costs
+    exposed_comm_us: float  # time the compute stream spends waiting for collectives
+    total_us: float  # end of the last event
+    collectives: int
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "collectives": self.collectives,
+            "compute_us": round(self.compute_us, 3),
+            "comm_us": round(self.comm_us, 3),
+            "exposed_comm_us": round(self.exposed_comm_us, 3),
+            "total_us": round(self.total_us, 3),
+        }
+
+
+Schedule = torch.fx.GraphModule | torch.fx.Graph | Iterable[torch.fx.Node]
+
+
+def _nodes(schedule: Schedule) -> Iterable[torch.fx.Node]:
+    """The nodes of a graph in its order, or a node order given as a sequence."""
+    if isinstance(schedule, torch.fx.GraphModule):
+        return schedule.graph.nodes
+    if isinstance(schedule, torch.fx.Graph):
+        return schedule.nodes
+    return schedule
+
+
+def _op(node: torch.fx.Node) -> str:
+    return str(node.target) if node.op == "call_function" else node.op
+
+
+def simulate(
+    schedule: Schedule,
+    profile: DeviceProfile | Mapping | None = None,
+    cost_us: Callable[[torch.fx.Node], float] | None = None,
+) -> Timeline:
+    """Run a graph (or a node order) on the two streams; ``cost_us`` overrides the profile's cost model."""
+    profile = load(profile)
+    cost_us = cost_us or (lambda n: cost.node_us(n, profile))
+    events: list[Event] = []
+    clock = comm_free = compute = comm = exposed = 0.0
+    finish: dict[torch.fx.Node, float] = {}  # collective -> when it completes
+    for node in _nodes(schedule):
+        if nodes.is_collective(node):
+            dur = cost_us(node)
+            start = max(clock, comm_free)
+            comm_free = finish[node] = start + dur
+            comm += dur
+            events.append(Event(node.name, COMM, start, dur, _op(node)))
+        elif nodes.is_wait(node):
+            done = finish.get(nodes.collective_of(node), clock)
+            if done > clock:
+                events.append(Event(f"wait {node.args[0].name}", EXPOSED, clock, done - clock, _op(node)))
+                exposed += done - clock
+                clock = done
+        else:
+            dur = cost_us(node)
+            if dur > 0:
+                events.append(Event(node.name, COMPUTE, clock, dur, _op(node)))
+                clock += dur
+                compute += dur
+    total = max(clock, comm_free)
+    # A collective nobody waits for still has to finish before the graph does.
+    exposed += total - clock
+    return Timeline(events, compute, comm, exposed, total, len(finish))
+
+
+def exposed_comm_lower_bound(
+    schedule: Schedule,
+    profile: DeviceProfile | Mapping | None = None,
+    cost_us: Callable[[torch.fx.Node], float] | None = None,
+) -> float:
+    """The least exposed comm any order of the graph can reach: no schedule ends before the compute sum, the comm
+    sum, or the longest dependency chain of compute and collectives, and exposed = end − compute."""
+    profile = load(profile)
+    cost_us = cost_us or (lambda n: cost.node_us(n, profile))
+    path: dict[torch.fx.Node, float] = {}
+    compute = comm = 0.0
+    for node in _nodes(schedule):  # any schedule is a topological order
+        c = cost_us(node)
+        if nodes.is_collective(node):
+            comm += c
+        else:
+            compute += c
+        path[node] = c + max((path[i] for i in node.all_input_nodes), default=0.0)
+    end = max(compute, comm, max(path.values(), default=0.0))
+    return end - compute
+
+
+def chrome_trace(timelines: Mapping[str, Timeline]) -> dict:
+    """Chrome / Perfetto trace: one process per timeline (e.g. "forward · scheduled"), threads compute and comm."""
+    threads = {COMPUTE: 0, EXPOSED: 0, COMM: 1}
+    trace: list[dict] = []
+    for pid, (label, timeline) in enumerate(timelines.items()):
+        trace.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}})
+        trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "compute"}})
+        trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "comm"}})
+        for e in timeline.events:
+            trace.append({
+                "name": e.name, "cat": e.stream, "ph": "X", "pid": pid, "tid": threads[e.stream],
+                "ts": round(e.start_us, 3), "dur": round(e.dur_us, 3), "args": {"op": e.op},
+            })
+        trace.append({
+            "name": "summary", "ph": "i", "s": "p", "pid": pid, "tid": 0, "ts": round(timeline.total_us, 3),
+            "args": timeline.summary(),
+        })
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}

@@ -1,0 +1,91 @@
+"""The torch_npu 2.13.0 op schemas the npu lowering emits: facts we must match, not code of ours.
+
+Each string is the ``func:`` line of ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`` in the
+torch-npu 2.13.0 wheel, verbatim; tests/lowering/test_schemas.py reads that yaml from the wheel and fails if
+a string here, or any call in a lowered graph, stops binding to it. npu-sim defines exactly these under the
+``npu`` namespace, so a graph lowered for the NPU runs unchanged on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Ops npu-sim emulates (kernels in npu_sim_kernels.py), by name.
+EMULATED: dict[str, str] = {
+    "npu_fusion_attention": (
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\", Tensor? sink=None, "
+        "Tensor? dropout_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)"
+    ),
+    "npu_fusion_attention_grad": (
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, Tensor? attention_in=None, "
+        "float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
+        "int inner_precise=0, int seed=0, int offset=0, int numels=0, int[]? prefix=None, "
+        "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\", Tensor? sink=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+    "npu_rms_norm_backward": (
+        "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
+    ),
+    "npu_add_rms_norm": (
+        "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)"
+    ),
+    "npu_add_layer_norm": (
+        "npu_add_layer_norm(Tensor x1, Tensor x2, Tensor gamma, Tensor beta, float epsilon=1e-05, "
+        "bool additional_output=False) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_add_layer_norm_backward": (
+        "npu_add_layer_norm_backward(Tensor? dy_opt, Tensor x1, Tensor x2, Tensor rstd, Tensor mean, "
+        "Tensor gamma, Tensor? dsum_opt) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_gelu": "npu_gelu(Tensor self, *, str approximate='none') -> Tensor",
+    "npu_gelu_backward": (
+        "npu_gelu_backward(Tensor grad_output, Tensor self, *, str approximate='none') -> Tensor"
+    ),
+    "npu_fast_gelu": "npu_fast_gelu(Tensor self) -> Tensor",
+    "npu_fast_gelu_backward": "npu_fast_gelu_backward(Tensor grad, Tensor self) -> Tensor",
+    "npu_swiglu": "npu_swiglu(Tensor self, int dim=-1) -> Tensor",
+    "npu_swiglu_backward": "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor",
+    "npu_rotary_mul": (
+        "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"
+    ),
+    "npu_rotary_mul_backward": (
+        "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+}
+
+# MC2 (matmul fused with a collective): schemas defined now so graphs can name them; npu-sim gives them no
+# kernel yet (their emulation needs the collective, issue 5), so calling one here raises.
+SCHEMA_ONLY: dict[str, str] = {
+    "npu_all_gather_base_mm": (
+        "npu_all_gather_base_mm(Tensor self, Tensor x2, str hcom, int world_size, *, Tensor? bias=None, "
+        "Tensor? x1_scale=None, Tensor? x2_scale=None, int gather_index=0, bool gather_output=True, "
+        "int comm_turn=0, ScalarType? output_dtype=None, str? comm_mode=None) -> (Tensor, Tensor)"
+    ),
+    "npu_mm_reduce_scatter_base": (
+        "npu_mm_reduce_scatter_base(Tensor self, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', "
+        "Tensor? bias=None, Tensor? x1_scale=None, Tensor? x2_scale=None, int comm_turn=0, "
+        "ScalarType? output_dtype=None, str? comm_mode=None) -> Tensor"
+    ),
+    "npu_mm_all_reduce_base": (
+        "npu_mm_all_reduce_base(Tensor x1, Tensor x2, str hcom, *, str reduce_op='sum', Tensor? bias=None, "
+        "Tensor? antiquant_scale=None, Tensor? antiquant_offset=None, Tensor? x3=None, "
+        "Tensor? dequant_scale=None, Tensor? pertoken_scale=None, Tensor? comm_quant_scale_1=None, "
+        "Tensor? comm_quant_scale_2=None, int antiquant_group_size=0, int comm_turn=0, int[]? group_sizes=None, "
+        "int? y_dtype=None, int? x1_dtype=None, int? x2_dtype=None, int? dequant_scale_dtype=None, "
+        "int? pertoken_scale_dtype=None, int comm_quant_mode=0, str? comm_mode=None) -> Tensor"
+    ),
+}
+
+SCHEMAS: dict[str, str] = {**EMULATED, **SCHEMA_ONLY}
+
+# The yaml's `tags:` of these ops. nondeterministic_seeded tells the partitioner never to recompute the node.
+TAGS: dict[str, tuple[torch.Tag, ...]] = {"npu_fusion_attention": (torch.Tag.nondeterministic_seeded,)}

@@ -1,0 +1,179 @@
+"""Small graphs that call the fused ops directly, compiled for npu-sim and run beside eager.
+
+Each case is compiled once per test session (:func:`run`): the numerics tests, the report tests and the schema
+test (every npu call in these graphs binds to torch-npu's real schemas) share the result. Eager runs the fused
+ops' reference kernels, so a case compares the lowered NPU graph, run by the emulator, with an independent
+implementation of the same op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+
+import npu_compile.ops  # noqa: F401
+from npu_compile import lowering
+from npu_compile.debug.report import Report, collect
+
+F = torch.ops.npu_compile
+S, B, N, NKV, D, H = 16, 2, 4, 2, 16, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    fn: Callable[..., Any]
+    inputs: Callable[[], list]
+    lowered_to: tuple[str, ...]  # npu ops the lowered graphs must hold (empty: the case stays unlowered)
+    options: dict = dataclasses.field(default_factory=dict)
+    eager: Callable[..., Any] | None = None  # what the compiled graph must equal; default fn itself
+    tolerance: float = 1e-5  # rtol = atol; bf16 cases round differently in a few places (e.g. dx before + dsum)
+
+
+@dataclasses.dataclass
+class Run:
+    report: Report
+    graphs: list[torch.fx.GraphModule]
+    outputs: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    expected_outputs: list[torch.Tensor]
+    expected_grads: list[torch.Tensor | None]
+
+
+def _t(*shape: int, grad: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def _mask(*shape: int, empty_row: int | None = None) -> torch.Tensor:
+    """A random bool mask (True = masked) whose rows all keep their diagonal key, or one row fully masked."""
+    mask = torch.rand(*shape) < 0.4
+    mask &= ~torch.eye(shape[-2], shape[-1], dtype=torch.bool)
+    if empty_row is not None:
+        mask[..., empty_row, :] = True
+    return mask
+
+
+def _attention(layout: str, **kw: Any) -> Callable:
+    def fn(q, k, v, mask=None, bias=None):
+        return F.fused_attention(q, k, v, mask, bias, layout=layout, **kw)[0]
+    return fn
+
+
+def _qkv(layout: str, dv: int = D, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    shape = {"sbnd": lambda n, d: (S, B, n, d), "bsnd": lambda n, d: (B, S, n, d), "bnsd": lambda n, d: (B, n, S, d)}
+    return [_t(*shape[layout](n, d), dtype=dtype) for n, d in ((N, D), (NKV, D), (NKV, dv))]
+
+
+def _fast_gelu_eager(x, bias):
+    z = x + bias
+    return z * torch.sigmoid(1.702 * z)
+
+
+def _rotary_inputs(rotated: int, grad: bool) -> list[torch.Tensor]:
+    angles = torch.rand(S, 1, 1, rotated) * 3
+    return [_t(S, B, N, D), angles.cos().requires_grad_(grad), angles.sin().requires_grad_(grad)]
+
+
+ATTENTION = ("npu.npu_fusion_attention", "npu.npu_fusion_attention_grad")
+CASES: dict[str, Case] = {
+    "attention_sbnd_causal_gqa": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION),
+    "attention_bsnd_mask_megatron_fill": Case(
+        _attention("bsnd", fill=-10000.0), lambda: [*_qkv("bsnd"), _mask(B, 1, S, S)], ATTENTION),
+    "attention_bnsd_mask_causal_bias": Case(
+        _attention("bnsd", causal=True, scale=0.3),
+        lambda: [*_qkv("bnsd", dv=8), _mask(S, S), _t(1, N, S, S, grad=False)], ATTENTION),
+    "attention_bnsd_empty_row": Case(
+        _attention("bnsd"), lambda: [*_qkv("bnsd"), _mask(B, 1, S, S, empty_row=3)], ATTENTION),
+    "attention_sbnd_causal_bf16": Case(
+        _attention("sbnd", causal=True), lambda: _qkv("sbnd", dtype=torch.bfloat16), ATTENTION, tolerance=2e-2),
+    "attention_bias_grad": Case(  # the forward lowers; the backward keeps its reference kernel
+        _attention("bnsd"), lambda: [*_qkv("bnsd"), None, _t(B, N, S, S)], ("npu.npu_fusion_attention",)),
+    "attention_small_fill": Case(_attention("sbnd", fill=-1.0), lambda: [*_qkv("sbnd"), _mask(S, S)], ()),
+    "rms_norm": Case(lambda x, w: F.rms_norm(x, w, 1e-5)[0], lambda: [_t(S, B, H), _t(H)],
+                     ("npu.npu_rms_norm", "npu.npu_rms_norm_backward")),
+    "add_rms_norm": Case(
+        lambda x, r, w: (lambda y, _, total: (y, total * 0.5))(*F.add_rms_norm(x, r, w, 1e-5)),
+        lambda: [_t(S, B, H), _t(S, B, H), _t(H)], ("npu.npu_add_rms_norm", "npu.npu_rms_norm_backward")),
+    "add_rms_norm_bf16": Case(
+        lambda x, r, w: (lambda y, _, total: (y, total * 0.5))(*F.add_rms_norm(x, r, w, 1e-5)),
+        lambda: [_t(S, B, H, dtype=torch.bfloat16), _t(S, B, H, dtype=torch.bfloat16), _t(H, dtype=torch.bfloat16)],
+        ("npu.npu_add_rms_norm", "npu.npu_rms_norm_backward"), tolerance=2e-2),
+    "add_layer_norm": Case(
+        lambda x, r, w, b: (lambda y, _m, _r, total: (y, total * 0.5))(*F.add_layer_norm(x, r, w, b, 1e-5)),
+        lambda: [_t(S, B, H), _t(S, B, H), _t(H), _t(H)],
+        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward")),
+    "add_layer_norm_no_bias": Case(
+        lambda x, r, w: F.add_layer_norm(x, r, w, None, 1e-5)[0], lambda: [_t(S, B, H), _t(S, B, H), _t(H)],
+        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward")),
+    "bias_gelu_erf": Case(lambda x, b: F.bias_gelu(x, b, "none"), lambda: [_t(S, B, H), _t(H)],
+                          ("npu.npu_gelu", "npu.npu_gelu_backward")),
+    "bias_gelu_tanh": Case(lambda x, b: F.bias_gelu(x, b, "tanh"), lambda: [_t(S, B, H), _t(H)],
+                           ("npu.npu_gelu", "npu.npu_gelu_backward")),
+    "bias_gelu_fast_opt_in": Case(
+        lambda x, b: F.bias_gelu(x, b, "tanh"), lambda: [_t(S, B, H), _t(H)],
+        ("npu.npu_fast_gelu", "npu.npu_fast_gelu_backward"), {"fast_gelu": True}, eager=_fast_gelu_eager),
+    "swiglu": Case(lambda x: F.swiglu(x, -1), lambda: [_t(S, B, 2 * H)], ("npu.npu_swiglu", "npu.npu_swiglu_backward")),
+    "swiglu_not_contiguous": Case(
+        lambda x: F.swiglu(x, -1), lambda: [torch.randn(2 * H, B, S).transpose(0, 2).requires_grad_()], ()),
+    "rotary_half": Case(lambda x, c, s: F.rotary(x, c, s, "half"), lambda: _rotary_inputs(D, grad=False),
+                        ("npu.npu_rotary_mul", "npu.npu_rotary_mul_backward")),
+    "rotary_interleave_partial_cos_grad": Case(
+        lambda x, c, s: F.rotary(x, c, s, "interleave"), lambda: _rotary_inputs(D // 2, grad=True),
+        ("npu.npu_rotary_mul", "npu.npu_rotary_mul_backward")),
+    "bias_dropout_add_p0": Case(
+        lambda x, b, r: F.bias_dropout_add(x, b, r, 0.0), lambda: [_t(S, B, H), _t(H), _t(S, B, H)], ()),
+    "bias_dropout_add_p": Case(
+        lambda x, b, r, seed: F.bias_dropout_add(x, b, r, 0.1, seed),
+        lambda: [_t(S, B, H), _t(H), _t(S, B, H), torch.tensor(7)], ()),
+}
+
+
+@contextlib.contextmanager
+def lowered_graphs() -> Iterator[list[torch.fx.GraphModule]]:
+    """Every graph lowered inside the block, as it runs (recorded where the backend hands it to its executor)."""
+    graphs: list[torch.fx.GraphModule] = []
+    executor = lowering.executor
+
+    def record(gm, example_inputs, opts):
+        graphs.append(gm)
+        return executor(gm, example_inputs, opts)
+
+    with mock.patch.object(lowering, "executor", record):
+        yield graphs
+
+
+def _forward_backward(fn: Callable, inputs: list) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    out = fn(*inputs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    weights = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=weights)).sum() for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs], [t.grad if isinstance(t, torch.Tensor) else None for t in inputs]
+
+
+def _copy(inputs: list) -> list:
+    return [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t for t in inputs]
+
+
+@functools.cache
+def run(name: str) -> Run:
+    case = CASES[name]
+    torch.manual_seed(0)
+    inputs = case.inputs()
+    expected = _forward_backward(case.eager or case.fn, _copy(inputs))
+    torch._dynamo.reset()
+    with collect() as reports, lowered_graphs() as graphs:
+        compiled = torch.compile(case.fn, backend="ascend", options={"target": "npu-sim", **case.options})
+        outputs, grads = _forward_backward(compiled, inputs)
+    (report,) = reports
+    return Run(report, graphs, outputs, grads, *expected)
+
+
+def lowered_ops(r: Run) -> set[str]:
+    return set(r.report.lowered_ops)

@@ -1,0 +1,1 @@
+from megatron_glue.testing import megatron_cpu  # noqa: F401
