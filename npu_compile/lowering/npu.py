@@ -642,6 +642,16 @@ def lower_fused_ops(gm: GraphModule, opts: Any) -> list[dict[str, str]]:
     return unfused
 
 
+# ==== MC2: matmul + collective → one torch_npu op (npu_compile/comm/mc2.py); targets npu and npu-sim ==========
+
+def lower_mc2(gm: GraphModule, opts: Any) -> list[dict[str, str]]:
+    """Fuse all-gather → mm, mm → reduce-scatter and mm → all-reduce into torch_npu's MC2 ops where torch_npu's
+    constraints allow; the sites declined, with reasons, as report.json ``unfused`` entries."""
+    from npu_compile.comm.mc2 import rewrite_mc2
+
+    return rewrite_mc2(gm, opts.target)
+
+
 # ==== how the lowered graph runs: torchair GE, torchair aclgraph (npugraph_ex), or op by op ====================
 
 # torch_npu ops with a GE converter in torchair 2.13 (torch_npu/dynamo/torchair/_ge_concrete_graph/ge_converter/
@@ -650,6 +660,9 @@ GE_CONVERTERS = frozenset({
     "npu_fusion_attention", "npu_fusion_attention_grad", "npu_rms_norm", "npu_rms_norm_backward",
     "npu_add_rms_norm", "npu_gelu", "npu_gelu_backward", "npu_fast_gelu", "npu_fast_gelu_backward",
     "npu_swiglu", "npu_swiglu_backward", "npu_rotary_mul", "npu_rotary_mul_backward",
+    # MC2: torchair 2.13 registers GE converters for all three (ge_converter/custom/all_gather_matmul.py,
+    # matmul_reduce_scatter.py, matmul_all_reduce.py).
+    "npu_all_gather_base_mm", "npu_mm_reduce_scatter_base", "npu_mm_all_reduce_base",
 })
 GE_ATTENTION_LAYOUTS = ("BSH", "BNSD")
 TORCHAIR_MODES = {"ge": "max-autotune", "aclgraph": "npugraph_ex"}
@@ -727,7 +740,7 @@ def plan_graph(gm: GraphModule, graph_mode: str) -> GraphPlan:
 
 
 def lower(gm: GraphModule, opts: Any) -> list[dict[str, str]]:
-    unfused = lower_fused_ops(gm, opts)
+    unfused = lower_fused_ops(gm, opts) + lower_mc2(gm, opts)
     plan = plan_graph(gm, opts.graph_mode)
     gm.meta[PLAN_META] = plan
     return unfused + [{"op": op, "reason": f"npu: {why}"} for op, why in plan.reasons]

@@ -62,9 +62,8 @@ EMULATED: dict[str, str] = {
     ),
 }
 
-# MC2 (matmul fused with a collective): schemas defined now so graphs can name them; npu-sim gives them no
-# kernel yet (their emulation needs the collective, issue 5), so calling one here raises.
-SCHEMA_ONLY: dict[str, str] = {
+# MC2 (matmul fused with a collective): npu-sim runs them over the c10d process group their `hcom` names.
+MC2: dict[str, str] = {
     "npu_all_gather_base_mm": (
         "npu_all_gather_base_mm(Tensor self, Tensor x2, str hcom, int world_size, *, Tensor? bias=None, "
         "Tensor? x1_scale=None, Tensor? x2_scale=None, int gather_index=0, bool gather_output=True, "
@@ -85,7 +84,7 @@ SCHEMA_ONLY: dict[str, str] = {
     ),
 }
 
-SCHEMAS: dict[str, str] = {**EMULATED, **SCHEMA_ONLY}
+SCHEMAS: dict[str, str] = {**EMULATED, **MC2}
 
 # The yaml's `tags:` of these ops. nondeterministic_seeded tells the partitioner never to recompute the node.
 TAGS: dict[str, tuple[torch.Tag, ...]] = {"npu_fusion_attention": (torch.Tag.nondeterministic_seeded,)}

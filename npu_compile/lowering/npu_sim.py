@@ -19,7 +19,7 @@ from npu_compile.lowering import npu, npu_sim_kernels
 
 def lower(gm: torch.fx.GraphModule, opts: Any) -> list[dict[str, str]]:
     npu_sim_kernels.register()
-    return npu.lower_fused_ops(gm, opts)
+    return npu.lower_fused_ops(gm, opts) + npu.lower_mc2(gm, opts)
 
 
 def executor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from npu_compile.lowering import npu_sim_kernels
-from npu_compile.lowering.npu_schemas import SCHEMA_ONLY
+from npu_compile.lowering.npu_schemas import MC2
 
 npu_sim_kernels.register()
 npu = torch.ops.npu
@@ -273,10 +273,10 @@ def test_fully_masked_rows_give_zeros():
 
 # ---- registration -----------------------------------------------------------------------------------------
 
-def test_mc2_ops_are_schemas_only():
-    for name in SCHEMA_ONLY:
+def test_mc2_ops_need_the_process_group_hcom_names():
+    for name in MC2:
         assert getattr(npu, name).default._schema.name == f"npu::{name}"
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="over the c10d process group named by hcom; 'group' names none"):
         npu.npu_mm_all_reduce_base(torch.randn(2, 4), torch.randn(4, 3), "group")
 
 

@@ -1,0 +1,388 @@
+"""MC2 for the npu / npu-sim targets: a matmul and the collective next to it become one torch_npu op.
+
+    all_gather → mm        → npu_all_gather_base_mm(shard, w, hcom, world_size)   (and its gather_out)
+    mm → reduce_scatter    → npu_mm_reduce_scatter_base(x, w, hcom, world_size)
+    mm / addmm → all_reduce → npu_mm_all_reduce_base(x, w, hcom, bias=b)
+
+On the device the fused op pipelines its communication with its matmul (tiles of the matmul go out as they are
+done), so the collective hides behind the compute without any scheduling. Sites are found with Inductor's own
+matchers (``micro_pipeline_tp.find_all_gather_patterns`` / ``find_reduce_scatter_patterns``); the all-reduce
+site is matched here (Inductor has no mm → all-reduce matcher). Each site is taken only within torch_npu's
+documented constraints (shared/research/anchors.md section C and the torch_npu API pages):
+
+- x1 and x2 float16 / bfloat16, the same dtype (the non-quantized path; fp32 is not supported);
+- AG / RS: x1 and x2 2-D, k ∈ [256, 65535), world size ∈ {2, 4, 8}, no bias (``bias`` must be None in this
+  version), gather on x1 (gather_index 0: the collective's dim 0), x1 not transposed; RS: m % world_size == 0;
+- AR: x1 2-D or 3-D, x2 2-D, world size ∈ {1, 2, 4, 8}, reduce_op 'sum', bias 1-D of size n and x1's dtype;
+- all MC2 ops of one model use one communication domain (the first group taken; later groups are declined).
+
+Declined sites keep their plain mm + collective, and the reason goes to report.json ``unfused``.
+
+``hcom``: torch_npu wants the HCCL communicator name (``pg._get_backend(npu).get_hccl_comm_name(rank)``). On
+target npu it is resolved from the group at compile time; on npu-sim ``hcom`` is the c10d group name the
+``_c10d_functional`` op carried (``"0"`` for the default group), and the emulation runs the collective over that
+very process group (npu_sim_kernels.py).
+
+Views: Megatron's 3-D activations reach the mm as ``view(x, [s·b, h]) → mm → view([s, b, n])``. Gathering or
+scattering along dim 0 commutes with flattening the leading dims (given s % world_size == 0 for the scatter), so
+the fused op takes the 2-D operand and the views are re-applied around it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+MC2_DTYPES = (torch.float16, torch.bfloat16)
+MC2_WORLD_SIZES = (2, 4, 8)  # Atlas A2: 2, 4 or 8 ranks over an all-mesh HCCS (A3 adds 16, 32)
+MC2_AR_WORLD_SIZES = (1, 2, 4, 8)
+K_RANGE = (256, 65535)  # k ∈ [256, 65535)
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+MATMULS = (aten.mm.default, aten.addmm.default)
+
+OP_AG = "npu_all_gather_base_mm"
+OP_RS = "npu_mm_reduce_scatter_base"
+OP_AR = "npu_mm_all_reduce_base"
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, Node) else None
+
+
+# ==== constraints (pure functions of shapes, dtypes and the world size: testable without a graph) ==============
+
+def _dtype_problem(x1: torch.Tensor, x2: torch.Tensor) -> str | None:
+    if x1.dtype not in MC2_DTYPES:
+        return f"x1 must be float16 or bfloat16, got {x1.dtype}"
+    if x2.dtype != x1.dtype:
+        return f"x2 must have x1's dtype {x1.dtype}, got {x2.dtype}"
+    return None
+
+
+def check_ag_rs(op: str, x1: torch.Tensor, x2: torch.Tensor, world_size: int, bias: Any = None) -> str | None:
+    """None if ``op`` (all-gather-mm or mm-reduce-scatter) takes x1 (m, k) @ x2 (k, n) over ``world_size``
+    ranks; else why not. For the all-gather, x1 is the local shard."""
+    if world_size not in MC2_WORLD_SIZES:
+        return f"{op}: world size must be 2, 4 or 8, got {world_size}"
+    if x1.dim() != 2 or x2.dim() != 2:
+        return f"{op}: x1 and x2 must be 2-D, got {tuple(x1.shape)} and {tuple(x2.shape)}"
+    if why := _dtype_problem(x1, x2):
+        return f"{op}: {why}"
+    k = x1.shape[1]
+    if not K_RANGE[0] <= k < K_RANGE[1]:
+        return f"{op}: k must be in [{K_RANGE[0]}, {K_RANGE[1]}), got {k}"
+    if x2.shape[0] != k:
+        return f"{op}: x2 must be (k, n) with k = {k}, got {tuple(x2.shape)}"
+    if bias is not None:
+        return f"{op}: bias is not supported by torch_npu (must be None)"
+    if not x1.is_contiguous():
+        return f"{op}: x1 must not be transposed (non-contiguous)"
+    if op == OP_RS and x1.shape[0] % world_size:
+        return f"{op}: m must be divisible by the world size {world_size}, got m = {x1.shape[0]}"
+    return None
+
+
+def check_ar(x1: torch.Tensor, x2: torch.Tensor, world_size: int, reduce_op: str = "sum",
+             bias: torch.Tensor | None = None) -> str | None:
+    """None if npu_mm_all_reduce_base takes x1 (m, k) or (s, m, k) @ x2 (k, n) [+ bias] over ``world_size``."""
+    op = OP_AR
+    if world_size not in MC2_AR_WORLD_SIZES:
+        return f"{op}: world size must be 1, 2, 4 or 8, got {world_size}"
+    if reduce_op != "sum":
+        return f"{op}: reduce_op must be 'sum', got {reduce_op!r}"
+    if x1.dim() not in (2, 3) or x2.dim() != 2:
+        return f"{op}: x1 must be 2-D or 3-D and x2 2-D, got {tuple(x1.shape)} and {tuple(x2.shape)}"
+    if why := _dtype_problem(x1, x2):
+        return f"{op}: {why}"
+    if x2.shape[0] != x1.shape[-1]:
+        return f"{op}: x2 must be (k, n) with k = {x1.shape[-1]}, got {tuple(x2.shape)}"
+    if not x1.is_contiguous():
+        return f"{op}: x1 must not be transposed (non-contiguous)"
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != x2.shape[1]:
+            return f"{op}: bias must be 1-D of size n = {x2.shape[1]}, got {tuple(bias.shape)}"
+        if bias.dtype != x1.dtype:
+            return f"{op}: bias must have x1's dtype {x1.dtype}, got {bias.dtype}"
+    return None
+
+
+# ==== hcom ===================================================================================================
+
+def _world_size(group_name: Any) -> int | None:
+    """The size of the group a collective names; None when this process cannot resolve it."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if isinstance(group_name, torch.distributed.ProcessGroup):
+        return group_name.size()
+    try:
+        return _resolve_process_group(group_name).size()
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
+def hcom_for(group_name: Any, target: str) -> str:
+    """The ``hcom`` string for ``group_name`` on ``target``; raises ValueError when it cannot be had."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = group_name if isinstance(group_name, torch.distributed.ProcessGroup) else _resolve_process_group(group_name)
+    if target == "npu-sim":
+        return pg.group_name
+    try:
+        backend = pg._get_backend(torch.device("npu"))
+        return backend.get_hccl_comm_name(torch.distributed.get_rank(pg))
+    except Exception as e:  # no torch_npu / no HCCL backend on this group
+        raise ValueError(f"no HCCL communicator name for group {pg.group_name!r} ({type(e).__name__}: {e})") from e
+
+
+# ==== graph helpers ==========================================================================================
+
+class _Matmul:
+    """A 2-D matmul node (mm, or addmm with a bias), possibly behind a view of its output."""
+
+    def __init__(self, mm: Node, out_view: Node | None = None):
+        self.mm, self.out_view = mm, out_view
+        if mm.target is aten.addmm.default:
+            self.bias, self.x1, self.x2 = mm.args[0], mm.args[1], mm.args[2]
+            self.plain = len(mm.args) == 3 and not mm.kwargs  # beta = alpha = 1
+        else:
+            self.bias, (self.x1, self.x2) = None, mm.args[:2]
+            self.plain = True
+
+    @property
+    def result(self) -> Node:
+        return self.out_view if self.out_view is not None else self.mm
+
+
+def _producer_matmul(n: Node) -> _Matmul | None:
+    """The matmul producing ``n`` (directly, or through one view of a 2-D result)."""
+    if n.op == "call_function" and n.target in MATMULS:
+        return _Matmul(n)
+    if n.op == "call_function" and n.target in VIEWS and isinstance(n.args[0], Node):
+        mm = n.args[0]
+        if mm.op == "call_function" and mm.target in MATMULS and len(mm.users) == 1:
+            return _Matmul(mm, n)
+    return None
+
+
+def _emit(gm: GraphModule, before: Node, like: Node, fake_mode: Any, target: Callable, *args: Any, **kwargs: Any
+          ) -> Node:
+    with gm.graph.inserting_before(before):
+        new = gm.graph.call_function(target, args, kwargs)
+    for key in ("stack_trace", "nn_module_stack", "seq_nr"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+    if fake_mode is not None:
+        vals = torch.fx.node.map_arg((args, kwargs), lambda a: a.meta.get("val"))
+        try:
+            if target is operator.getitem:
+                new.meta["val"] = target(*vals[0])
+            else:
+                with fake_mode:
+                    new.meta["val"] = target(*vals[0], **vals[1])
+        except Exception:
+            pass
+    return new
+
+
+def _npu(name: str) -> torch._ops.OpOverload:
+    return getattr(torch.ops.npu, name).default
+
+
+class _Rewriter:
+    def __init__(self, gm: GraphModule, target: str):
+        from torch._guards import detect_fake_mode
+
+        self.gm, self.target = gm, target
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
+        self.unfused: list[dict[str, str]] = []
+        self.domain: str | None = None  # the one group all MC2 ops of this model use
+        self.fused: list[str] = []
+
+    def decline(self, op: str, why: str) -> None:
+        self.unfused.append({"op": f"npu.{op}", "reason": f"npu: MC2 declined: {why}"})
+
+    def hcom(self, op: str, group_name: Any) -> str | None:
+        name = group_name.group_name if isinstance(group_name, torch.distributed.ProcessGroup) else str(group_name)
+        if self.domain is not None and name != self.domain:
+            self.decline(op, f"MC2 ops of one model must share one communication domain ({self.domain!r}), "
+                             f"this site is on {name!r}")
+            return None
+        try:
+            hcom = hcom_for(group_name, self.target)
+        except (ValueError, RuntimeError) as e:
+            self.decline(op, str(e))
+            return None
+        self.domain = name
+        return hcom
+
+    def emit(self, before: Node, like: Node, target: Callable, *args: Any, **kwargs: Any) -> Node:
+        return _emit(self.gm, before, like, self.fake_mode, target, *args, **kwargs)
+
+    # ---- all-gather → mm --------------------------------------------------------------------------------------
+    def all_gather(self, match: Any) -> None:
+        ag, res, shard = match.ag_node, match.res_node, match.shard_node
+        if match.gather_dim != 0 or res.target is not c10d.wait_tensor.default or len(ag.users) != 1:
+            return self.decline(OP_AG, "only a dim-0 all-gather read by its wait alone is fused (gather_index 0)")
+        consumer = None  # (view of the gathered tensor or None, mm)
+        for user in res.users:
+            if user.op != "call_function":
+                continue
+            if user.target in MATMULS and user.args[1 if user.target is aten.addmm.default else 0] is res:
+                consumer = (None, user)
+            elif user.target in VIEWS and len(_val(user).shape) == 2:
+                mms = [u for u in user.users if u.op == "call_function" and u.target in MATMULS
+                       and u.args[1 if u.target is aten.addmm.default else 0] is user]
+                if mms:
+                    consumer = (user, mms[0])
+            if consumer:
+                break
+        if consumer is None:
+            return  # no matmul reads the gathered tensor: not an MC2 site
+        view, mm_node = consumer
+        mm = _Matmul(mm_node)
+        shard_val, full_val = _val(shard), _val(res)
+        ws = _world_size(match.group_name)
+        if ws is None:
+            return self.decline(OP_AG, f"cannot resolve process group {match.group_name!r}")
+        if shard_val is None or _val(mm.x2) is None:
+            return self.decline(OP_AG, "no FakeTensor metadata on its inputs")
+        x1_val = shard_val if view is None else shard_val.reshape(-1, full_val.shape[-1])
+        if view is not None and (shard_val.dim() < 2 or list(_val(view).shape) != [full_val.numel() // full_val.shape[-1],
+                                                                                 full_val.shape[-1]]):
+            return self.decline(OP_AG, "the gathered tensor is viewed other than by flattening its leading dims")
+        if not shard_val.is_contiguous():
+            return self.decline(OP_AG, "x1 must not be transposed (the shard is non-contiguous)")
+        why = check_ag_rs(OP_AG, x1_val, _val(mm.x2), ws, mm.bias)
+        if why:
+            return self.decline(OP_AG, why)
+        hcom = self.hcom(OP_AG, match.group_name)
+        if hcom is None:
+            return
+        x1 = shard if view is None else self.emit(mm_node, view, aten.view.default, shard, list(x1_val.shape))
+        others = [u for u in res.users if u is not (view if view is not None else mm_node)]
+        if view is not None:
+            others += [u for u in view.users if u is not mm_node]
+        fused = self.emit(mm_node, mm_node, _npu(OP_AG), x1, mm.x2, hcom, ws, gather_output=bool(others))
+        out = self.emit(mm_node, mm_node, operator.getitem, fused, 0)
+        mm_node.replace_all_uses_with(out)
+        self.gm.graph.erase_node(mm_node)
+        if others:
+            gathered = self.emit(out, res, operator.getitem, fused, 1)
+            # gather_out is x1 gathered: 2-D when x1 was a flattened view; readers of the wait see its own shape.
+            full = gathered if view is None else self.emit(out, res, aten.view.default, gathered, list(full_val.shape))
+            if view is not None:
+                view.replace_all_uses_with(self.emit(out, view, aten.view.default, gathered, list(_val(view).shape)))
+            res.replace_all_uses_with(full)
+        for n in (view, res, ag):
+            if n is not None and not n.users:
+                self.gm.graph.erase_node(n)
+        self.fused.append(OP_AG)
+
+    # ---- mm → reduce-scatter -------------------------------------------------------------------------------------
+    def reduce_scatter(self, match: Any) -> None:
+        rs, wait = match.reduce_scatter_node, match.wait_tensor_node
+        mm = _producer_matmul(match.input_node)
+        if mm is None:
+            return  # not an MC2 site
+        ws = _world_size(match.group_name)
+        if ws is None:
+            return self.decline(OP_RS, f"cannot resolve process group {match.group_name!r}")
+        if match.reduce_op != "sum":
+            return self.decline(OP_RS, f"reduce_op must be 'sum', got {match.reduce_op!r}")
+        if match.scatter_dim != 0 or len(rs.users) != 1 or len(mm.result.users) != 1:
+            return self.decline(OP_RS, "only a dim-0 reduce-scatter that alone reads the matmul is fused")
+        x1v, x2v = _val(mm.x1), _val(mm.x2)
+        if x1v is None or x2v is None:
+            return self.decline(OP_RS, "no FakeTensor metadata on its inputs")
+        if mm.out_view is not None:
+            shape = list(_val(mm.out_view).shape)
+            if shape[-1] != x2v.shape[-1] or shape[0] % ws:
+                return self.decline(OP_RS, f"the matmul's result is viewed as {shape}, whose dim 0 the world size "
+                                           f"{ws} does not divide")
+        why = check_ag_rs(OP_RS, x1v, x2v, ws, mm.bias)
+        if why:
+            return self.decline(OP_RS, why)
+        hcom = self.hcom(OP_RS, match.group_name)
+        if hcom is None:
+            return
+        out = self.emit(wait, wait, _npu(OP_RS), mm.x1, mm.x2, hcom, ws)
+        if mm.out_view is not None:
+            shape = list(_val(mm.out_view).shape)
+            out = self.emit(wait, wait, aten.view.default, out, [shape[0] // ws, *shape[1:]])
+        wait.replace_all_uses_with(out)
+        for n in (wait, rs, mm.out_view, mm.mm):
+            if n is not None and not n.users:
+                self.gm.graph.erase_node(n)
+        self.fused.append(OP_RS)
+
+    # ---- mm → all-reduce -------------------------------------------------------------------------------------------
+    def all_reduce(self, ar: Node) -> None:
+        waits = list(ar.users)
+        if len(waits) != 1 or waits[0].target is not c10d.wait_tensor.default:
+            return
+        wait = waits[0]
+        mm = _producer_matmul(ar.args[0])
+        if mm is None:
+            return
+        reduce_op, group_name = ar.args[1], ar.args[2]
+        ws = _world_size(group_name)
+        if ws is None:
+            return self.decline(OP_AR, f"cannot resolve process group {group_name!r}")
+        if len(mm.result.users) != 1:
+            return self.decline(OP_AR, "the matmul's result has readers besides the all-reduce")
+        if not mm.plain:
+            return self.decline(OP_AR, "addmm with beta/alpha other than 1")
+        x1v, x2v = _val(mm.x1), _val(mm.x2)
+        if x1v is None or x2v is None:
+            return self.decline(OP_AR, "no FakeTensor metadata on its inputs")
+        why = check_ar(x1v, x2v, ws, reduce_op, _val(mm.bias) if mm.bias is not None else None)
+        if why:
+            return self.decline(OP_AR, why)
+        hcom = self.hcom(OP_AR, group_name)
+        if hcom is None:
+            return
+        kwargs = {"reduce_op": reduce_op} | ({"bias": mm.bias} if mm.bias is not None else {})
+        out = self.emit(wait, wait, _npu(OP_AR), mm.x1, mm.x2, hcom, **kwargs)
+        if mm.out_view is not None:
+            out = self.emit(wait, wait, aten.view.default, out, list(_val(mm.out_view).shape))
+        wait.replace_all_uses_with(out)
+        for n in (wait, ar, mm.out_view, mm.mm):
+            if n is not None and not n.users:
+                self.gm.graph.erase_node(n)
+        self.fused.append(OP_AR)
+
+
+def rewrite_mc2(gm: GraphModule, target: str) -> list[dict[str, str]]:
+    """Fuse the MC2 sites of ``gm`` in place for ``target`` ('npu' or 'npu-sim'); returns report.json ``unfused``
+    entries for the sites declined. The ``npu`` ops must be defined (torch_npu, or npu-sim's registration)."""
+    from torch._inductor.fx_passes.micro_pipeline_tp import find_all_gather_patterns, find_reduce_scatter_patterns
+
+    graph = gm.graph
+    if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+               for n in graph.nodes):
+        return []
+    rw = _Rewriter(gm, target)
+    for match in find_all_gather_patterns(graph):
+        if match.ag_node.graph is graph and match.ag_node in graph.nodes:
+            rw.all_gather(match)
+    for match in find_reduce_scatter_patterns(graph):
+        if match.reduce_scatter_node in graph.nodes:
+            rw.reduce_scatter(match)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is c10d.all_reduce.default and node in graph.nodes:
+            rw.all_reduce(node)
+    if rw.fused:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        stable_topological_sort(graph)  # a reader of the gathered tensor may precede the matmul it now follows
+        graph.lint()
+        gm.recompile()
+    gm.meta["npu_compile_mc2"] = list(rw.fused)
+    return rw.unfused

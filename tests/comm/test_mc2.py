@@ -1,0 +1,198 @@
+"""MC2 rewrite (npu_compile/comm/mc2.py) and its npu-sim emulation over a real 2-process gloo group.
+
+One spawn runs every case: aten graphs (make_fx of functional collectives) with all-gather → mm,
+mm → reduce-scatter and mm / addmm → all-reduce, 2-D and Megatron's 3-D view → mm → view form, rewritten for
+npu-sim and run against the unrewritten graph; sites outside torch_npu's constraints (k < 256, fp32) declined
+with reasons; and a module compiled end to end with backend="ascend", target npu-sim, forward and backward."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from npu_compile.comm import mc2
+
+WORLD = 2
+BF16 = torch.bfloat16
+
+
+def _graph(f, *inputs):
+    return make_fx(f, tracing_mode="fake")(*inputs)
+
+
+def _ops(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _case(f, inputs, expect_op, declined=None):
+    """Rewrite make_fx(f) for npu-sim; it must hold ``expect_op`` (or decline with ``declined`` in the reason)
+    and give exactly what the unrewritten graph gives."""
+    want = _graph(f, *inputs)(*inputs)
+    gm = _graph(f, *inputs)
+    unfused = mc2.rewrite_mc2(gm, "npu-sim")
+    ops = _ops(gm)
+    if declined is None:
+        assert unfused == [], unfused
+        assert f"npu.{expect_op}.default" in ops, ops
+        assert not any("_c10d_functional" in o for o in ops), ops
+    else:
+        assert len(unfused) == 1 and declined in unfused[0]["reason"], unfused
+        assert unfused[0]["op"] == f"npu.{expect_op}"
+        assert not any(o.startswith("npu.") for o in ops), ops
+    got = gm(*inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def graph_cases(rank, group):
+    g = torch.Generator().manual_seed(rank)
+    r = lambda *s, dtype=BF16: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    w = torch.randn(256, 64, generator=torch.Generator().manual_seed(7)).to(BF16)  # same on every rank
+
+    # all-gather → mm (2-D), and the gathered tensor also read elsewhere (gather_out)
+    _case(lambda x, w: funcol.all_gather_single(x, 0, group) @ w, [r(8, 256), w], "npu_all_gather_base_mm")
+
+    def ag_also_read(x, w):
+        full = funcol.all_gather_single(x, 0, group)
+        return full @ w, full.sum(0)
+    _case(ag_also_read, [r(8, 256), w], "npu_all_gather_base_mm")
+
+    # Megatron SP: [s/tp, b, h] gathered on s, then view → mm → view
+    _case(lambda x, w: torch.nn.functional.linear(funcol.all_gather_single(x, 0, group), w.t()),
+          [r(4, 2, 256), w], "npu_all_gather_base_mm")
+
+    # mm → reduce-scatter, 2-D and 3-D (Megatron's row-parallel with SP)
+    _case(lambda x, w: funcol.reduce_scatter_tensor(x @ w, "sum", 0, group), [r(8, 256), w],
+          "npu_mm_reduce_scatter_base")
+    _case(lambda x, w: funcol.reduce_scatter_tensor(torch.nn.functional.linear(x, w.t()), "sum", 0, group),
+          [r(4, 2, 256), w], "npu_mm_reduce_scatter_base")
+
+    # mm → all-reduce, with a bias added on each rank before the reduce (addmm), and 3-D
+    _case(lambda x, w: funcol.all_reduce(x @ w, "sum", group), [r(8, 256), w], "npu_mm_all_reduce_base")
+    _case(lambda x, w, b: funcol.all_reduce(torch.addmm(b, x, w), "sum", group), [r(8, 256), w, r(64)],
+          "npu_mm_all_reduce_base")
+    _case(lambda x, w: funcol.all_reduce(torch.nn.functional.linear(x, w.t()), "sum", group), [r(4, 2, 256), w],
+          "npu_mm_all_reduce_base")
+
+    # declined: k < 256 (AG and RS), fp32 (all three), bias on a reduce-scatter
+    w128 = r(128, 64)
+    _case(lambda x, w: funcol.all_gather_single(x, 0, group) @ w, [r(8, 128), w128], "npu_all_gather_base_mm",
+          declined="k must be in [256, 65535), got 128")
+    _case(lambda x, w: funcol.reduce_scatter_tensor(x @ w, "sum", 0, group), [r(8, 128), w128],
+          "npu_mm_reduce_scatter_base", declined="k must be in [256, 65535), got 128")
+    _case(lambda x, w: funcol.all_reduce(x @ w, "sum", group), [r(8, 256, dtype=torch.float32), w.float()],
+          "npu_mm_all_reduce_base", declined="float16 or bfloat16")
+    _case(lambda x, w: funcol.all_gather_single(x, 0, group) @ w, [r(8, 256, dtype=torch.float32), w.float()],
+          "npu_all_gather_base_mm", declined="float16 or bfloat16")
+    _case(lambda x, w, b: funcol.reduce_scatter_tensor(torch.addmm(b, x, w), "sum", 0, group),
+          [r(8, 256), w, r(64)], "npu_mm_reduce_scatter_base", declined="bias is not supported")
+
+
+class _TensorParallelMLP(torch.nn.Module):
+    """Megatron TP=2 + SP MLP: all-gather(s) → column-parallel fc1 → gelu → row-parallel fc2 → reduce-scatter(s)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        gen = torch.Generator().manual_seed(3 + dist.get_rank())
+        self.fc1 = torch.nn.Parameter(torch.randn(512, 256, generator=gen).to(BF16) * 0.05)
+        self.fc2 = torch.nn.Parameter(torch.randn(256, 512, generator=gen).to(BF16) * 0.05)
+
+    def forward(self, x):
+        full = funcol.all_gather_single(x, 0, self.group)
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(full, self.fc1))
+        return funcol.reduce_scatter_tensor(torch.nn.functional.linear(h, self.fc2), "sum", 0, self.group)
+
+
+def compiled_case(rank, group):
+    from npu_compile.debug.report import collect
+
+    m = _TensorParallelMLP(group)
+    x = torch.randn(4, 2, 256, generator=torch.Generator().manual_seed(10 + rank)).to(BF16)
+    torch._dynamo.reset()
+    with collect() as reports:
+        cm = torch.compile(m, backend="ascend", options={"target": "npu-sim"}, fullgraph=True)
+        xc = x.clone().requires_grad_()
+        got = cm(xc)
+        got.float().square().sum().backward()
+    got_grads = [xc.grad] + [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    xe = x.clone().requires_grad_()
+    want = m(xe)
+    want.float().square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, [xe.grad] + [p.grad for p in m.parameters()]):
+        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
+    (report,) = reports
+    ops = report.lowered_ops
+    # forward: AG → fc1, fc2 → RS; backward: AG(grad) → fc2ᵀ, fc1ᵀ → RS (the weight grads read gather_out)
+    assert ops.get("npu.npu_all_gather_base_mm", 0) == 2, ops
+    assert ops.get("npu.npu_mm_reduce_scatter_base", 0) == 2, ops
+    assert not any(k.startswith("_c10d_functional") for k in ops), ops
+    assert report.unfused == [], report.unfused
+
+
+def worker(rank, store_path):
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    store = dist.FileStore(store_path, WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    try:
+        from npu_compile.lowering import npu_sim_kernels
+
+        npu_sim_kernels.register()
+        group = dist.group.WORLD.group_name
+        graph_cases(rank, group)
+        compiled_case(rank, group)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mc2_rewrite_and_emulation_over_gloo(tmp_path):
+    mp.spawn(worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
+# ---- constraint checks, directly (no process group needed) -------------------------------------------------
+
+def _t(*shape, dtype=BF16):
+    return torch.empty(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("op", [mc2.OP_AG, mc2.OP_RS])
+def test_all_gather_and_reduce_scatter_constraints(op):
+    assert mc2.check_ag_rs(op, _t(8, 256), _t(256, 64), 2) is None
+    assert mc2.check_ag_rs(op, _t(8, 65534), _t(65534, 64), 8) is None
+    assert "world size must be 2, 4 or 8, got 3" in mc2.check_ag_rs(op, _t(9, 256), _t(256, 64), 3)
+    assert "got 16" in mc2.check_ag_rs(op, _t(16, 256), _t(256, 64), 16)
+    assert "k must be in [256, 65535), got 255" in mc2.check_ag_rs(op, _t(8, 255), _t(255, 64), 2)
+    assert "got 65535" in mc2.check_ag_rs(op, _t(8, 65535), _t(65535, 64), 2)
+    assert "float16 or bfloat16" in mc2.check_ag_rs(op, _t(8, 256, dtype=torch.float32), _t(256, 64), 2)
+    assert "x1's dtype" in mc2.check_ag_rs(op, _t(8, 256), _t(256, 64, dtype=torch.float16), 2)
+    assert "2-D" in mc2.check_ag_rs(op, _t(2, 4, 256), _t(256, 64), 2)
+    assert "bias" in mc2.check_ag_rs(op, _t(8, 256), _t(256, 64), 2, bias=_t(64))
+    assert "transposed" in mc2.check_ag_rs(op, _t(256, 8).t(), _t(256, 64), 2)
+    assert mc2.check_ag_rs(op, _t(8, 256), _t(64, 256).t(), 2) is None  # x2 may be transposed
+
+
+def test_reduce_scatter_needs_m_divisible_by_world_size():
+    assert "m must be divisible" in mc2.check_ag_rs(mc2.OP_RS, _t(6, 256), _t(256, 64), 4)
+    assert mc2.check_ag_rs(mc2.OP_AG, _t(6, 256), _t(256, 64), 4) is None  # the gathered m is 24
+
+
+def test_all_reduce_constraints():
+    assert mc2.check_ar(_t(8, 64), _t(64, 32), 2) is None  # no k limit documented for mm_all_reduce
+    assert mc2.check_ar(_t(2, 8, 64), _t(64, 32), 8, bias=_t(32)) is None
+    assert "1, 2, 4 or 8, got 3" in mc2.check_ar(_t(8, 64), _t(64, 32), 3)
+    assert "reduce_op must be 'sum'" in mc2.check_ar(_t(8, 64), _t(64, 32), 2, reduce_op="max")
+    assert "bias must be 1-D of size n = 32" in mc2.check_ar(_t(8, 64), _t(64, 32), 2, bias=_t(8, 32))
+    assert "bias must have x1's dtype" in mc2.check_ar(_t(8, 64), _t(64, 32), 2, bias=_t(32, dtype=torch.float32))
+    assert "2-D or 3-D" in mc2.check_ar(_t(1, 2, 8, 64), _t(64, 32), 2)
+    assert "float16 or bfloat16" in mc2.check_ar(_t(8, 64, dtype=torch.float32), _t(64, 32), 2)
+
+
+def test_no_collectives_no_change():
+    gm = _graph(lambda x, w: x @ w, _t(8, 256), _t(256, 64))
+    before = _ops(gm)
+    assert mc2.rewrite_mc2(gm, "npu-sim") == [] and _ops(gm) == before
