@@ -25,18 +25,17 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from npu_compile import comm, config, lowering, passes
 from npu_compile.debug.dump import GraphDump
+from npu_compile.debug.plots import memory_png
 from npu_compile.debug.report import Report, count_ops, publish
 from npu_compile.debug.verify import verified
 from npu_compile.passes.reorder import reorder_for_peak
 from npu_compile.passes.memory import (
     arena,
     graph_buffers,
-    graph_liveness,
     is_saved_activation,
     liveness,
     saved_activation_bytes,
     training_buffers,
-    training_liveness,
 )
 
 log = logging.getLogger("npu_compile")
@@ -97,8 +96,8 @@ class _Compilation:
         self.dump.stage("joint", "fused", joint)
         with functorch_config.patch(activation_memory_budget=self.opts.memory_budget):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        before = training_liveness(fw.graph, bw.graph)
-        self.report.memory["peak_bytes_before"] = before.peak
+        self.before = training_buffers(fw.graph, bw.graph)
+        self.report.memory["peak_bytes_before"] = liveness(*self.before).peak
         self.partitioned_bw = bw
         return fw, bw
 
@@ -108,7 +107,9 @@ class _Compilation:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
             self.dump.stage(kind, "aot", gm)
             if kind == "inference":
-                self.report.memory["peak_bytes_before"] = graph_liveness(gm.graph).peak
+                gb = graph_buffers(gm.graph)
+                self.before = (gb.buffers, len(gb.steps))
+                self.report.memory["peak_bytes_before"] = liveness(*self.before).peak
                 self._record_fusions(*passes.apply_rules(gm, self.opts.fusion_enabled, passes.INFERENCE))
                 self.dump.stage(kind, "fused", gm)
             comm_before = comm.simulate(gm)
@@ -151,6 +152,12 @@ class _Compilation:
         r.memory["peak_bytes_after"] = arena_bytes  # what the static plan of the final order needs
         r.memory["lower_bound_bytes"] = live.peak  # what any allocator needs for that order
         r.memory["peak_tensors"] = [dataclasses.asdict(b) for b in live.at_peak[:8]]
+        if self.dump.root is not None and kind != "forward":  # the whole schedule is known
+            boundary = None if kind == "inference" else sum(
+                1 for n in self.final["forward"].graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+            png = memory_png(liveness(*self.before), live, boundary, f"graph {r.graph_id}: live bytes, {kind}")
+            if png is not None:
+                self.dump.write("memory.png", png)
         self.dump.report(r.to_json())
         log.info(
             "graph %s (%s): %s compiled, fusions %s, peak %.2f MiB, %d collectives",

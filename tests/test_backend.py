@@ -79,7 +79,8 @@ def test_dump_dir_layout_and_report_keys(tmp_path):
     cm = torch.compile(m, backend="ascend", options={"dump_dir": str(tmp_path)})
     cm(torch.randn(2, 8, 32)).sum().backward()
     root = tmp_path / "0_0"
-    assert sorted(os.listdir(root)) == ["backward", "dynamo", "forward", "joint", "report.json"]
+    assert sorted(os.listdir(root)) == ["backward", "dynamo", "forward", "joint", "memory.png", "report.json"]
+    assert (root / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _stages(root / "forward") == ["aot", "memory_order", "overlap", "lowered_reference"]
     assert sorted(os.listdir(root / "joint")) == ["00_aot_joint.py", "01_fused.py"]
     assert "torch.ops.aten.native_layer_norm.default" in sorted((root / "forward").iterdir())[-1].read_text()
@@ -93,7 +94,9 @@ def test_dump_dir_layout_and_report_keys(tmp_path):
     mem = report["memory"]
     # 8x128 fp32 hidden activations at least are saved for the backward (fc1 out / gelu in).
     assert mem["saved_activation_bytes"] >= 2 * 8 * 128 * 4
-    assert mem["peak_bytes_after"] >= mem["saved_activation_bytes"] > 0
+    assert mem["peak_bytes_after"] >= mem["lower_bound_bytes"] >= mem["saved_activation_bytes"] > 0
+    top = mem["peak_tensors"][0]
+    assert top["bytes"] == max(t["bytes"] for t in mem["peak_tensors"]) and top["start"] <= top["end"]
 
 
 def test_environment_variable_sets_dump_dir(tmp_path, monkeypatch):

@@ -33,15 +33,15 @@ class GraphDump:
         self._counters: dict[str, int] = {}
         self._failed = False
 
-    def write(self, relpath: str, text: str) -> Path | None:
-        """Write ``text`` to ``relpath`` under this graph's folder; a failure is logged once, never raised."""
+    def write(self, relpath: str, data: str | bytes) -> Path | None:
+        """Write ``data`` to ``relpath`` under this graph's folder; a failure is logged once, never raised."""
         if self.root is None or self._failed:
             return None
         path = self.root / relpath
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text(text)
+            tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
             os.replace(tmp, path)
             return path
         except OSError as e:
