@@ -4,8 +4,13 @@ One line for users:
 
     import megatron_glue; megatron_glue.adapt()          # groups "cpu" and "compile"
 
+Tensor parallelism adds groups "tp_compile" (and "sp" for sequence parallelism); `distributed.init_distributed`
+applies what a worker at a given TP size needs.
+
 `adaptations` holds every change we make to Megatron, with its reason; `models` builds small GPT/Llama-style
-models and batches on one process; `testing` holds pytest fixtures shared by test folders.
+models and batches; `distributed` sets up TP workers, launches them for tests and does the TP grad work
+Megatron's DDP would; `capture` captures one layer at TP=8 over a fake process group for benchmarks; `testing`
+holds pytest fixtures shared by test folders.
 """
 
 import contextlib

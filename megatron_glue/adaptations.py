@@ -4,7 +4,8 @@ An adaptation replaces one attribute, named by its dotted path (a module functio
 object built from the original: a plain replacement ignores the original, a wrapper stacks on it. Applying sets
 the new object on the owner and on every `sys.modules` entry that holds the original by identity (modules that
 did `from x import f` keep their own reference), once; reverting puts the originals back. Groups say when an
-adaptation is wanted: "cpu" (no CUDA device), "compile" (Dynamo capture); later "tp_compile", "sp", "npu".
+adaptation is wanted: "cpu" (no CUDA device), "compile" (Dynamo capture), "tp_compile" (capture at tensor
+parallel size > 1), "sp" (sequence parallelism without TE/Apex or CUDA); later "npu".
 
 Megatron is imported only when an adaptation is applied, so importing this module stays cheap.
 We never disable or replace `torch.compile` itself: the point of this project is to compile Megatron.
@@ -12,6 +13,7 @@ We never disable or replace `torch.compile` itself: the point of this project is
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -165,6 +167,8 @@ class Registry:
 
 def _swap_in_modules(attr: str, old, new) -> None:
     """Every module that holds `old` under `attr` (by identity) gets `new` instead."""
+    if isinstance(old, (bool, int, float, str, type(None))):
+        return  # constants are shared objects: identity says nothing about who took this one from the owner
     for module in list(sys.modules.values()):
         # __dict__ lookup, not getattr: some modules compute attributes lazily on access.
         namespace = getattr(module, "__dict__", None)
@@ -203,7 +207,9 @@ def _inference_rng_tracker(initialize_rng_tracker):
 @registry.replaces(
     "fresh_global_buffer", "megatron.core.utils.GlobalMemoryBuffer.get_tensor", "cpu",
     reason="GlobalMemoryBuffer allocates on torch.cuda.current_device() (utils.py:631); a fresh tensor on the "
-    "default device also keeps cached state out of Dynamo guards and autograd",
+    "default device also keeps cached state out of Dynamo guards and autograd: under SP a buffer first made in a "
+    "compiled step is a graph output with autograd history, and the next step's backward fails "
+    "(tensor_parallel/layers.py:482)",
 )
 def _fresh_buffer(self, tensor_shape, dtype, name, mem_alloc_context=None):
     return torch.empty(tensor_shape, dtype=dtype)
@@ -256,3 +262,145 @@ def _quiet_default_tp_group(get_group_if_none):
         return get_group_if_none(tp_group, is_expert, check_initialized)
 
     return get_tensor_model_parallel_group_if_none
+
+
+# ======================================================================================================
+# group "tp_compile": what stops Dynamo from capturing Megatron at tensor-parallel size > 1.
+# ======================================================================================================
+
+class _Completed:
+    """The Work handle of a collective that has already been issued: nothing is left to wait for."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+_COMPLETED = _Completed()
+
+
+def _issue_in_graph_when_compiling(collective):
+    """`collective` as is in eager; under Dynamo, called without async_op and answered by a finished handle.
+
+    Dynamo turns a torch.distributed collective into a functional one (`_c10d_functional.*` + `wait_tensor`)
+    only when async_op is False. A functional collective is already asynchronous: the backend's comm scheduling
+    decides where its wait goes, which is what async_op=True asks for by hand.
+    """
+
+    @functools.wraps(collective)
+    def issue(*args, async_op=False, **kwargs):
+        if not torch.compiler.is_compiling():
+            return collective(*args, async_op=async_op, **kwargs)
+        collective(*args, **kwargs)
+        return _COMPLETED if async_op else None
+
+    return issue
+
+
+@registry.wraps(
+    "capturable_async_all_reduce", "torch.distributed.all_reduce", "tp_compile",
+    reason="LinearWithGradAccumulationAndAsyncCommunication.backward all-reduces the input grad with "
+    "async_op=True (tensor_parallel/layers.py:544), a Dynamo graph break in every ColumnParallelLinear; it calls "
+    "it as torch.distributed.all_reduce, so only the torch attribute can be wrapped",
+)
+def _capturable_all_reduce(all_reduce):
+    from torch.distributed._functional_collectives import REDUCE_OP_TO_STR
+
+    @functools.wraps(all_reduce)
+    def capturable_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if not torch.compiler.is_compiling():
+            return all_reduce(tensor, op, group, async_op)
+        # Dynamo names the reduce op for the functional collective ("max") only when it calls the function that
+        # is torch.distributed.all_reduce at trace time, which is now this one: name it here, or cross-entropy's
+        # ReduceOp.MAX (tensor_parallel/cross_entropy.py:130) reaches the functional op unnamed and fails.
+        all_reduce(tensor, REDUCE_OP_TO_STR[op], group)
+        return _COMPLETED if async_op else None
+
+    return capturable_all_reduce
+
+
+@registry.wraps(
+    "capturable_async_all_gather", "megatron.core.tensor_parallel.layers.dist_all_gather_func", "tp_compile",
+    reason="under SP the linear backward re-gathers its input with async_op=True (tensor_parallel/layers.py:522), "
+    "a Dynamo graph break",
+)
+def _capturable_all_gather(all_gather):
+    return _issue_in_graph_when_compiling(all_gather)
+
+
+@registry.wraps(
+    "capturable_async_reduce_scatter", "megatron.core.tensor_parallel.layers.dist_reduce_scatter_func", "tp_compile",
+    reason="under SP the linear backward reduce-scatters the input grad with async_op=True "
+    "(tensor_parallel/layers.py:555), a Dynamo graph break",
+)
+def _capturable_reduce_scatter(reduce_scatter):
+    return _issue_in_graph_when_compiling(reduce_scatter)
+
+
+registry.add(Adaptation(
+    "no_cuda_max_connections_warning",
+    "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce.warned",
+    "tp_compile",
+    reason="the first TP linear warns unless CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor_parallel/layers.py:728-741), "
+    "a CUDA stream-ordering hint with no meaning off CUDA; warnings.warn is a Dynamo graph break; set Megatron's "
+    "own already-warned flag",
+    build=lambda warned: True,
+))
+
+
+# ======================================================================================================
+# group "sp": sequence parallelism with torch norms (no TE/Apex) and no CUDA device.
+# ======================================================================================================
+
+@registry.wraps(
+    "sequence_parallel_torch_norm", "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", "sp",
+    reason="WrappedTorchNorm asserts not config.sequence_parallel (transformer/torch_norm.py:32); a torch norm "
+    "is correct on a sequence shard once its params are tagged .sequence_parallel, as TE tags its own, so that "
+    "their grads get all-reduced over TP (distributed/finalize_model_grads.py:354)",
+)
+def _sequence_parallel_torch_norm(wrapped_new):
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return wrapped_new(cls, config, *args, **kwargs)
+        # Megatron's own choice of norm (and its other checks), shown a config without SP.
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = wrapped_new(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return staticmethod(__new__)
+
+
+# What torch.cuda.current_device() answers under the "sp" group; see set_current_device.
+_current_device = torch.device("cpu")
+
+
+def set_current_device(device: str | torch.device) -> None:
+    """Where Megatron's torch.cuda.current_device() buffers go under the "sp" group (default cpu; "meta" for a
+    shapes-only capture). Set it before compiling: Dynamo folds the call into the graph as a constant."""
+    global _current_device
+    _current_device = torch.device(device)
+
+
+@registry.wraps(
+    "current_device_stand_in", "torch.cuda.current_device", "sp",
+    reason="SP buffers are made with device=torch.cuda.current_device() (tensor_parallel/mappings.py:141,181, "
+    "tensor_parallel/layers.py:552); torch.cuda is the only place to redirect it from",
+)
+def _current_device_stand_in(cuda_current_device):
+    @torch.compiler.assume_constant_result  # Dynamo folds the call to its result, as it does torch.cuda's own
+    def current_device():
+        return _current_device
+
+    # Dynamo's trace rules name torch functions by dotted path (torch/_dynamo/trace_rules.py:257): once its rule
+    # map is built after this replacement, "torch.cuda.current_device" is a torch op to put in the graph, and
+    # only the constant-fold table (which held the original) keeps a device-valued call from breaking the graph.
+    # Built before, the function is user code and assume_constant_result folds it. Both must hold.
+    from torch._dynamo.variables import torch as dynamo_torch
+
+    dynamo_torch.constant_fold_functions[current_device] = None
+    return current_device

@@ -1,7 +1,8 @@
 """Small megatron-core GPT models on one process: set-up, configs, batches, a training step.
 
 Used by tests, the demo and the benchmarks. Everything here runs on CPU at TP=1 once the "cpu" adaptations are
-applied (`megatron_glue.adapt()`); nothing here patches Megatron itself.
+applied (`megatron_glue.adapt()`), and at TP>1 in workers set up by `megatron_glue.distributed`; nothing here
+patches Megatron itself.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_glue import quiet_megatron
+from megatron_glue.distributed import allreduce_sequence_parallel_grads
 
 with quiet_megatron():
     from megatron.core import parallel_state
@@ -107,9 +109,13 @@ def loss_fn(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 def train_step(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> float:
-    """Forward, backward, step; returns the loss. `model` may be a torch.compile'd GPTModel."""
+    """Forward, backward, step; returns the loss. `model` may be a torch.compile'd GPTModel.
+
+    Under sequence parallelism the grads of params tagged `.sequence_parallel` are summed over TP before the
+    step (Megatron's DDP would do it); the grads stay on the params afterwards."""
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model, batch)
     loss.backward()
+    allreduce_sequence_parallel_grads(model)
     optimizer.step()
     return loss.item()

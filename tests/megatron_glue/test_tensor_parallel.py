@@ -1,0 +1,247 @@
+"""megatron-core at tensor-parallel size 2, with and without sequence parallelism, on 2 gloo processes, compiled
+with backend="ascend": one graph and no break per rank, collectives in it as `_c10d_functional` ops, and
+training equal to TP=1 eager.
+
+All cases run inside one launch of 2 processes (a launch costs tens of seconds of start-up on 2 cores); the
+tests below only read its results. The TP=1 reference runs in this pytest process.
+"""
+
+import collections
+import pathlib
+import re
+import tempfile
+import time
+
+import pytest
+import torch
+
+from megatron_glue.distributed import run_on_ranks
+
+pytestmark = [
+    pytest.mark.slow,
+    # Dynamo traces through RotaryEmbedding.forward's lru_cache and says so; tracing it is exact.
+    pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`"),
+]
+
+VOCAB, SEQ, BATCH, HIDDEN, STEPS = 128, 32, 2, 64, 3
+KINDS = ("gpt", "llama")
+CASES = [(kind, sp) for kind in KINDS for sp in (False, True)]
+OPTIONS = {"target": "reference", "overlap": True}
+
+# Collectives Dynamo captures per model (2 layers), by kind, in the forward and in the backward graph:
+#   TP:  forward: embedding all-reduce, 2 RowParallel all-reduces per layer, 3 in vocab-parallel cross-entropy;
+#        backward: the dgrad all-reduce of each ColumnParallel linear (qkv and fc1 per layer, output layer).
+#   SP:  forward: the embedding's all-reduce + split (GPT, learned positions) or reduce-scatter (Llama), an
+#        all-gather before each ColumnParallel linear (qkv, fc1 per layer, output layer), a reduce-scatter
+#        after each RowParallel one (proj, fc2 per layer), cross-entropy's 3 all-reduces; backward: the
+#        transposes (reduce-scatter for each all-gather, all-gather for each reduce-scatter or split). The
+#        ColumnParallel backward gathers its input again for the weight grad, the same all-gather as the
+#        forward's: aot_autograd's CSE keeps one.
+EXPECTED_CAPTURED = {
+    ("gpt", False): ({"all_reduce": 8}, {"all_reduce": 5}),
+    ("llama", False): ({"all_reduce": 8}, {"all_reduce": 5}),
+    ("gpt", True): ({"all_reduce": 4, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 4},
+                    {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5}),
+    ("llama", True): ({"all_reduce": 3, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 5},
+                      {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5}),
+}
+
+
+def _config(kind, tp, sp):
+    from megatron_glue.models import gpt_config, llama_config
+
+    make = gpt_config if kind == "gpt" else llama_config
+    return make(hidden_size=HIDDEN, num_query_groups=2, tensor_model_parallel_size=tp, sequence_parallel=sp)
+
+
+def _train(model, steps=STEPS):
+    """[(loss, {name: full grad}), ...] over `steps` SGD steps; grads gathered to their TP=1 shape."""
+    from megatron_glue.distributed import full_grads
+    from megatron_glue.models import synthetic_batch, train_step
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    history = []
+    for step in range(steps):
+        loss = train_step(model, synthetic_batch(BATCH, SEQ, VOCAB, seed=step), optimizer)
+        history.append((loss, full_grads(model)))
+    return history
+
+
+# -- runs on each of the 2 ranks ----------------------------------------------------------------------------
+
+def _captured_collectives(graph_dir):
+    """{collective: count} in the first dumped stage of a graph, as aot_autograd handed it to the backend."""
+    first = sorted(graph_dir.glob("*.py"))[0]
+    found = re.findall(r"torch\.ops\._c10d_functional\.(\w+)\.default\(", first.read_text())
+    return dict(collections.Counter(op for op in found if op != "wait_tensor"))
+
+
+def _compiled_case(kind, sp):
+    from megatron_glue.models import build_gpt_model
+    from npu_compile.debug.report import collect
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = build_gpt_model(_config(kind, 2, sp), VOCAB, SEQ, seed=0)
+    with tempfile.TemporaryDirectory() as dump, collect() as reports:
+        history = _train(torch.compile(model, backend="ascend", options=dict(OPTIONS, dump_dir=dump)))
+        (graph_dir,) = pathlib.Path(dump).iterdir()  # <dump_dir>/<graph id>/, one graph
+        captured = tuple(_captured_collectives(graph_dir / graph) for graph in ("forward", "backward"))
+    counters = torch._dynamo.utils.counters
+    return dict(
+        history=history,
+        unique_graphs=counters["stats"]["unique_graphs"],
+        dynamo_breaks=sum(counters["graph_break"].values()),
+        reports=[r.to_json() for r in reports],
+        captured=captured,
+    )
+
+
+def _eager_case(kind, sp):
+    from megatron_glue.models import build_gpt_model
+
+    return _train(build_gpt_model(_config(kind, 2, sp), VOCAB, SEQ, seed=0))
+
+
+def _without(names, kind, sp):
+    """Dynamo's explain of a forward with the named adaptations taken off: (graphs, breaks, reasons)."""
+    from megatron_glue.models import build_gpt_model, synthetic_batch
+    from megatron_glue.testing import adaptations_reverted
+
+    torch._dynamo.reset()
+    model = build_gpt_model(_config(kind, 2, sp), VOCAB, SEQ, seed=0)
+    with adaptations_reverted(*names):
+        explanation = torch._dynamo.explain(model)(**synthetic_batch(BATCH, SEQ, VOCAB))
+    torch._dynamo.reset()
+    return explanation.graph_count, explanation.graph_break_count, [r.reason for r in explanation.break_reasons]
+
+
+def _error_without(name, kind):
+    """The error an SP model meets without adaptation `name` (building it, or its first forward), or None."""
+    from megatron_glue.models import build_gpt_model, synthetic_batch
+    from megatron_glue.testing import adaptations_reverted
+
+    with adaptations_reverted(name):
+        try:
+            build_gpt_model(_config(kind, 2, True), VOCAB, SEQ)(**synthetic_batch(BATCH, SEQ, VOCAB))
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _error_with_cached_buffer():
+    """SP compiled with Megatron's own (cached) GlobalMemoryBuffer: the error of its second step, or None."""
+    from megatron_glue.models import build_gpt_model, synthetic_batch, train_step
+    from megatron_glue.testing import adaptations_reverted
+
+    torch._dynamo.reset()
+    model = build_gpt_model(_config("gpt", 2, True), VOCAB, SEQ, seed=0)
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with adaptations_reverted("fresh_global_buffer"):
+        try:
+            for step in range(2):
+                train_step(compiled, synthetic_batch(BATCH, SEQ, VOCAB, seed=step), optimizer)
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return f"{type(e).__name__}: {e}"
+        finally:
+            torch._dynamo.reset()
+    return None
+
+
+def _tp2_worker(cases):
+    import warnings
+
+    from megatron_glue.adaptations import registry
+    from megatron_glue.distributed import init_distributed
+
+    warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+    init_distributed(tp=2, sp=True)  # the "sp" group changes nothing for models without SP
+    results, seconds = {}, {}
+    for kind, sp in cases:
+        start = time.perf_counter()
+        results[kind, sp] = dict(compiled=_compiled_case(kind, sp))
+        seconds[f"{kind}{'+sp' if sp else ''} compiled"] = time.perf_counter() - start
+        start = time.perf_counter()
+        results[kind, sp]["eager"] = _eager_case(kind, sp)
+        seconds[f"{kind}{'+sp' if sp else ''} eager"] = time.perf_counter() - start
+    start = time.perf_counter()
+    results["without_tp_compile"] = _without(registry.known("tp_compile"), "gpt", False)
+    results["sp_errors"] = {name: _error_without(name, "gpt") for name in registry.known("sp")}
+    results["sp_errors"]["fresh_global_buffer"] = _error_with_cached_buffer()
+    seconds["adaptations taken off"] = time.perf_counter() - start
+    results["seconds"] = seconds
+    return results
+
+
+# -- the tests: read the 2 ranks' results -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tp2():
+    """Both ranks' results for every case; one launch for the whole module."""
+    start = time.perf_counter()
+    results = run_on_ranks(_tp2_worker, CASES, world_size=2, timeout=600)
+    print(f"\n2 ranks: {time.perf_counter() - start:.0f} s in all; rank 0:",
+          ", ".join(f"{k} {v:.1f} s" for k, v in results[0]["seconds"].items()))
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp1(megatron_cpu):
+    """TP=1 eager training of each kind, in this process."""
+    from megatron_glue.models import build_gpt_model
+
+    return {kind: _train(build_gpt_model(_config(kind, 1, False), VOCAB, SEQ, seed=0)) for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind, sp", CASES)
+def test_compiled_tp2_is_one_graph_with_functional_collectives(tp2, kind, sp):
+    for rank, results in enumerate(tp2):
+        compiled = results[kind, sp]["compiled"]
+        assert compiled["unique_graphs"] == 1 and compiled["dynamo_breaks"] == 0, f"rank {rank}"
+        (report,) = compiled["reports"]
+        assert report["graph_breaks"] == 0 and report["graphs"] == ["forward", "backward"], f"rank {rank}"
+        assert compiled["captured"] == EXPECTED_CAPTURED[kind, sp], f"rank {rank}"
+        # After the backend's stages (overlap scheduling may bucket some together): still functional collectives
+        # of the captured kinds, each with its wait_tensor in the graph.
+        ops = report["lowered_ops"]
+        after = {op.removeprefix("_c10d_functional."): n for op, n in ops.items()
+                 if op.startswith("_c10d_functional.") and op != "_c10d_functional.wait_tensor"}
+        captured_kinds = set(EXPECTED_CAPTURED[kind, sp][0]) | set(EXPECTED_CAPTURED[kind, sp][1])
+        assert set(after) == captured_kinds, f"rank {rank}: {after}"
+        assert 0 < report["comm"]["collectives"] == sum(after.values()) <= sum(
+            sum(c.values()) for c in EXPECTED_CAPTURED[kind, sp])
+        assert ops["_c10d_functional.wait_tensor"] == sum(after.values()), f"rank {rank}"
+
+
+@pytest.mark.parametrize("kind, sp", CASES)
+def test_compiled_tp2_training_equals_tp1_eager(tp2, tp1, kind, sp):
+    for rank, results in enumerate(tp2):
+        for mode in ("compiled", "eager"):
+            history = results[kind, sp][mode]
+            history = history["history"] if mode == "compiled" else history
+            for step, ((loss, grads), (loss1, grads1)) in enumerate(zip(history, tp1[kind], strict=True)):
+                where = f"rank {rank}, {mode}, step {step}"
+                assert abs(loss - loss1) <= 1e-6, f"{where}: loss {loss} vs TP=1 {loss1}"
+                assert grads.keys() == grads1.keys(), where
+                for name, g1 in grads1.items():
+                    # Relative to the grad's scale: TP splits the reductions inside matmuls differently.
+                    error = (grads[name] - g1).abs().max() / g1.abs().max().clamp_min(1e-12)
+                    assert error <= 1e-5, f"{where}: grad of {name} off by {error:.2e} relative"
+
+
+def test_without_tp_compile_async_collectives_break_the_graph(tp2):
+    graphs, breaks, reasons = tp2[0]["without_tp_compile"]
+    assert breaks > 0 and graphs > 1
+    assert any("async_op=True" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("sequence_parallel_torch_norm", "sequence parallel not supported by torch LayerNorm"),
+    ("current_device_stand_in", "Torch not compiled with CUDA enabled"),
+    ("fresh_global_buffer", "Trying to backward through the graph a second time"),  # a "cpu" one SP relies on
+])
+def test_each_sp_adaptation_is_needed(tp2, name, expected):
+    # Each taken off in turn on the GPT + SP model: building it, or training it, fails the way its reason says.
+    error = tp2[0]["sp_errors"][name]
+    assert error is not None and expected in error, error
