@@ -1,1 +1,314 @@
-"""Fusion rules: activations family (see npu_compile.passes.engine for the rule API)."""
+"""Fusion rules, activations family: bias + GeLU → ``npu_compile::bias_gelu``, SwiGLU → ``npu_compile::swiglu``.
+
+Both ops lower to one Ascend kernel each way (npu_gelu / npu_swiglu and their backward kernels). In training the
+rules match the joint graph, so autograd's backward of the matched ops is replaced by the fused backward op.
+
+Rules and the forms they take (each as megatron-core 0.16.1 traces it under Dynamo + aot_autograd):
+
+- ``bias_gelu``
+  - ``F.gelu(x + bias)``, approximate "none" and "tanh": Megatron's MLP with bias_activation_fusion=False
+    (``mm → add(bias) → gelu``), and any ``gelu(x + b)`` a model writes.
+  - Megatron's ``bias_gelu_impl`` (bias_activation_fusion=True): an autograd.Function whose forward is the tanh
+    formula ``x·0.5·(1 + tanh(0.79788456·x·(1 + 0.044715·x²)))`` on ``x = bias + y`` and whose backward is its
+    hand-written derivative. Both halves appear in the joint graph, and both are taken.
+  - A lone ``gelu(x)`` stays as it is, by choice: npu_gelu is the kernel aten.gelu already runs on the NPU, so
+    a bias-less replacement would only rename it. It is not reported as a missed site.
+- ``swiglu``
+  - ``a, b = chunk(x, 2, -1); silu(a) · (b + offset)``: Megatron's glu, which adds glu_linear_offset (0.0 by
+    default); taken when the offset is 0.
+  - ``silu(a) · b`` on the two halves of ``x``; Megatron's ``bias_swiglu_impl`` (bias_activation_fusion=True),
+    an autograd.Function with a hand-written backward, without and with a bias (``x + bias`` then stays an
+    add in front of the fused op: npu_swiglu takes no bias).
+  - ``silu(a) · b`` with a and b from separate tensors (two linears) is left unfused, by choice: npu_swiglu
+    takes [a | b] as one tensor, and concatenating them would copy both halves forward and split the gradient
+    backward, more memory traffic than the silu and mul it would save. Such sites are reported with that reason.
+
+Every match must give what the pattern gave: the same dtype (no type promotion inside the pattern; the ops take
+one dtype) and the same strides, which replacements keep with ``in_layout_of`` (checked by ``layout_check``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
+from npu_compile.passes.engine import Rule, in_layout_of, kwargs_as_traced, layout_check, register_rule
+
+aten = torch.ops.aten
+fused = torch.ops.npu_compile
+
+# Megatron's tanh-GeLU constants as its fused_bias_gelu.py spells them (patterns match literals exactly).
+SQRT_2_OVER_PI = 0.79788456  # √(2/π)
+TANH_CUBIC = 0.044715
+TANH_CUBIC_SLOPE = 0.1070322243  # 3 · 0.044715 · √(2/π): the cubic term's derivative
+# The glu offset the pattern is traced with, so the model's offset is read from the match; unlike any other
+# constant in the pattern.
+OFFSET = 0.3183098
+
+
+in_x_layout = layout_check("x")
+
+
+def _as_traced_and_laid_out(match) -> bool | str:
+    """No keyword argument the pattern lacks (gelu's approximate), and outputs in the layout the replacement gives."""
+    verdict = kwargs_as_traced(match)
+    return in_x_layout(match) if verdict is True else verdict
+
+
+def _calls(*ops):
+    """A ``wanted`` test: the graph calls every op in ``ops`` (rules are traced only for graphs that may use them)."""
+    return lambda graph: all(graph.find_nodes(op="call_function", target=op) for op in ops)
+
+
+# ==== bias + GeLU ===========================================================================================
+
+
+def bias_gelu(x, bias):
+    return F.gelu(x + bias)
+
+
+def bias_gelu_tanh(x, bias):
+    return F.gelu(x + bias, approximate="tanh")
+
+
+def tanh_gelu(x):
+    """Megatron's tanh GeLU, operand for operand."""
+    return x * 0.5 * (1.0 + torch.tanh(SQRT_2_OVER_PI * x * (1 + TANH_CUBIC * x * x)))
+
+
+def tanh_gelu_slope(x):
+    """d tanh_gelu / dx, written as Megatron's bias_gelu_back writes it."""
+    t = torch.tanh(SQRT_2_OVER_PI * x * (1 + TANH_CUBIC * x * x))
+    return 0.5 * x * ((1 - t * t) * (SQRT_2_OVER_PI + TANH_CUBIC_SLOPE * x * x)) + 0.5 * (1 + t)
+
+
+class MegatronBiasGeLU(torch.autograd.Function):
+    """Shaped like Megatron's GeLUFunction: saves (x, bias), recomputes bias + x in the backward and returns one
+    gradient for both (autograd then sums the bias's over the broadcast dims)."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.save_for_backward(x, bias)
+        return tanh_gelu(bias + x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, bias = ctx.saved_tensors
+        grad_x = tanh_gelu_slope(bias + x) * grad
+        return grad_x, grad_x
+
+
+def megatron_bias_gelu(x, bias):
+    return MegatronBiasGeLU.apply(x, bias)
+
+
+def fused_bias_gelu(x, bias):
+    return in_layout_of(fused.bias_gelu(x, bias, "none"), x)
+
+
+def fused_bias_gelu_tanh(x, bias):
+    return in_layout_of(fused.bias_gelu(x, bias, "tanh"), x)
+
+
+def bias_gelu_examples():
+    """One example per distinct joint graph: which of x and bias need a gradient and, when the bias does,
+    whether its gradient is a sum over the broadcast dims and a view (bias [h]) or the sum alone (bias of x's
+    rank). Ranks and dtypes need no variants: with no decompositions the aten ops carry neither, and each
+    match is retraced on its real inputs, which checks shapes, dims and constants exactly."""
+    for x_grad, bias_grad in ((True, True), (True, False), (False, True)):
+        for bias_shape in ((8,), (1, 1, 8)) if bias_grad else ((8,),):
+            yield [torch.empty(2, 4, 8, requires_grad=x_grad), torch.empty(bias_shape, requires_grad=bias_grad)]
+
+
+def bias_gelu_check(match):
+    x, bias = (match.kwargs[k].meta["val"] for k in ("x", "bias"))
+    if bias.dtype != x.dtype:
+        return f"bias dtype {bias.dtype} differs from the input's {x.dtype} (the add promotes; bias_gelu does not)"
+    if torch.broadcast_shapes(x.shape, bias.shape) != x.shape:
+        return f"bias {tuple(bias.shape)} does not broadcast to the input {tuple(x.shape)}"
+    return _as_traced_and_laid_out(match)
+
+
+def bias_gelu_site(node: torch.fx.Node) -> bool:
+    """gelu(x + b), or the tanh of a tanh GeLU spelled with √(2/π); a gelu with no add in front is no site."""
+    if node.target == aten.gelu.default:
+        add = node.args[0]
+        return _call_to(add, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in add.args)
+    return _mentions(node.args[0], SQRT_2_OVER_PI, depth=3)
+
+
+for _pattern, _replacement, _wanted in (
+    (bias_gelu, fused_bias_gelu, _calls(aten.gelu.default)),
+    (bias_gelu_tanh, fused_bias_gelu_tanh, _calls(aten.gelu.default)),
+    (megatron_bias_gelu, fused_bias_gelu_tanh, _calls(aten.tanh.default)),
+):
+    register_rule(Rule(
+        name="bias_gelu",
+        pattern=_pattern,
+        replacement=_replacement,
+        example_inputs=bias_gelu_examples,
+        extra_check=bias_gelu_check,
+        anchors=(aten.gelu.default, aten.tanh.default),
+        site=bias_gelu_site,
+        wanted=_wanted,
+    ))
+
+
+# ==== SwiGLU ================================================================================================
+
+
+def swiglu(x):
+    a, b = torch.chunk(x, 2, dim=-1)
+    return F.silu(a) * b
+
+
+def swiglu_offset(x, offset):
+    """Megatron's glu: silu(a) · (b + glu_linear_offset)."""
+    a, b = torch.chunk(x, 2, dim=-1)
+    return F.silu(a) * (b + offset)
+
+
+def swiglu_grad(grad, x):
+    """The gradient of silu(a)·b with respect to [a | b], written as Megatron's swiglu_back writes it."""
+    a, b = torch.chunk(x, 2, -1)
+    return torch.cat((grad * torch.sigmoid(a) * (1 + a * (1 - torch.sigmoid(a))) * b, grad * F.silu(a)), -1)
+
+
+class MegatronSwiGLU(torch.autograd.Function):
+    """Shaped like Megatron's SwiGLUFunction: saves x, hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return swiglu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return swiglu_grad(grad, x)
+
+
+class MegatronBiasSwiGLU(torch.autograd.Function):
+    """Shaped like Megatron's BiasSwiGLUFunction: SwiGLU of x + bias, one gradient for both."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.save_for_backward(x, bias)
+        return swiglu(x + bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, bias = ctx.saved_tensors
+        grad_x = swiglu_grad(grad, x + bias)
+        return grad_x, grad_x
+
+
+def megatron_swiglu(x):
+    return MegatronSwiGLU.apply(x)
+
+
+def megatron_bias_swiglu(x, bias):
+    return MegatronBiasSwiGLU.apply(x, bias)
+
+
+def fused_swiglu(x):
+    return in_layout_of(fused.swiglu(x, -1), x)
+
+
+def fused_swiglu_offset(x, offset):
+    return fused_swiglu(x)  # swiglu_check took offset 0 only
+
+
+def fused_bias_swiglu(x, bias):
+    return fused_swiglu(x + bias)
+
+
+def swiglu_examples():
+    # rank 1 traces apart: the gradient's cat over the halves then leaves out its dim (the default, 0)
+    for shape in ((2, 4, 16), (16,)):
+        yield [torch.empty(shape, requires_grad=True)]
+
+
+def swiglu_offset_examples():
+    for (x,) in swiglu_examples():
+        yield [x, OFFSET]
+
+
+def megatron_swiglu_examples():
+    yield [torch.empty(8, 16, requires_grad=True)]  # bias_swiglu_impl flattens to 2-D first
+
+
+def megatron_bias_swiglu_examples():
+    for bias_grad in (True, False):
+        yield [torch.empty(8, 16, requires_grad=True), torch.empty(16, requires_grad=bias_grad)]
+
+
+def swiglu_check(match):
+    offset = match.kwargs.get("offset", 0.0)
+    if offset != 0.0:
+        return f"glu_linear_offset {offset} is not 0: npu_swiglu computes silu(a)·b with nothing added to b"
+    x = match.kwargs["x"].meta["val"]
+    if "bias" in match.kwargs and match.kwargs["bias"].meta["val"].dtype != x.dtype:
+        return "bias dtype differs from the input's (the add promotes; swiglu does not)"
+    return _as_traced_and_laid_out(match)
+
+
+def swiglu_site(node: torch.fx.Node) -> bool | str:
+    """silu(a)·b is a site; when a and b are not the two halves of one tensor it stays unfused by choice."""
+    products = [u for u in node.users if u.target == aten.mul.Tensor]
+    if not products:
+        return False  # a plain SiLU activation: nothing to fuse it with
+    whole = _split_above(node.args[0])
+    if whole is not None and any(_split_above(arg) is whole for u in products for arg in u.args if arg is not node):
+        return True  # halves of one tensor (perhaps clamped or offset on the way): a miss
+    return ("silu(a)·b with a and b from separate tensors: npu_swiglu takes [a | b] as one tensor, and "
+            "concatenating them would copy both halves (left unfused by choice)")
+
+
+for _pattern, _replacement, _examples, _scalars in (
+    (swiglu_offset, fused_swiglu_offset, swiglu_offset_examples, {"offset": OFFSET}),
+    (swiglu, fused_swiglu, swiglu_examples, {}),
+    (megatron_swiglu, fused_swiglu, megatron_swiglu_examples, {}),
+    (megatron_bias_swiglu, fused_bias_swiglu, megatron_bias_swiglu_examples, {}),
+):
+    register_rule(Rule(
+        name="swiglu",
+        pattern=_pattern,
+        replacement=_replacement,
+        example_inputs=_examples,
+        scalars=_scalars,
+        extra_check=swiglu_check,
+        anchors=(aten.silu.default,),
+        site=swiglu_site,
+        wanted=_calls(aten.silu.default),
+    ))
+
+
+# ==== helpers for the site tests ============================================================================
+
+
+def _call_to(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+
+
+def _mentions(node, value: float, depth: int) -> bool:
+    """Whether the constant ``value`` is an argument of ``node`` or of its inputs up to ``depth`` levels up."""
+    if not isinstance(node, torch.fx.Node) or depth == 0:
+        return False
+    return any((isinstance(a, float) and abs(a - value) < 1e-6) or _mentions(a, value, depth - 1) for a in node.args)
+
+
+def _split_above(node, hops: int = 3):
+    """The tensor that ``node`` is a piece of a split of, through up to ``hops`` ops on the way (Megatron's glu
+    may clamp a half or add an offset to it), else None."""
+    for _ in range(hops + 1):
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            return None
+        if node.target is operator.getitem and (_call_to(node.args[0], aten.split.Tensor)
+                                               or _call_to(node.args[0], aten.split_with_sizes.default)):
+            return node.args[0].args[0]
+        node = node.args[0] if node.args else None
+    return None

@@ -14,6 +14,8 @@ the reason. Inductor's global pattern tables and configs are never touched.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,12 +25,17 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._inductor.fx_passes.joint_graph import early_patterns
 from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch._inductor.pattern_matcher import (
+    CallFunction,
+    Ignored,
     Match,
+    MultiOutputPattern,
+    PatternExpr,
     PatternMatcherPass,
     joint_fwd_bwd,
     register_replacement,
     stable_topological_sort,
 )
+from torch.utils.checkpoint import CheckpointPolicy
 
 log = logging.getLogger("npu_compile")
 
@@ -64,6 +71,7 @@ def trace_inference(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callabl
         aot_function(fn, keep, decompositions=get_decomp_fn(), keep_inference_input_mutations=True)(*args)
     (gm,) = captured
     remove_noop_ops(gm.graph)
+    fold_view_round_trips(gm.graph)
     gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional placeholders, as patterns expect
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -76,7 +84,29 @@ def normalize(graph: torch.fx.Graph, mode: str) -> None:
     remove_noop_ops(graph)
     if mode == TRAINING:
         early_patterns.apply(graph)
+    else:
+        fold_view_round_trips(graph)
     graph.eliminate_dead_code()
+
+
+def fold_view_round_trips(graph: torch.fx.Graph) -> None:
+    """Replace a chain of ``_unsafe_view`` nodes that ends in the shape and strides it started from by its start.
+
+    Functionalization writes such chains where a model mutates a reshaped tensor in place (inference graphs:
+    training keeps autograd's out-of-place ops): Megatron's eval-mode bias-dropout-add, ``out.add_(residual)``
+    on a matmul output seen through views, becomes add → _unsafe_view → _unsafe_view, which hides the add from
+    the norm patterns. Chains with a plain ``view`` stay: a pattern may begin with one."""
+    unsafe_view = torch.ops.aten._unsafe_view.default
+    for node in graph.nodes:
+        if node.target != unsafe_view:
+            continue
+        start = node.args[0]
+        while isinstance(start, torch.fx.Node) and start.target == unsafe_view:
+            start = start.args[0]
+        a, b = (start.meta.get("val") if isinstance(start, torch.fx.Node) else None), node.meta.get("val")
+        if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.stride() == b.stride() and a.dtype == b.dtype):
+            node.replace_all_uses_with(start)
 
 
 # -- rules ------------------------------------------------------------------------------------------------------
@@ -99,10 +129,21 @@ class Rule:
     modes: tuple[str, ...] = (TRAINING, INFERENCE)
     # Ops whose presence after the pass marks a site this rule could have taken.
     anchors: tuple[Any, ...] = ()
+    # Which anchor nodes are sites: True (reported when left unfused), False (not one, e.g. a gelu with no
+    # bias add in front), or a string: a site the rule leaves unfused by design, and why. None: every anchor.
+    site: Callable[[torch.fx.Node], bool | str] | None = None
+    # Inputs that may also feed ops after the pattern (a block's input feeds its norm and the residual add).
+    # Autograd adds the gradient from those later ops first, which changes the backward's shape; in training
+    # such a rule is also traced in that form (see _sharing).
+    shared_inputs: tuple[str, ...] = ()
+    # Whether a graph may hold this rule's sites (a cheap look at the graph). A rule is traced only once a
+    # graph wants it, so a family of many spellings pays only for those that occur. None: every graph.
+    wanted: Callable[[torch.fx.Graph], bool] | None = None
 
 
 RULES: dict[str, list[Rule]] = {}
 _passes: dict[tuple[str, str], PatternMatcherPass] = {}
+_traced: dict[tuple[str, str], set[int]] = {}  # which of RULES[name] each pass holds so far
 _rejections: dict[str, str] = {}  # output node name -> why extra_check declined it (this apply only)
 
 
@@ -113,6 +154,7 @@ def register_rule(rule: Rule) -> Rule:
     RULES.setdefault(rule.name, []).append(rule)
     for mode in rule.modes:
         _passes.pop((rule.name, mode), None)  # rebuilt with the new variant on next use
+        _traced.pop((rule.name, mode), None)
     return rule
 
 
@@ -121,6 +163,7 @@ def unregister_rule(name: str) -> None:
     RULES.pop(name, None)
     for mode in (TRAINING, INFERENCE):
         _passes.pop((name, mode), None)
+        _traced.pop((name, mode), None)
 
 
 def rule_names() -> tuple[str, ...]:
@@ -140,28 +183,109 @@ def _checked(rule: Rule) -> Callable[[Match], bool]:
     return check
 
 
-def _pass(name: str, mode: str) -> PatternMatcherPass:
+def _pass(name: str, mode: str, graph: torch.fx.Graph) -> PatternMatcherPass:
+    """The pass of rule ``name`` for ``mode``, holding at least the rules that ``graph`` wants. Rules are traced
+    in registration order, so rules with the same ``wanted`` keep their relative order."""
     key = (name, mode)
     if key not in _passes:
-        p = PatternMatcherPass(pass_name=f"npu_compile_{name}_{mode}")
-        trace = trace_training if mode == TRAINING else trace_inference
-        for rule in RULES[name]:
-            if mode not in rule.modes:
-                continue
+        _passes[key] = PatternMatcherPass(pass_name=f"npu_compile_{name}_{mode}")
+        _traced[key] = set()
+    p, traced = _passes[key], _traced[key]
+    trace = trace_training if mode == TRAINING else trace_inference
+    for index, rule in enumerate(RULES[name]):
+        if index in traced or mode not in rule.modes or (rule.wanted is not None and not rule.wanted(graph)):
+            continue
+        traced.add(index)
+        forms = [(rule.pattern, rule.replacement, trace)]
+        if mode == TRAINING and rule.shared_inputs:
+            share = functools.partial(_sharing, names=rule.shared_inputs)
+            forms.append((share(rule.pattern), share(rule.replacement), _trace_training_shared))
+        for pattern, replacement, trace_fn in forms:
             for example in rule.example_inputs():
-                register_replacement(
-                    rule.pattern,
-                    rule.replacement,
+                registered = register_replacement(
+                    pattern,
+                    replacement,
                     list(example),
-                    trace,
+                    trace_fn,
                     p,
                     extra_check=_checked(rule),
                     scalar_workaround=dict(rule.scalars),
                     skip_duplicates=True,  # variants that trace to the same graph register once
                     get_decomp_fn=decompositions,
                 )
-        _passes[key] = p
-    return _passes[key]
+                if registered:
+                    _ignore_literal_lists(registered)
+    return p
+
+
+def _ignore_literal_lists(pattern: PatternExpr) -> None:
+    """Let the first, shape-free match of ``pattern`` ignore list arguments such as autograd's output masks
+    (``native_layer_norm_backward(..., [8], ..., [True, True, True])``).
+
+    That match ignores int lists (a size or dims: one Ignored in the pattern), but once a pattern node holds
+    any other list, torch's matcher compares the arguments as trees, the graph's ``[8]`` unfolds while the
+    pattern's Ignored does not, and the node never matches. The exact match that follows, traced with the
+    real shapes, still compares every list."""
+    seen: set[int] = set()
+    stack = [pattern]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or not isinstance(node, PatternExpr):
+            continue
+        seen.add(id(node))
+        if isinstance(node, MultiOutputPattern):
+            stack += node.outputs
+            continue
+        args = getattr(node, "args", ())
+        stack += [a for a in (*args, *getattr(node, "kwargs", {}).values()) if isinstance(a, PatternExpr)]
+        literal = [isinstance(a, (list, tuple)) and not any(isinstance(x, PatternExpr) for x in a) for a in args]
+        if any(literal) and any(isinstance(a, Ignored) for a in args):
+            node.args = tuple(Ignored() if lit else a for a, lit in zip(args, literal))
+            if not any(isinstance(a, (list, tuple, dict)) for a in (*node.args, *node.kwargs.values())):
+                node.flatten = node.simple_flatten
+            node.flat_args_kwargs = node.flatten(node.args, node.kwargs)
+
+
+def _sharing(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., Any]:
+    """``fn`` computing with a fork (a clone) of each input in ``names`` and returning the forks too: traced
+    for training, a gradient from outside then reaches those inputs before fn's own, as it does in a model
+    where they feed later ops as well. _trace_training_shared takes the forks out of the traced graph."""
+    positions = [list(inspect.signature(fn).parameters).index(n) for n in names]
+
+    @functools.wraps(fn)  # register_replacement reads the argument names from the signature
+    def shared(*args: Any) -> tuple:
+        args = list(args)
+        for i in positions:
+            args[i] = args[i].clone()
+        out = fn(*args)
+        return (*(out if isinstance(out, tuple) else (out,)), *(args[i] for i in positions))
+
+    return shared
+
+
+def _trace_training_shared(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callable[[], dict] = decompositions):
+    """trace_training of a _sharing function, the forks removed: each input again, and no longer an output
+    (its tangent stays, standing for the gradient from outside)."""
+    gm = trace_training(fn, args, get_decomp_fn=get_decomp_fn)
+    output = gm.graph.output_node()
+    forks = [n for n in output.args[0] if isinstance(n, torch.fx.Node) and n.target is torch.ops.aten.clone.default
+             and n.args[0].op == "placeholder"]
+    output.args = ([n for n in output.args[0] if n not in forks],)
+    for fork in forks:
+        fork.replace_all_uses_with(fork.args[0])
+        gm.graph.erase_node(fork)
+    gm.recompile()
+    return gm
+
+
+def save_random_values(graph: torch.fx.Graph) -> None:
+    """Random values (a fused op's dropout seed, native_dropout's mask and output) are saved for the backward,
+    never recomputed: under a memory budget < 1 the min-cut partitioner lets its knapsack recompute even the
+    nodes it bans as random, and a recomputed random node draws afresh, so the backward would drop other
+    elements than the forward did. (At budget 0 torch saves only the graph inputs and cannot be told.)"""
+    for node in graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def apply_rules(gm: torch.fx.GraphModule, enabled: Callable[[str], bool], mode: str) -> tuple[dict, list]:
@@ -171,10 +295,12 @@ def apply_rules(gm: torch.fx.GraphModule, enabled: Callable[[str], bool], mode: 
     counts: dict[str, int] = {}
     for name in RULES:
         if enabled(name) and any(mode in r.modes for r in RULES[name]):
-            counts[name] = _pass(name, mode).apply(gm.graph)
+            counts[name] = _pass(name, mode, gm.graph).apply(gm.graph)
     if any(counts.values()):
         stable_topological_sort(gm.graph)  # multi-output replacements can land before their inputs
         gm.graph.eliminate_dead_code()
+    if mode == TRAINING:
+        save_random_values(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return counts, _unfused(gm.graph, enabled, mode)
@@ -187,12 +313,84 @@ def _unfused(graph: torch.fx.Graph, enabled: Callable[[str], bool], mode: str) -
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in anchors:
                 continue
+            verdicts = [r.site(node) if r.site else True for r in rules if mode in r.modes and node.target in r.anchors]
+            if not any(verdicts):
+                continue
+            by_design = next((v for v in verdicts if isinstance(v, str)), None)
             if not enabled(name):
                 reason = f"rule {name!r} is switched off by options['fusions']"
             else:
-                reason = _rejection_near(node) or f"no {name} pattern matched the ops around it"
+                reason = by_design or _rejection_near(node) or f"no {name} pattern matched the ops around it"
             sites.append({"op": str(node.target), "node": node.name, "rule": name, "reason": reason})
     return sites
+
+
+# -- layouts: a replacement leaves each tensor it replaces with the strides later nodes were traced with -------
+
+
+def stride_order(t: torch.Tensor) -> list[int]:
+    """t's dims from outermost to innermost in memory: by stride (ties keep their order), with length-1 dims,
+    whose strides mean nothing, left where they are."""
+    longer = iter(sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: -t.stride(d)))
+    return [d if t.shape[d] == 1 else next(longer) for d in range(t.dim())]
+
+
+def in_layout_of(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out`` (a fused op's contiguous output, shaped like ``like``) laid out densely in ``like``'s dim order,
+    as elementwise aten ops lay out their results: ``out`` itself for the usual order, else a copy."""
+    order = stride_order(like)
+    if order == sorted(order):
+        return out
+    return out.permute(order).contiguous().permute(sorted(range(len(order)), key=order.__getitem__))
+
+
+def layout_check(like: str | None = None) -> Callable[[Match], bool | str]:
+    """An extra_check for rules whose fused ops write contiguous tensors: every tensor the match replaces must
+    be contiguous already, except the forward output when the replacement returns it as
+    ``in_layout_of(output, match.kwargs[like])``: that one must be dense in ``like``'s dim order. (Strides of
+    length-1 dims do not count.) Later nodes were traced with those strides, and a view among them may rely
+    on them; a contiguous tensor takes any view."""
+
+    def check(match: Match) -> bool | str:
+        order = stride_order(match.kwargs[like].meta["val"]) if like else None
+        for i, node in enumerate(match.output_nodes()):
+            val = node.meta.get("val") if node is not None else None
+            if not isinstance(val, torch.Tensor):
+                continue
+            want = _dense_strides(val.shape, order if i == 0 and order else range(val.dim()))
+            if any(n > 1 and got != w for n, got, w in zip(val.shape, val.stride(), want)):
+                return (f"{node.name} has strides {tuple(val.stride())} for shape {tuple(val.shape)}, not the "
+                        f"{tuple(want)} the fused op gives, and later nodes were traced with them")
+        return True
+
+    return check
+
+
+contiguous_outputs = layout_check()
+
+
+def kwargs_as_traced(match: Match) -> bool | str:
+    """An extra_check: torch's matcher drops a keyword argument that a graph node has and the pattern's node
+    lacks, so ``gelu(x)`` traced without ``approximate`` also matches ``gelu(x, approximate="tanh")``, and
+    ``add(x, b)`` matches ``add(x, b, alpha=2)``. Declines unless each such argument holds its default."""
+    for pattern, node in match.ctx.pattern_to_node.items():
+        if not (isinstance(pattern, CallFunction) and isinstance(node, torch.fx.Node)
+                and isinstance(node.target, torch._ops.OpOverload)):
+            continue
+        defaults = {a.name: a.default_value for a in node.target._schema.arguments if a.has_default_value()}
+        for key, value in node.kwargs.items():
+            if key not in pattern.kwargs and not (key in defaults and defaults[key] == value):
+                return f"{node.name} has {key}={value!r}, which the pattern does not take"
+    return True
+
+
+def _dense_strides(shape: Sequence[int], order: Sequence[int]) -> list[int]:
+    """The strides of a dense tensor of ``shape`` whose dims lie in memory in ``order``, outermost first."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(list(order)):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return strides
 
 
 def _rejection_near(node: torch.fx.Node) -> str | None:

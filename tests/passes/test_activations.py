@@ -1,0 +1,214 @@
+"""Activation rules: bias_gelu and swiglu fire on megatron-core's MLPs and on the forms models write, training
+and inference, and the compiled results equal eager; declined and switched-off sites are reported with reasons."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import npu_compile
+from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+
+DTYPES = (torch.float32, torch.bfloat16)
+RULES = ("bias_gelu", "swiglu")
+
+
+def megatron_fusions():
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    return bias_gelu_impl, bias_swiglu_impl
+
+
+# ==== megatron-core GPTModel, 2 layers, 3 SGD steps ===========================================================
+
+def gpt(**overrides):
+    from megatron_glue.models import gpt_config
+
+    return lambda: gpt_config(hidden_size=64, **overrides)
+
+
+def llama(**overrides):
+    from megatron_glue.models import llama_config
+
+    return lambda: llama_config(hidden_size=64, num_query_groups=2, **overrides)
+
+
+@pytest.mark.parametrize("make_config, budget, rule", [
+    pytest.param(gpt(), 1.0, "bias_gelu", id="gpt-mm-add-gelu"),
+    pytest.param(gpt(), 0.3, "bias_gelu", id="gpt-mm-add-gelu-budget0.3"),
+    pytest.param(gpt(bias_activation_fusion=True), 1.0, "bias_gelu", id="gpt-megatron-bias_gelu_impl"),
+    pytest.param(llama(bias_activation_fusion=True), 1.0, "swiglu", id="llama-megatron-bias_swiglu_impl"),
+])
+def test_megatron_mlp_fused_and_training_equals_eager(make_config, budget, rule, megatron_cpu, megatron_training):
+    run = megatron_training(make_config, memory_budget=budget)
+    assert run.fusions[rule] == 2  # one MLP per layer
+    assert run.report.unfused == []
+    ops = run.report.lowered_ops
+    # under a memory budget the partitioner may recompute the forward op in the backward instead of saving it
+    assert ops[f"npu_compile.{rule}"] == (2 if budget == 1.0 else ops[f"npu_compile.{rule}"]) >= 2
+    assert ops[f"npu_compile.{rule}_backward"] == 2
+    assert not {"aten.gelu", "aten.gelu_backward", "aten.tanh", "aten.silu", "aten.silu_backward"} & set(ops)
+    bad = {k: v for k, v in run.errors.items() if v > 1e-5}
+    assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
+
+
+# ==== properties: random shapes and dtypes, compiled against eager ============================================
+
+@st.composite
+def bias_gelu_cases(draw):
+    """(form, x, bias, no_grad): x of rank 1-3, a bias over its last dim ([h] or keepdims), either or both
+    needing grad, fp32 or bf16; run for training or under no_grad (the inference graph)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    form = draw(st.sampled_from(["gelu", "gelu_tanh", "megatron"]))
+    shape = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
+    x_grad, bias_grad = draw(st.sampled_from([(True, True), (True, False), (False, True)]))
+    bias_shape = [1] * (len(shape) - 1) * draw(st.booleans()) + shape[-1:]
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).requires_grad_(x_grad)
+    bias = torch.randn(bias_shape, generator=gen).to(dtype).requires_grad_(bias_grad)
+    return form, x, bias, draw(st.booleans())
+
+
+def bias_gelu_fn(form):
+    if form == "megatron":
+        bias_gelu_impl = megatron_fusions()[0]
+        return lambda x, bias: bias_gelu_impl(x, bias)  # Dynamo takes GeLUFunction.apply when called, not compiled
+    approximate = "tanh" if form == "gelu_tanh" else "none"
+    return lambda x, bias: F.gelu(x + bias, approximate=approximate)
+
+
+def check_bias_gelu(case, against_eager):
+    form, x, bias, no_grad = case
+    run = against_eager(bias_gelu_fn(form), x, bias, rules=RULES, no_grad=no_grad)
+    assert run.fusions["bias_gelu"] == 1, run.report.unfused
+    assert "npu_compile.bias_gelu" in run.report.lowered_ops
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=bias_gelu_cases())
+def test_bias_gelu_equals_eager(case, against_eager):
+    check_bias_gelu(case, against_eager)
+
+
+@st.composite
+def swiglu_cases(draw):
+    """(form, inputs, no_grad): x of rank 1-3 (Megatron's bias_swiglu_impl: 2-3) with an even last dim."""
+    dtype = draw(st.sampled_from(DTYPES))
+    form = draw(st.sampled_from(["chunk", "megatron_glu", "megatron", "megatron_bias"]))
+    rank = draw(st.integers(2, 3) if form in ("megatron", "megatron_bias") else st.integers(1, 3))
+    shape = draw(st.lists(st.integers(1, 4), min_size=rank - 1, max_size=rank - 1)) + [2 * draw(st.integers(1, 4))]
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).requires_grad_()
+    inputs = [x]
+    if form == "megatron_bias":
+        inputs.append(torch.randn(shape[-1:], generator=gen).to(dtype).requires_grad_(draw(st.booleans())))
+    return form, inputs, draw(st.booleans())
+
+
+def megatron_glu(x):
+    """Megatron's MLP glu with bias_activation_fusion=False (mlp.py), glu_linear_offset at its default 0.0."""
+    x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+    return F.silu(x_glu) * (x_linear + 0.0)
+
+
+def swiglu_fn(form):
+    if form == "chunk":
+        return lambda x: (lambda a, b: F.silu(a) * b)(*torch.chunk(x, 2, dim=-1))
+    if form == "megatron_glu":
+        return megatron_glu
+    bias_swiglu_impl = megatron_fusions()[1]
+    if form == "megatron":
+        return lambda x: bias_swiglu_impl(x, None)
+    return lambda x, bias: bias_swiglu_impl(x, bias)
+
+
+def check_swiglu(case, against_eager):
+    form, inputs, no_grad = case
+    run = against_eager(swiglu_fn(form), *inputs, rules=RULES, no_grad=no_grad)
+    assert run.fusions["swiglu"] == 1, run.report.unfused
+    assert "npu_compile.swiglu" in run.report.lowered_ops
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=swiglu_cases())
+def test_swiglu_equals_eager(case, against_eager):
+    check_swiglu(case, against_eager)
+
+
+@pytest.mark.fuzz
+@settings(settings.get_profile("fuzz"))
+@given(case=bias_gelu_cases())
+def test_bias_gelu_equals_eager_fuzz(case, against_eager):
+    check_bias_gelu(case, against_eager)
+
+
+@pytest.mark.fuzz
+@settings(settings.get_profile("fuzz"))
+@given(case=swiglu_cases())
+def test_swiglu_equals_eager_fuzz(case, against_eager):
+    check_swiglu(case, against_eager)
+
+
+# ==== sites left unfused, and why =============================================================================
+
+def unfused(fn, *args, **options):
+    (report,) = npu_compile.explain(fn, *args, **{"fusions": list(RULES), **options}).graphs
+    return report.fusions, [(u["op"], u["reason"]) for u in report.unfused]
+
+
+def test_switched_off_rule_reports_its_site():
+    fusions, sites = unfused(lambda x, b: F.gelu(x + b), torch.randn(4, 8, requires_grad=True), torch.randn(8),
+                             fusions={"bias_gelu": False})
+    assert "bias_gelu" not in fusions
+    assert sites == [("aten.gelu.default", "rule 'bias_gelu' is switched off by options['fusions']")]
+
+
+def test_bias_of_another_dtype_is_declined_with_the_reason():
+    x, bias = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True), torch.randn(8, requires_grad=True)
+    fusions, sites = unfused(lambda x, b: F.gelu(x + b), x, bias)
+    assert fusions["bias_gelu"] == 0
+    assert sites == [("aten.gelu.default",
+                      "bias dtype torch.float32 differs from the input's torch.bfloat16 (the add promotes; "
+                      "bias_gelu does not)")]
+
+
+def test_a_layout_the_fused_op_cannot_give_is_declined_with_the_reason():
+    # x transposed: the forward keeps x's layout (in_layout_of), but autograd's gradient follows it too,
+    # while the fused backward writes a contiguous one
+    fusions, sites = unfused(lambda x, b: F.gelu(x.t() + b), torch.randn(8, 4, requires_grad=True), torch.randn(8))
+    assert fusions["bias_gelu"] == 0
+    [(op, reason)] = sites
+    assert op == "aten.gelu.default" and reason.startswith("gelu_backward has strides (1, 4)")
+
+
+def test_transposed_input_is_fused_in_its_layout_for_inference():
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        fusions, sites = unfused(lambda x, b: F.gelu(x.t() + b) * 2, x, torch.randn(8))
+    assert fusions["bias_gelu"] == 1 and sites == []
+
+
+def test_swiglu_of_two_tensors_is_left_unfused_by_choice():
+    fusions, sites = unfused(lambda a, b: F.silu(a) * b, torch.randn(4, 8, requires_grad=True),
+                             torch.randn(4, 8, requires_grad=True))
+    assert fusions["swiglu"] == 0
+    [(op, reason)] = sites
+    assert op == "aten.silu.default" and reason.startswith("silu(a)·b with a and b from separate tensors")
+
+
+def test_glu_offset_other_than_zero_is_declined_with_the_reason():
+    def glu(x):
+        a, b = torch.chunk(x, 2, dim=-1)
+        return F.silu(a) * (b + 0.5)
+
+    fusions, sites = unfused(glu, torch.randn(4, 8, requires_grad=True))
+    assert fusions["swiglu"] == 0
+    assert sites == [("aten.silu.default",
+                      "glu_linear_offset 0.5 is not 0: npu_swiglu computes silu(a)·b with nothing added to b")]
+
+
+def test_lone_gelu_and_silu_are_not_sites():
+    fusions, sites = unfused(lambda x: F.gelu(F.silu(x)), torch.randn(4, 8, requires_grad=True))
+    assert fusions == {"bias_gelu": 0, "swiglu": 0} and sites == []
