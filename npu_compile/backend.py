@@ -94,7 +94,10 @@ class _Compilation:
         self.dump.stage("joint", "aot_joint", joint)
         self._record_fusions(*passes.apply_rules(joint, self.opts.fusion_enabled, passes.TRAINING))
         self.dump.stage("joint", "fused", joint)
-        with functorch_config.patch(activation_memory_budget=self.opts.memory_budget):
+        # At exactly 0 torch's min-cut saves the graph inputs only, ignoring MUST_SAVE on random values, so a
+        # dropout seed would be redrawn in the backward; the smallest positive budget saves just those.
+        budget = max(self.opts.memory_budget, 1e-6)
+        with functorch_config.patch(activation_memory_budget=budget):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         self.before = training_buffers(fw.graph, bw.graph)
         self.report.memory["peak_bytes_before"] = liveness(*self.before).peak

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -295,7 +296,11 @@ def apply_rules(gm: torch.fx.GraphModule, enabled: Callable[[str], bool], mode: 
     counts: dict[str, int] = {}
     for name in RULES:
         if enabled(name) and any(mode in r.modes for r in RULES[name]):
-            counts[name] = _pass(name, mode, gm.graph).apply(gm.graph)
+            with warnings.catch_warnings():
+                # A pattern whose outputs repeat a node (one gradient for both summands of an add) makes torch's
+                # replacement erase that node twice; the second time it only warns.
+                warnings.filterwarnings("ignore", message=r"erase_node\(.*\) on an already erased node")
+                counts[name] = _pass(name, mode, gm.graph).apply(gm.graph)
     if any(counts.values()):
         stable_topological_sort(gm.graph)  # multi-output replacements can land before their inputs
         gm.graph.eliminate_dead_code()

@@ -1,0 +1,275 @@
+"""Norm rules: rms_norm, add_rms_norm and add_layer_norm fire on megatron-core's GPT and Llama blocks and on the
+forms models write, training and inference, and the compiled results equal eager; declined and switched-off
+sites are reported with their reasons, and a LayerNorm with no residual add in front is no site."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import npu_compile
+from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+
+DTYPES = (torch.float32, torch.bfloat16)
+RULES = ("add_rms_norm", "add_layer_norm", "rms_norm")
+
+
+# ==== megatron-core GPTModel, 2 layers, 3 SGD steps ===========================================================
+
+def gpt():
+    from megatron_glue.models import gpt_config
+
+    return gpt_config(hidden_size=64)
+
+
+def llama():
+    from megatron_glue.models import llama_config
+
+    return llama_config(hidden_size=64, num_query_groups=2)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+def test_gpt_layer_norms_after_residual_adds_fused_and_training_equals_eager(budget, megatron_cpu,
+                                                                             megatron_training):
+    run = megatron_training(gpt, memory_budget=budget)
+    # layer 0 pre-MLP, layer 1 input and pre-MLP, final; the first norm reads the embeddings: no add in front
+    assert run.fusions["add_layer_norm"] == 4
+    assert run.report.unfused == []
+    ops = run.report.lowered_ops
+    # under a budget the partitioner may run a fused forward again in the backward rather than save its output
+    assert ops["npu_compile.add_layer_norm_backward"] == 4 and ops["npu_compile.add_layer_norm"] in (4, 8)
+    assert ops["aten.native_layer_norm_backward"] == 1 and ops["aten.native_layer_norm"] in (1, 2)
+    bad = {k: v for k, v in run.errors.items() if v > 1e-5}
+    assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+def test_llama_rms_norms_fused_and_training_equals_eager(budget, megatron_cpu, megatron_training):
+    run = megatron_training(llama, memory_budget=budget)
+    # four norms after a residual add; the first reads the embeddings, which are also its block's residual
+    assert run.fusions["add_rms_norm"] == 4 and run.fusions["rms_norm"] == 1
+    assert run.report.unfused == []
+    ops = run.report.lowered_ops
+    assert ops["npu_compile.add_rms_norm_backward"] == 4 and ops["npu_compile.add_rms_norm"] in (4, 8)
+    assert ops["npu_compile.rms_norm_backward"] == 1 and ops["npu_compile.rms_norm"] in (1, 2)
+    assert not {"aten.rsqrt", "aten.pow", "aten.mean"} & set(ops)
+    bad = {k: v for k, v in run.errors.items() if v > 1e-5}
+    assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
+
+
+# ==== properties: random forms, shapes and dtypes, compiled against eager =====================================
+
+def llama_rms_norm(x, weight, eps):
+    """The hand-written Llama norm: fp32 statistics, cast back before the weight."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(form, eps):
+    """The norm as a model writes it: ``norm(x, weight)``. The weight is an input, not a captured tensor, so the
+    comparison's fp64 reference run converts it too."""
+    if form == "module":
+        module = torch.nn.RMSNorm(8, eps=eps)
+        return lambda x, weight: torch.func.functional_call(module, {"weight": weight}, (x,))
+    if form == "llama":
+        return lambda x, weight: llama_rms_norm(x, weight, eps)
+    if form == "functional":
+        return lambda x, weight: F.rms_norm(x, weight.shape, weight, eps)
+    if form == "weight_last":
+        return lambda x, weight: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    if form == "weight_first":
+        return lambda x, weight: weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    raise ValueError(form)
+
+
+RMS_FORMS = ("module", "llama", "functional", "weight_last", "weight_first")
+
+
+def layer_norm(form, eps, has_bias):
+    """``norm(x, weight[, bias])``."""
+    if form == "module":
+        module = torch.nn.LayerNorm(8, eps=eps, bias=has_bias)
+        if has_bias:
+            return lambda x, weight, bias: torch.func.functional_call(module, {"weight": weight, "bias": bias}, (x,))
+        return lambda x, weight: torch.func.functional_call(module, {"weight": weight}, (x,))
+    if has_bias:
+        return lambda x, weight, bias: F.layer_norm(x, weight.shape, weight, bias, eps)
+    return lambda x, weight: F.layer_norm(x, weight.shape, weight, None, eps)
+
+
+def block(norm, site):
+    """Where the norm sits, as ``fn(x, [residual,] *affine)``: ``alone``; ``shared`` (its input also feeds a later
+    op, as a block's input is also its residual); after a residual add whose sum feeds the next add too
+    (``residual``) or nothing else (``last``: the final norm)."""
+    if site == "alone":
+        return lambda x, *affine: norm(x, *affine) * 2
+    if site == "shared":
+        return lambda x, *affine: norm(x, *affine) + x
+    if site == "residual":
+        def pre_norm(x, r, *affine):
+            s = x + r
+            return norm(s, *affine) * 2 + s
+        return pre_norm
+    return lambda x, r, *affine: norm(x + r, *affine) * 2
+
+
+@st.composite
+def norm_cases(draw):
+    """(name, fn, inputs, no_grad, expected rule): x of rank 2-4, the norm over the last dim (2-D norms for the
+    functional forms), fp32 or bf16, weight (and bias) with or without grad, run for training or under
+    no_grad (the inference graph)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    family = draw(st.sampled_from(["rms", "layer"]))
+    form = draw(st.sampled_from(RMS_FORMS if family == "rms" else ("module", "functional")))
+    normalized = 2 if form == "functional" and draw(st.integers(0, 3)) == 0 else 1
+    rank = draw(st.integers(normalized + 1, 4))
+    shape = draw(st.lists(st.integers(1, 3), min_size=rank - 1, max_size=rank - 1))
+    # the last dim: 2+ for RMSNorm (one element traces without the mean's reduction: no model has it), 3+ for
+    # LayerNorm (over two elements its output is ±1 whatever the input, its gradient rounding noise)
+    shape += [8] if form == "module" else [draw(st.integers(2 if family == "rms" else 3, 12))]
+    if normalized == 2:
+        shape[-2] = draw(st.integers(2, 3))
+    site = draw(st.sampled_from(("alone", "shared", "residual", "last") if family == "rms" else ("residual", "last")))
+    eps = draw(st.sampled_from([1e-5, 1e-6, 1e-3]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    affine_grad = draw(st.booleans())
+    affine = [(1 + 0.5 * torch.randn(shape[-normalized:], generator=gen)).to(dtype).requires_grad_(affine_grad)]
+    if family == "rms":
+        norm = rms_norm(form, eps)
+    else:
+        has_bias = draw(st.booleans())
+        norm = layer_norm(form, eps, has_bias)
+        if has_bias:
+            affine.append((0.5 * torch.randn(shape[-normalized:], generator=gen)).to(dtype).requires_grad_(affine_grad))
+    residual_add = site in ("residual", "last")
+    xs = [(torch.randn(shape, generator=gen) * 2).to(dtype).requires_grad_() for _ in range(1 + residual_add)]
+    expected = {"rms": "add_rms_norm" if residual_add else "rms_norm", "layer": "add_layer_norm"}[family]
+    return f"{family} {form} {site}", block(norm, site), (*xs, *affine), draw(st.booleans()), expected
+
+
+def check_norm(case, against_eager):
+    _, fn, inputs, no_grad, rule = case
+    run = against_eager(fn, *inputs, rules=RULES, no_grad=no_grad)
+    assert run.fusions[rule] == 1 and sum(run.fusions.values()) == 1, (run.fusions, run.report.unfused)
+    assert run.report.unfused == []
+    assert f"npu_compile.{rule}" in run.report.lowered_ops
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=norm_cases())
+def test_norm_rules_equal_eager(case, against_eager):
+    check_norm(case, against_eager)
+
+
+@pytest.mark.fuzz
+@settings(settings.get_profile("fuzz"))
+@given(case=norm_cases())
+def test_norm_rules_equal_eager_fuzz(case, against_eager):
+    check_norm(case, against_eager)
+
+
+# ==== sites left unfused, and why =============================================================================
+
+def explain(fn, *args, **options):
+    (report,) = npu_compile.explain(fn, *args, **{"fusions": list(RULES), **options}).graphs
+    return report.fusions, [(u["op"], u["rule"], u["reason"]) for u in report.unfused]
+
+
+def residual_layer_norm(x, r, w, b):
+    s = x + r
+    return F.layer_norm(s, (8,), w, b) * 2 + s
+
+
+def inputs(*shapes, dtype=torch.float32):
+    return [torch.randn(s, dtype=dtype, requires_grad=True) for s in shapes]
+
+
+def test_switched_off_rules_report_their_sites():
+    fusions, sites = explain(residual_layer_norm, *inputs((4, 8), (4, 8), (8,), (8,)),
+                             fusions={"add_layer_norm": False})
+    assert "add_layer_norm" not in fusions
+    assert sites == [("aten.native_layer_norm.default", "add_layer_norm",
+                      "rule 'add_layer_norm' is switched off by options['fusions']")]
+
+    def pre_norm(x, r, w):
+        s = x + r
+        return F.rms_norm(s, (8,), w) * 2 + s
+
+    # add_rms_norm off: rms_norm takes the norm alone, and the add in front is reported
+    fusions, sites = explain(pre_norm, *inputs((4, 8), (4, 8), (8,)), fusions=["rms_norm"])
+    assert fusions == {"rms_norm": 1}
+    assert sites == [("aten.add.Tensor", "add_rms_norm", "rule 'add_rms_norm' is switched off by options['fusions']")]
+    # both off: the add and the rsqrt are reported, each under its rule
+    fusions, sites = explain(pre_norm, *inputs((4, 8), (4, 8), (8,)), fusions=[])
+    assert fusions == {}
+    assert sorted(sites) == [("aten.add.Tensor", "add_rms_norm", "rule 'add_rms_norm' is switched off by options['fusions']"),
+                             ("aten.rsqrt.default", "rms_norm", "rule 'rms_norm' is switched off by options['fusions']")]
+
+
+def test_weight_that_promotes_the_output_is_declined_with_the_reason():
+    # (in training the promotion also casts the gradient back to bf16, and no pattern matches at all)
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8)
+    with torch.no_grad():
+        fusions, sites = explain(lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w, x, w)
+    assert fusions["rms_norm"] == 0
+    assert sites == [("aten.rsqrt.default", "rms_norm", "the output is torch.float32, promoted from the input's "
+                      "torch.bfloat16 by the weight; the fused norm keeps x's dtype")]
+
+
+def test_weight_that_broadcasts_over_more_dims_than_normalized_is_declined_with_the_reason():
+    # a [s, h] weight scaling a norm over h alone: the fused op would normalize over both dims
+    fusions, sites = explain(lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
+                             *inputs((2, 4, 8), (4, 8)))
+    assert fusions["rms_norm"] == 0
+    assert sites == [("aten.rsqrt.default", "rms_norm", "the mean reduces dims [2] of (2, 4, 8), not the weight's (4, 8)")]
+
+
+def test_residual_of_another_dtype_is_declined_with_the_reason():
+    x, r = torch.randn(4, 8), torch.randn(4, 8, dtype=torch.float64)
+    w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    with torch.no_grad():
+        fusions, sites = explain(residual_layer_norm, x, r, w, b)
+    assert fusions["add_layer_norm"] == 0
+    [(op, rule, reason)] = sites
+    assert (op, rule) == ("aten.native_layer_norm.default", "add_layer_norm")
+    assert reason.startswith("x (4, 8) torch.float32 + residual (4, 8) torch.float64: the fused add needs one shape")
+
+
+def test_residual_add_after_a_dropout_is_left_to_bias_dropout_add():
+    def block(x, r, w):
+        s = r + F.dropout(x, 0.1, training=True)
+        return F.rms_norm(s, (8,), w) * 2 + s
+
+    fusions, sites = explain(block, *inputs((4, 8), (4, 8), (8,)))
+    assert fusions == {"add_rms_norm": 0, "add_layer_norm": 0, "rms_norm": 1}
+    [(op, rule, reason)] = [site for site in sites if site[1] != "bias_dropout_add"]  # that one is switched off
+    assert (op, rule) == ("aten.add.Tensor", "add_rms_norm") and reason.startswith("the residual add follows a dropout")
+    fusions, sites = explain(block, *inputs((4, 8), (4, 8), (8,)), fusions=[*RULES, "bias_dropout_add"])
+    assert fusions == {"add_rms_norm": 0, "add_layer_norm": 0, "rms_norm": 1, "bias_dropout_add": 1} and sites == []
+
+
+def test_layer_norm_without_a_residual_add_is_no_site():
+    fusions, sites = explain(lambda x, w, b: F.layer_norm(x + b, (8,), w), *inputs((4, 8), (8,), (8,)))
+    assert fusions["add_layer_norm"] == 0 and sites == []
+
+
+def test_megatron_inference_graphs_fuse_the_same_sites(megatron_cpu):
+    from megatron_glue.models import build_gpt_model, synthetic_batch
+    from npu_compile.debug.report import collect
+
+    batch = synthetic_batch(2, 32, 128)
+    for make_config, expected in ((gpt, {"add_layer_norm": 4}), (llama, {"add_rms_norm": 4, "rms_norm": 1})):
+        model = build_gpt_model(make_config(), 128, 32).eval()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            with torch._dynamo.config.patch(disable=True):
+                want = model(**batch)
+            with collect() as reports:
+                got = torch.compile(model, backend="ascend", options={"fusions": list(RULES)})(**batch)
+        torch._dynamo.reset()
+        (report,) = reports
+        assert report.graphs == ["inference"]
+        assert {k: v for k, v in report.fusions.items() if v} == expected
+        assert [u for u in report.unfused if u["rule"] in RULES] == []
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
