@@ -1,0 +1,467 @@
+"""Attention rules: Megatron core attention, F.scaled_dot_product_attention and attention written out become
+npu_compile.fused_attention (forward and backward) in training and inference, and the compiled results equal
+eager; dropout regenerates its masks from a seed the graph saves (memory budgets included); sites left unfused
+are reported with their reasons."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+from npu_compile.debug.report import collect
+from npu_compile.ops.attention import attention_dropout_keep_mask
+from npu_compile.passes.attention import draw_seed
+
+RULES = ("attention",)
+FUSED = "npu_compile.fused_attention"
+UNFUSED_OPS = {"aten._softmax", "aten._softmax_backward_data", "aten._safe_softmax", "aten.native_dropout",
+               "aten._scaled_dot_product_flash_attention_for_cpu", "aten.baddbmm"}
+
+
+def gpt():
+    from megatron_glue.models import gpt_config
+
+    return gpt_config(hidden_size=64)
+
+
+def llama():
+    from megatron_glue.models import llama_config
+
+    return llama_config(hidden_size=64, num_query_groups=2)
+
+
+def attention_unfused(report):
+    return [u for u in report.unfused if u["rule"] == "attention"]
+
+
+# ==== megatron-core GPTModel, 2 layers ========================================================================
+
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+@pytest.mark.parametrize("make_config", [gpt, llama], ids=["gpt", "llama_gqa"])
+def test_megatron_core_attention_fused_and_training_equals_eager(make_config, budget, megatron_cpu,
+                                                                  megatron_training):
+    run = megatron_training(make_config, memory_budget=budget)  # 3 SGD steps, every rule on
+    assert run.fusions["attention"] == 2
+    ops = run.report.lowered_ops
+    # under a budget the partitioner may run a fused forward again in the backward rather than save its output
+    assert ops["npu_compile.fused_attention_backward"] == 2 and ops[FUSED] in (2, 4)
+    assert not UNFUSED_OPS & set(ops) and attention_unfused(run.report) == []
+    bad = {k: v for k, v in run.errors.items() if v > 1e-5}
+    assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
+
+
+def _batch_args(batch, mask=True):
+    """GPTModel's positional arguments: input_ids, position_ids, attention_mask, decoder_input, labels."""
+    return batch["input_ids"], batch["position_ids"], batch["attention_mask"] if mask else None, None, batch["labels"]
+
+
+@pytest.mark.parametrize("case", ["default_causal_mask", "bf16", "inference", "inference_dropout"])
+def test_megatron_variants_fused_and_equal_to_eager(case, megatron_cpu, against_eager):
+    """attention_mask=None (Megatron builds its causal mask in the graph), bf16 (softmax in fp32 between casts),
+    and inference graphs, with dropout too (a model in training mode under no_grad)."""
+    from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
+
+    config = {
+        "bf16": lambda: gpt_config(hidden_size=64, bf16=True, params_dtype=torch.bfloat16),
+        "inference_dropout": lambda: llama_config(hidden_size=64, num_query_groups=2, attention_dropout=0.5),
+    }.get(case, gpt)()
+    model = build_gpt_model(config, 128, 32).to(config.params_dtype)  # bf16: the embeddings too
+    args = _batch_args(synthetic_batch(2, 32, 128), mask=case != "default_causal_mask")
+    if case == "inference_dropout":  # dropout drops: compare the graph, not the numbers
+        with collect() as reports, torch.no_grad():
+            torch.compile(model, backend="ascend", options={"fusions": list(RULES)})(*args)
+        (report,) = reports
+    elif case == "bf16":  # the fp32 per-token loss of a bf16 model: held to eager bf16 within bf16's precision
+        with torch._dynamo.config.patch(disable=True):
+            expected = model(*args)
+        with collect() as reports:
+            got = torch.compile(model, backend="ascend", options={"fusions": list(RULES)})(*args)
+            got.mean().backward()
+        (report,) = reports
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    else:
+        report = against_eager(model, *args, rules=RULES, no_grad=case.startswith("inference")).report
+    assert report.fusions == {"attention": 2}
+    assert not UNFUSED_OPS & set(report.lowered_ops) and attention_unfused(report) == []
+    if case.startswith("inference"):
+        assert report.graphs == ["inference"] and "npu_compile.fused_attention_backward" not in report.lowered_ops
+
+
+def test_megatron_attention_dropout_trains_like_eager(megatron_cpu):
+    """attention_dropout=0.1: the fused op drops other elements than eager does, so the loss curves are compared
+    as curves: both fall by more than a quarter over 20 steps, and their last-5-step means agree within 10%."""
+    from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch, train_step
+
+    steps, batch = 20, synthetic_batch(2, 32, 128, seed=0)
+
+    def curve(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return [train_step(model, batch, opt) for _ in range(steps)]
+
+    def config():
+        return gpt_config(hidden_size=64, attention_dropout=0.1)
+
+    torch.manual_seed(0)
+    with torch._dynamo.config.patch(disable=True):  # Megatron's jit_fuser is torch.compile: keep eager eager
+        eager = curve(build_gpt_model(config(), 128, 32, seed=0))
+    torch.manual_seed(0)
+    with collect() as reports:
+        compiled = curve(torch.compile(build_gpt_model(config(), 128, 32, seed=0), backend="ascend",
+                                       options={"fusions": list(RULES)}))
+    (report,) = reports
+    assert report.fusions == {"attention": 2}
+    assert report.lowered_ops["aten.randint"] == 2 and not UNFUSED_OPS & set(report.lowered_ops)
+    tail_eager, tail_compiled = sum(eager[-5:]) / 5, sum(compiled[-5:]) / 5
+    assert tail_eager < 0.75 * eager[0] and tail_compiled < 0.75 * compiled[0], (eager, compiled)
+    assert abs(tail_compiled - tail_eager) < 0.1 * tail_eager, (eager, compiled)
+
+
+# ==== dropout: forward and backward drop the same elements, whatever the partitioner recomputes ==============
+
+P, SEED = 0.3, 1234
+
+
+def reference_attention(q, k, v, *, scale, masked=None, fill=None, keep=None, p=0.0):
+    """softmax(scale · q kᵀ, masked) v on [b, n, s, d], kv heads repeated; dropout applies ``keep``."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = scale * q @ k.transpose(-2, -1)
+    if masked is not None:
+        scores = scores.masked_fill(masked, -math.inf if fill is None else fill)
+    probs = scores.softmax(dim=-1)
+    if keep is not None:
+        probs = probs * keep / (1 - p)
+    return probs @ v
+
+
+def _written_out(q, k, v):
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return F.dropout(scores.softmax(dim=-1), p=P, training=True) @ v.repeat_interleave(2, dim=1)
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=P, is_causal=True, scale=0.3, enable_gqa=True)
+
+
+def _megatron_core_attention(dropout):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron_glue.models import gpt_config
+
+    config = gpt_config(hidden_size=4 * 8, num_attention_heads=4, num_query_groups=2, attention_dropout=dropout)
+    return DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+
+def dropout_case(style, s, d):
+    """(attention with dropout P, its input layout from [b, n, s, d], extra inputs, and the reference's cells
+    masked, fill and scale)."""
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    if style == "written_out":
+        return _written_out, (lambda t: t), (), dict(masked=None, fill=None, scale=1 / math.sqrt(d))
+    if style == "sdpa":
+        return _sdpa, (lambda t: t), (), dict(masked=causal, fill=None, scale=0.3)
+    # Megatron: [s, b, n, d] in, [s, b, n·d] out, masked scores filled with -10000
+    return (_megatron_core_attention(P), lambda t: t.permute(2, 0, 1, 3), (causal[None, None],),
+            dict(masked=causal, fill=-1e4, scale=1 / math.sqrt(d)))
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+@pytest.mark.parametrize("style", ["written_out", "sdpa", "megatron"])
+def test_dropout_masks_regenerate_from_the_saved_seed(style, budget, megatron_cpu, tmp_path):
+    """Eager attention with fused_attention's own keep mask for the seed the compiled graph drew equals the
+    compiled step, forward and every gradient. Under a memory budget the partitioner may run the fused forward
+    again in the backward; it must reuse the forward's seed, never draw a new one."""
+    b, nq, nkv, s, d = 2, 4, 2, 6, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, s, d, generator=g) for n in (nq, nkv, nkv))
+    fn, laid_out, extra, reference = dropout_case(style, s, d)
+    inputs = [laid_out(t).contiguous().requires_grad_() for t in (q, k, v)]
+    with collect() as reports:
+        compiled = torch.compile(fn, backend="ascend", options={"fusions": list(RULES), "memory_budget": budget,
+                                                                 "dump_dir": str(tmp_path)})
+        torch.manual_seed(SEED)
+        out = compiled(*inputs, *extra)
+        grad_out = torch.randn(out.shape, generator=g)
+        out.backward(grad_out)
+    assert reports[0].fusions == {"attention": 1} and "aten.native_dropout" not in reports[0].lowered_ops
+    (backward,) = (tmp_path / reports[0].graph_id / "backward").glob("*_lowered_*.py")
+    assert "aten.randint" not in backward.read_text()  # the seed comes in saved
+
+    torch.manual_seed(SEED)
+    keep = attention_dropout_keep_mask(draw_seed("cpu"), P, b, nq, s, s)
+    ref_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*ref_inputs, **reference, keep=keep, p=P)
+    if style == "megatron":
+        expected = expected.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+    expected.backward(grad_out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(inputs, ref_inputs):
+        torch.testing.assert_close(got.grad, laid_out(want.grad), rtol=1e-5, atol=1e-5)
+
+
+# ==== properties: random spellings, shapes, masks, dtypes; compiled against eager =============================
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seed: int
+    dtype: torch.dtype
+    training: bool
+    b: int
+    n_kv: int
+    groups: int
+    sq: int
+    sk: int
+    d: int
+    mask: str  # none | causal | padding | additive (how each style spells it: see the builders)
+    layout: str = "bnsd"
+    spelling: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def n(self):
+        return self.n_kv * self.groups
+
+    def tensors(self):
+        """q, k, v in [b, n, s, d], and the cells a mask hides ([sq, sk] or broadcastable to [b, 1, sq, sk])."""
+        g = torch.Generator().manual_seed(self.seed)
+        q = torch.randn(self.b, self.n, self.sq, self.d, generator=g)
+        k, v = (torch.randn(self.b, self.n_kv, self.sk, self.d, generator=g) for _ in range(2))
+        if self.mask == "padding":
+            hidden = torch.rand(self.b, 1, 1 if self.spelling.get("per_key") else self.sq, self.sk, generator=g) < 0.4
+            hidden[..., :2] = False  # every query sees two keys (eager's -inf rows would be NaN; see cases)
+        else:
+            hidden = torch.ones(self.sq, self.sk, dtype=torch.bool).triu(1)  # causal, top-left aligned
+        bias = torch.randn(1 if self.spelling.get("bias_1") else self.b, 1, self.sq, self.sk, generator=g)
+        cast = lambda t: t.to(self.dtype)  # noqa: E731
+        return cast(q), cast(k), cast(v), hidden, cast(bias)
+
+
+def cases(style, sizes=(1, 8), heads=(1, 2), dims=(4, 8, 16)):
+    @st.composite
+    def draw(draw):
+        mask = draw(st.sampled_from(["none", "causal", "padding", "additive"]))
+        sq = draw(st.integers(*sizes))
+        sk = sq if style == "megatron" else draw(st.sampled_from([sq, draw(st.integers(*sizes))]))
+        if style == "megatron":
+            sq = sk = max(sq, 2)  # Megatron builds its own causal mask only for sq > 1
+        # Where every query sees one key, the gradients of q and k are exactly zero and eager's are rounding
+        # noise (no relative error is defined), so some query sees two: sk >= 2, and causal masks take sq >= 2.
+        # (The written-out [b, s, n, d] graph of one key is also a form no spelling holds.)
+        sk = max(sk, 2)
+        if mask == "causal":
+            sq = max(sq, 2)
+        layout = draw(st.sampled_from({"megatron": ["bnsd"], "sdpa": ["bnsd", "bsnd"]}.get(
+            style, ["bnsd", "bsnd", "bnsd->bsnd"])))
+        groups = draw(st.sampled_from([1, 2, 4]))
+        spelling = {"per_key": draw(st.booleans()), "bias_1": draw(st.booleans())}
+        if style == "written_out":
+            spelling.update(
+                repeat=draw(st.sampled_from(["repeat_interleave", "expand"])),
+                key_dims=draw(st.sampled_from([(-2, -1), (2, 3)])),
+                divide=draw(st.booleans()),
+                fill=draw(st.sampled_from(["-inf", "-1e4", "finfo.min", "additive"])),
+            )
+        if style == "sdpa":
+            spelling.update(scale=draw(st.sampled_from([None, 0.3])))
+        if style == "megatron":
+            spelling.update(default_mask=draw(st.booleans()))
+        return Case(
+            seed=draw(st.integers(0, 2**16)), dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+            training=draw(st.booleans()), b=draw(st.integers(1, 2)), n_kv=draw(st.sampled_from(heads)),
+            groups=groups, sq=sq, sk=sk, d=draw(st.sampled_from(dims)), mask=mask,
+            layout=layout, spelling=spelling,
+        )
+
+    return draw()
+
+
+def written_out(case):
+    """The model code: softmax(q·kᵀ·scale [+ bias | masked_fill]) v, k/v repeated for GQA; in [b, s, n, d] or
+    [b, n, s, d], and the heads merged into [b, s, h] as models do (but for the all-[b, n, s, d] layout)."""
+    sp = case.spelling
+    fill = {"-inf": -math.inf, "-1e4": -1e4, "finfo.min": torch.finfo(case.dtype).min}.get(sp["fill"])
+
+    def attention(q, k, v, mask):
+        if case.layout == "bsnd":
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if case.groups > 1 and sp["repeat"] == "repeat_interleave":
+            k, v = k.repeat_interleave(case.groups, dim=1), v.repeat_interleave(case.groups, dim=1)
+        elif case.groups > 1:  # HF's repeat_kv
+            b, n_kv, s, d = k.shape
+            k = k[:, :, None, :, :].expand(b, n_kv, case.groups, s, d).reshape(b, n_kv * case.groups, s, d)
+            v = v[:, :, None, :, :].expand(b, n_kv, case.groups, s, d).reshape(b, n_kv * case.groups, s, d)
+        scores = q @ k.transpose(*sp["key_dims"])
+        scores = scores / math.sqrt(q.shape[-1]) if sp["divide"] else scores * q.shape[-1] ** -0.5
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(mask, fill)
+        elif mask is not None:
+            scores = scores + mask
+        out = scores.softmax(dim=-1) @ v
+        if case.layout == "bnsd":
+            return out
+        b, n, s, d = out.shape
+        return out.transpose(1, 2).reshape(b, s, n * d)
+
+    q, k, v, hidden, bias = case.tensors()
+    if case.mask == "additive":
+        mask = bias
+    elif case.mask in ("causal", "padding"):
+        # a bool mask for masked_fill, or the same cells as an additive 0/-inf mask
+        mask = hidden if fill is not None else torch.zeros(hidden.shape, dtype=case.dtype).masked_fill(hidden, -math.inf)
+    else:
+        mask = None
+    return attention, *_laid_out(case, q, k, v), mask
+
+
+def sdpa(case):
+    """F.scaled_dot_product_attention with is_causal, a bool mask (True = attend), an additive mask or none."""
+    scale = case.spelling["scale"]
+
+    def attention(q, k, v, mask):
+        if case.layout == "bsnd":
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.mask == "causal", scale=scale,
+                                             enable_gqa=case.groups > 1)
+        return out.transpose(1, 2) if case.layout == "bsnd" else out
+
+    q, k, v, hidden, bias = case.tensors()
+    mask = {"padding": ~hidden, "additive": bias}.get(case.mask)
+    return attention, *_laid_out(case, q, k, v), mask
+
+
+def megatron(case):
+    """megatron-core's DotProductAttention (local spec) on [s, b, n, d], with an explicit bool mask (causal or
+    padding; True = masked) or none (Megatron's default causal mask). No additive masks in Megatron."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron_glue.models import gpt_config
+
+    def module(dtype):
+        config = gpt_config(hidden_size=case.n * case.d, num_attention_heads=case.n, num_query_groups=case.n_kv,
+                            bf16=dtype == torch.bfloat16, params_dtype=dtype)
+        return DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+    modules = {torch.bfloat16: module(torch.bfloat16), torch.float32: module(torch.float32)}
+
+    def core_attention(q, k, v, mask):
+        # a bf16 config casts its probabilities to bf16, so the float64 reference runs the fp32 config
+        return modules.get(q.dtype, modules[torch.float32])(q, k, v, mask)
+
+    q, k, v, hidden, _ = case.tensors()
+    if case.mask == "padding":
+        mask = hidden
+    elif case.mask == "none" and case.spelling["default_mask"]:
+        mask = None
+    else:
+        mask = hidden[None, None]
+    return core_attention, *(t.permute(2, 0, 1, 3).contiguous().requires_grad_() for t in (q, k, v)), mask
+
+
+def _laid_out(case, q, k, v):
+    if case.layout == "bsnd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    return (t.requires_grad_() for t in (q, k, v))
+
+
+BUILDERS = {"written_out": written_out, "sdpa": sdpa, "megatron": megatron}
+
+
+def check_case(style, case, against_eager):
+    fn, *inputs = BUILDERS[style](case)
+    run = against_eager(fn, *inputs, rules=RULES, no_grad=not case.training, fp32_against_float64=True)
+    assert run.fusions == {"attention": 1}, f"{style} left unfused: {attention_unfused(run.report)}"
+    assert not UNFUSED_OPS & set(run.report.lowered_ops)
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=cases("written_out"))
+def test_written_out_attention_equals_eager(case, against_eager):
+    check_case("written_out", case, against_eager)
+
+
+@settings(max_examples=70, deadline=None)
+@given(case=cases("sdpa"))
+def test_sdpa_equals_eager(case, against_eager):
+    check_case("sdpa", case, against_eager)
+
+
+@settings(max_examples=50, deadline=None)
+@given(case=cases("megatron"))
+def test_megatron_core_attention_equals_eager(case, megatron_cpu, against_eager):
+    check_case("megatron", case, against_eager)
+
+
+@pytest.mark.fuzz
+@pytest.mark.parametrize("style", BUILDERS)
+def test_attention_equals_eager_fuzz(style, megatron_cpu, against_eager):
+    @settings(settings.get_profile("fuzz"))
+    @given(case=cases(style, sizes=(1, 40), heads=(1, 2, 3), dims=(4, 8, 16, 32, 64)))
+    def run(case):
+        check_case(style, case, against_eager)
+
+    run()
+
+
+# ==== sites left unfused, and why ============================================================================
+
+def _written_out_inputs():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(1, 1, 6, 6, generator=g)
+
+
+def _compile_report(fn, *inputs, fusions=RULES):
+    with collect() as reports:
+        out = torch.compile(fn, backend="ascend", options={"fusions": list(fusions)})(*inputs)
+        out.sum().backward()
+    (report,) = reports
+    return report
+
+
+def test_switched_off_rule_reports_the_softmax():
+    def attention(q, k, v, bias):
+        return (q @ k.transpose(-2, -1) * 0.3 + bias).softmax(dim=-1) @ v
+
+    report = _compile_report(attention, *_written_out_inputs(), fusions=())
+    assert "attention" not in report.fusions
+    assert attention_unfused(report) == [
+        {"op": "aten._softmax.default", "node": "_softmax", "rule": "attention",
+         "reason": "rule 'attention' is switched off by options['fusions']"}
+    ]
+
+
+def test_additive_mask_in_another_dtype_is_declined_with_the_reason():
+    """fp32 scores + a bf16 mask: eager promotes, the op's additive mask (NPU pse) must be in the query's dtype."""
+
+    def attention(q, k, v, bias):
+        return (q @ k.transpose(-2, -1) * 0.3 + bias).softmax(dim=-1) @ v
+
+    q, k, v, bias = _written_out_inputs()
+    report = _compile_report(attention, q, k, v, bias.bfloat16())
+    assert report.fusions == {"attention": 0}
+    (site,) = attention_unfused(report)
+    assert site["op"] == "aten._softmax.default"
+    assert site["reason"] == "additive mask dtype torch.bfloat16 differs from the query's torch.float32"
+
+
+def test_unknown_spelling_is_reported():
+    """q scaled before the product is a spelling no rule holds."""
+
+    def attention(q, k, v, bias):
+        return ((q * 0.3) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+
+    report = _compile_report(attention, *_written_out_inputs())
+    assert report.fusions == {"attention": 0}
+    (site,) = attention_unfused(report)
+    assert site["reason"] == "no attention pattern matched the ops around it"
+
+
+def test_one_switch_holds_every_family():
+    from npu_compile.passes import RULES as registry
+
+    names = {r.pattern.__name__.split("(")[0] for r in registry["attention"]}
+    assert names == {"megatron_core_attention", "sdpa_attention", "written_out_attention"}
