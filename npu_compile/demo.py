@@ -74,7 +74,8 @@ def run(config: str, steps: int, dump_dir: str, options: dict) -> int:
         ops = ", ".join(f"{k}×{v}" for k, v in list(r["lowered_ops"].items())[:8])
         print(f"  graph {r['graph_id']}: target {r['target']}, {r['graph_breaks']} graph break(s), "
               f"compiled {' + '.join(r['graphs'])}")
-        print(f"    fusions: {r['fusions'] or 'none matched'}; sites left unfused: {len(r['unfused'])}")
+        fused = ", ".join(f"{rule}×{n}" for rule, n in r["fusions"].items() if n) or "none matched"
+        print(f"    fused sites: {fused}; sites left unfused: {len(r['unfused'])}")
         print(f"    memory (planned from the graphs): live-bytes peak {_mib(mem['peak_bytes_before'])} as partitioned, "
               f"{_mib(mem['lower_bound_bytes'])} as compiled, static plan {_mib(mem['peak_bytes_after'])}; "
               f"activations saved for backward {_mib(mem['saved_activation_bytes'])}")
