@@ -29,6 +29,7 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+	$(PY) -m bench.overlap
 
 clean:
 	rm -rf $(VENV) npu_compile_dump .pytest_cache .hypothesis
