@@ -1,4 +1,10 @@
-"""Shared test setup: a fresh Dynamo for every test, so graph ids (dump dirs) start at 0_0."""
+"""Shared test set-up: a fresh Dynamo for every test (graph ids, so dump dirs, start at 0_0), Hypothesis profiles,
+and the `fuzz` switch.
+
+Profiles: "default" (no deadline: an example may compile) and "fuzz" (many more examples), chosen by
+`HYPOTHESIS_PROFILE`. Property tests state their own example counts for the default run; `fuzz`-marked twins take
+theirs from the fuzz profile and run only when asked for (`make fuzz`, `-m fuzz` or `HYPOTHESIS_PROFILE=fuzz`).
+"""
 
 import os
 
@@ -6,6 +12,21 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("default", deadline=None, suppress_health_check=_SLOW_OK)
+settings.register_profile("fuzz", deadline=None, suppress_health_check=_SLOW_OK, max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if "fuzz" in (config.getoption("markexpr") or "") or os.environ.get("HYPOTHESIS_PROFILE") == "fuzz":
+        return
+    skip = pytest.mark.skip(reason="long fuzz run: select with -m fuzz or HYPOTHESIS_PROFILE=fuzz")
+    for item in items:
+        if item.get_closest_marker("fuzz"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

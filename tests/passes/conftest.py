@@ -1,35 +1,10 @@
-"""Shared set-up for the pass tests: Hypothesis profiles and the `fuzz` switch, and the comparison of a function
-compiled with ascend against eager that the rule families' property tests make.
-
-Profiles (as in tests/ops): "default" (no deadline: an example compiles) and "fuzz" (many more examples,
-`HYPOTHESIS_PROFILE=fuzz`). Property tests state their own example counts for the default run; `fuzz`-marked
-twins take theirs from the fuzz profile and run only when asked for: `pytest tests/passes -m fuzz`.
-"""
-
-import os
-from pathlib import Path
+"""Shared set-up for the pass tests: the comparison of a function compiled with ascend against eager that the rule
+families' property tests make (Hypothesis profiles and the fuzz switch are in tests/conftest.py)."""
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
 from npu_compile.debug.report import collect
-
-_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("default", deadline=None, suppress_health_check=_SLOW_OK)
-settings.register_profile("fuzz", deadline=None, suppress_health_check=_SLOW_OK, max_examples=2000)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
-
-_HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(config, items):
-    if "fuzz" in (config.getoption("markexpr") or "") or os.environ.get("HYPOTHESIS_PROFILE") == "fuzz":
-        return
-    skip = pytest.mark.skip(reason="long fuzz run: select with -m fuzz or HYPOTHESIS_PROFILE=fuzz")
-    for item in items:
-        if item.get_closest_marker("fuzz") and _HERE in Path(str(item.path)).parents:
-            item.add_marker(skip)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
