@@ -46,12 +46,14 @@ def compare_with_eager(fn, *inputs, rules, no_grad=False, fp32_against_float64=F
         return [t.detach().to(dtype if dtype and t.is_floating_point() else t.dtype).requires_grad_(t.requires_grad)
                 if isinstance(t, torch.Tensor) else t for t in inputs]
 
-    def run(f, args):
+    def run(f, args, seed_dtype=None):
         if no_grad:
             with torch.no_grad():
                 return [f(*args)]
         out = f(*args)
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.dtype))
+        # the float64 run takes the very seed values the bf16/fp32 runs do (rounded to their dtype first)
+        seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(seed_dtype or out.dtype)
+        out.backward(seed.to(out.dtype))
         return [out, *(a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad)]
 
     torch._dynamo.reset()
@@ -59,7 +61,7 @@ def compare_with_eager(fn, *inputs, rules, no_grad=False, fp32_against_float64=F
         expected = run(fn, fresh())
         exact = expected
         if expected[0].dtype != torch.float32 or fp32_against_float64:
-            exact = run(fn, fresh(torch.float64))
+            exact = run(fn, fresh(torch.float64), seed_dtype=expected[0].dtype)
     with collect() as reports:
         got = run(torch.compile(fn, backend="ascend", options={"fusions": list(rules)}), fresh())
     torch._dynamo.reset()
