@@ -6,10 +6,14 @@
 - Everything else that computes: bytes moved over HBM bandwidth against one vector op per output element.
 - Views, ``getitem``, ``wait_tensor``: free.
 - Collectives: the profile's algorithm for that kind of collective (:func:`collective_us`).
+- MC2 ops (a matmul and a collective in one torch_npu kernel): their pipelined time (:func:`mc2_cost`), on the
+  compute stream; the simulator also holds the link for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 
 import torch
@@ -108,13 +112,15 @@ def bytes_moved(node: torch.fx.Node) -> int:
 
 # Allocations without a fill launch no kernel.
 _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
+# Views whose schema does not say so (``_unsafe_view`` returns a view without the autograd view relation).
+_UNMARKED_VIEWS = {aten._unsafe_view.default}
 
 
 def is_free(node: torch.fx.Node) -> bool:
     """Nodes that launch no kernel: graph plumbing, views, ``getitem``, ``wait_tensor``, bare allocations."""
     if node.op != "call_function":
         return True
-    if node.target is operator.getitem or nodes.is_wait(node) or node.target in _ALLOCATIONS:
+    if node.target is operator.getitem or nodes.is_wait(node) or node.target in _ALLOCATIONS | _UNMARKED_VIEWS:
         return True
     return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
@@ -128,9 +134,11 @@ def _dtype(node: torch.fx.Node) -> torch.dtype:
 
 
 def compute_us(node: torch.fx.Node, profile: DeviceProfile) -> float:
-    """Roofline time of a compute node: max(FLOPs / rate, bytes / HBM bandwidth)."""
+    """Roofline time of a compute node: max(FLOPs / rate, bytes / HBM bandwidth); an MC2 node's fused time."""
     if is_free(node) or nodes.is_collective(node):
         return 0.0
+    if nodes.is_mc2(node):
+        return mc2_cost(node, profile).fused_us
     dtype = _dtype(node)
     memory_s = bytes_moved(node) / profile.hbm_bytes_per_s
     matrix = flops(node)
@@ -138,6 +146,80 @@ def compute_us(node: torch.fx.Node, profile: DeviceProfile) -> float:
         return max(matrix / profile.matrix_rate(dtype), memory_s) * 1e6
     elements = sum(_hint(t.numel()) for t in nodes.tensors(node.meta.get("val")))
     return max(elements / profile.vector_rate(dtype), memory_s) * 1e6
+
+
+def _roofline_us(matrix_flops: int, nbytes: int, dtype: torch.dtype, profile: DeviceProfile) -> float:
+    return max(matrix_flops / profile.matrix_rate(dtype), nbytes / profile.hbm_bytes_per_s) * 1e6
+
+
+@dataclasses.dataclass(frozen=True)
+class MC2Cost:
+    """An MC2 node's parts, in µs."""
+
+    matmul_us: float  # roofline of the whole matmul the op does
+    comm_us: float  # the collective it carries, as the plain collective would cost (:func:`collective_us`)
+    fused_us: float  # the op's time on the compute stream: its chunks of comm pipelined with its chunks of matmul
+    chunks: int  # T, the pipeline's depth
+    kind: str  # all_gather | reduce_scatter | all_reduce
+    ranks: int
+
+
+def _bound(node: torch.fx.Node) -> dict:
+    """The node's arguments by schema name (defaults left out)."""
+    names = [a.name for a in node.target._schema.arguments]
+    return dict(zip(names, node.args)) | dict(node.kwargs)
+
+
+def mc2_cost(node: torch.fx.Node, profile: DeviceProfile | None = None) -> MC2Cost:
+    """The parts of an MC2 node (:func:`nodes.is_mc2`). An *estimate*: torch_npu documents no timing model.
+
+    matmul m: the roofline of the whole matmul — for all-gather-mm the gathered one, x1's rows × world size;
+    for mm-reduce-scatter the full product before the scatter; for mm-all-reduce x1 (2-D or 3-D) @ x2 [+ bias].
+    comm c: :func:`collective_us` of the collective it carries — all-gather of the gathered x1, reduce-scatter /
+    all-reduce of the matmul's output — over its world size (mm-all-reduce names no world size: the group its
+    ``hcom`` names when that is a live c10d group, as on npu-sim, else the profile's ``ranks_per_node``).
+
+    The op splits its work into T chunks (``profile.mc2_chunks``, 0 = one per rank; see the profile), and runs
+    chunk i's matmul beside chunk i+1's communication (all-gather: receive, then multiply; reduce-scatter /
+    all-reduce: multiply, then send). With c₁ the time of one chunk's collective — :func:`collective_us` of S/T
+    bytes, so each chunk pays the link latency again — and m₁ = m / T:
+
+        fused = c₁ + m₁ + (T − 1) · max(c₁, m₁)
+
+    The pipeline's fill (the first chunk's comm, or the last chunk's for a scatter) is never hidden, and comm
+    longer than compute shows through every stage: fused − m is the op's exposed communication. T = 1 gives
+    c + m (nothing hidden). Left out, both ways: the local shard of an all-gather needs no transfer (the op could
+    start on it at once), a full mesh moves all peers' blocks at the same time rather than one after another, and
+    the kernel may tile finer than per rank; the matmul chunks are taken as m / T (x2 is read once per chunk on
+    the device, which this ignores).
+    """
+    profile = load(profile)
+    name = node.target._opname
+    call = _bound(node)
+    x1_node = call["self"] if "self" in call else call["x1"]  # all-gather / reduce-scatter name it self
+    x1, x2 = _shape(x1_node), _shape(call["x2"])
+    dtype = x1_node.meta["val"].dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    kind = nodes.MC2_KINDS[name]
+    k, n = x2[0], x2[1]
+    if kind == "all_reduce":
+        ranks = nodes.resolve_group_size(call["hcom"]) or profile.ranks_per_node
+        rows = math.prod(x1[:-1])
+        bias = call.get("bias")
+        extra = nodes.nbytes(bias.meta.get("val")) if isinstance(bias, torch.fx.Node) else 0
+    else:
+        ranks = call["world_size"]
+        rows = x1[0] * ranks if kind == "all_gather" else x1[0]
+        extra = 0
+    matrix = 2 * rows * k * n
+    # bytes over HBM: x1 (for the all-gather: as gathered), x2, the product, a bias
+    matmul = _roofline_us(matrix, (rows * k + k * n + rows * n) * size + extra, dtype, profile)
+    comm_bytes = rows * (k if kind == "all_gather" else n) * size
+    comm = collective_us(kind, comm_bytes, ranks, profile)
+    chunks = max(1, profile.mc2_chunks or ranks)
+    c1, m1 = collective_us(kind, comm_bytes / chunks, ranks, profile), matmul / chunks
+    fused = c1 + m1 + (chunks - 1) * max(c1, m1)
+    return MC2Cost(matmul, comm, fused, chunks, kind, ranks)
 
 
 def comm_us(node: torch.fx.Node, profile: DeviceProfile, nbytes: int | None = None) -> float:
@@ -148,7 +230,8 @@ def comm_us(node: torch.fx.Node, profile: DeviceProfile, nbytes: int | None = No
 
 
 def node_us(node: torch.fx.Node, profile: DeviceProfile | None = None) -> float:
-    """Cost of any node: its collective time for collectives, its compute time otherwise."""
+    """Cost of any node: its collective time for collectives, its compute time otherwise (for an MC2 node its
+    fused time, the time it holds the compute stream)."""
     profile = load(profile)
     return comm_us(node, profile) if nodes.is_collective(node) else compute_us(node, profile)
 

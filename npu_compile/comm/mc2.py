@@ -16,7 +16,11 @@ documented constraints (shared/research/anchors.md section C and the torch_npu A
 - AR: x1 2-D or 3-D, x2 2-D, world size ∈ {1, 2, 4, 8}, reduce_op 'sum', bias 1-D of size n and x1's dtype;
 - all MC2 ops of one model use one communication domain (the first group taken; later groups are declined).
 
-Declined sites keep their plain mm + collective, and the reason goes to report.json ``unfused``.
+Declined sites keep their plain mm + collective, and the reason goes to report.json ``unfused``, once: on targets
+npu and npu-sim the overlap stage rewrites first (``defer=True``, so that bucketing cannot hide a site) and
+lowering rewrites again; the graph keeps the communication domain, the sites fused and the sites declined
+(``gm.meta``), so the second pass fuses nothing twice, declines no site twice, and returns every decline made on
+this graph that was not returned before.
 
 ``hcom``: torch_npu wants the HCCL communicator name (``pg._get_backend(npu).get_hccl_comm_name(rank)``). On
 target npu it is resolved from the group at compile time; on npu-sim ``hcom`` is the c10d group name the
@@ -25,7 +29,9 @@ very process group (npu_sim_kernels.py).
 
 Views: Megatron's 3-D activations reach the mm as ``view(x, [s·b, h]) → mm → view([s, b, n])``. Gathering or
 scattering along dim 0 commutes with flattening the leading dims (given s % world_size == 0 for the scatter), so
-the fused op takes the 2-D operand and the views are re-applied around it.
+the fused op takes the 2-D operand and the views are re-applied around it. Megatron gathers into a buffer it
+allocated (``_all_gather_base(out, x)``), which functionalizes to ``copy(empty(...), wait)``: a copy into a fresh
+tensor of the same shape, dtype and strides, which the rewrite reads through.
 """
 
 from __future__ import annotations
@@ -195,31 +201,81 @@ def _npu(name: str) -> torch._ops.OpOverload:
     return getattr(torch.ops.npu, name).default
 
 
+def _identity_copy(copy: Node, src: Node) -> bool:
+    """``copy(empty(...), src)`` into a fresh tensor of ``src``'s shape, dtype and strides: ``src``'s values."""
+    if copy.op != "call_function" or copy.target is not aten.copy.default or len(copy.args) != 2 or copy.kwargs:
+        return False
+    dst, arg = copy.args
+    if arg is not src or not isinstance(dst, Node) or dst.target is not aten.empty.memory_format or len(dst.users) != 1:
+        return False
+    a, b = _val(dst), _val(src)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.stride() == b.stride() and a.device == b.device)
+
+
+def _x1_reader(src: Node, user: Node) -> tuple[Node | None, Node] | None:
+    """(None, mm) when ``user`` is a matmul taking ``src`` as x1; (view, mm) when ``user`` is a 2-D view of ``src``
+    that a matmul takes as x1; else None."""
+    def takes_x1(mm: Node, x: Node) -> bool:
+        return (mm.op == "call_function" and mm.target in MATMULS
+                and mm.args[1 if mm.target is aten.addmm.default else 0] is x)
+
+    if user.op != "call_function":
+        return None
+    if takes_x1(user, src):
+        return None, user
+    if user.target in VIEWS and len(_val(user).shape) == 2:
+        mms = [u for u in user.users if takes_x1(u, user)]
+        if mms:
+            return user, mms[0]
+    return None
+
+
+_META = "npu_compile_mc2"  # ops fused on this graph, in order
+_META_STATE = "npu_compile_mc2_state"  # what a later rewrite of this graph must know (see _State)
+
+
+class _State:
+    """What one graph's rewrites share: the communication domain, and the declined sites (by collective node name)
+    with whether their reason was returned yet."""
+
+    def __init__(self) -> None:
+        self.domain: str | None = None  # the one group all MC2 ops of this model use
+        self.declined: dict[str, dict[str, str]] = {}
+        self.returned: set[str] = set()
+
+    def take(self) -> list[dict[str, str]]:
+        """The declines not returned before, in the order they were made."""
+        new = [site for site in self.declined if site not in self.returned]
+        self.returned.update(new)
+        return [self.declined[site] for site in new]
+
+
 class _Rewriter:
     def __init__(self, gm: GraphModule, target: str):
         from torch._guards import detect_fake_mode
 
         self.gm, self.target = gm, target
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
-        self.unfused: list[dict[str, str]] = []
-        self.domain: str | None = None  # the one group all MC2 ops of this model use
+        self.state: _State = gm.meta.setdefault(_META_STATE, _State())
         self.fused: list[str] = []
 
-    def decline(self, op: str, why: str) -> None:
-        self.unfused.append({"op": f"npu.{op}", "reason": f"npu: MC2 declined: {why}"})
+    def decline(self, op: str, why: str, site: Node) -> None:
+        self.state.declined.setdefault(site.name, {"op": f"npu.{op}", "reason": f"npu: MC2 declined: {why}"})
 
-    def hcom(self, op: str, group_name: Any) -> str | None:
+    def hcom(self, op: str, group_name: Any, site: Node) -> str | None:
         name = group_name.group_name if isinstance(group_name, torch.distributed.ProcessGroup) else str(group_name)
-        if self.domain is not None and name != self.domain:
-            self.decline(op, f"MC2 ops of one model must share one communication domain ({self.domain!r}), "
-                             f"this site is on {name!r}")
+        domain = self.state.domain
+        if domain is not None and name != domain:
+            self.decline(op, f"MC2 ops of one model must share one communication domain ({domain!r}), "
+                             f"this site is on {name!r}", site)
             return None
         try:
             hcom = hcom_for(group_name, self.target)
         except (ValueError, RuntimeError) as e:
-            self.decline(op, str(e))
+            self.decline(op, str(e), site)
             return None
-        self.domain = name
+        self.state.domain = name
         return hcom
 
     def emit(self, before: Node, like: Node, target: Callable, *args: Any, **kwargs: Any) -> Node:
@@ -229,20 +285,14 @@ class _Rewriter:
     def all_gather(self, match: Any) -> None:
         ag, res, shard = match.ag_node, match.res_node, match.shard_node
         if match.gather_dim != 0 or res.target is not c10d.wait_tensor.default or len(ag.users) != 1:
-            return self.decline(OP_AG, "only a dim-0 all-gather read by its wait alone is fused (gather_index 0)")
-        consumer = None  # (view of the gathered tensor or None, mm)
-        for user in res.users:
-            if user.op != "call_function":
-                continue
-            if user.target in MATMULS and user.args[1 if user.target is aten.addmm.default else 0] is res:
-                consumer = (None, user)
-            elif user.target in VIEWS and len(_val(user).shape) == 2:
-                mms = [u for u in user.users if u.op == "call_function" and u.target in MATMULS
-                       and u.args[1 if u.target is aten.addmm.default else 0] is user]
-                if mms:
-                    consumer = (user, mms[0])
-            if consumer:
-                break
+            return self.decline(OP_AG, "only a dim-0 all-gather read by its wait alone is fused (gather_index 0)", ag)
+        for copy in [u for u in res.users if _identity_copy(u, res)]:  # Megatron's gather into its own buffer
+            if any(_x1_reader(copy, user) for user in copy.users):
+                dst = copy.args[0]
+                copy.replace_all_uses_with(res)
+                self.gm.graph.erase_node(copy)
+                self.gm.graph.erase_node(dst)
+        consumer = next(filter(None, (_x1_reader(res, user) for user in res.users)), None)
         if consumer is None:
             return  # no matmul reads the gathered tensor: not an MC2 site
         view, mm_node = consumer
@@ -250,19 +300,19 @@ class _Rewriter:
         shard_val, full_val = _val(shard), _val(res)
         ws = _world_size(match.group_name)
         if ws is None:
-            return self.decline(OP_AG, f"cannot resolve process group {match.group_name!r}")
+            return self.decline(OP_AG, f"cannot resolve process group {match.group_name!r}", ag)
         if shard_val is None or _val(mm.x2) is None:
-            return self.decline(OP_AG, "no FakeTensor metadata on its inputs")
+            return self.decline(OP_AG, "no FakeTensor metadata on its inputs", ag)
         x1_val = shard_val if view is None else shard_val.reshape(-1, full_val.shape[-1])
         if view is not None and (shard_val.dim() < 2 or list(_val(view).shape) != [full_val.numel() // full_val.shape[-1],
                                                                                  full_val.shape[-1]]):
-            return self.decline(OP_AG, "the gathered tensor is viewed other than by flattening its leading dims")
+            return self.decline(OP_AG, "the gathered tensor is viewed other than by flattening its leading dims", ag)
         if not shard_val.is_contiguous():
-            return self.decline(OP_AG, "x1 must not be transposed (the shard is non-contiguous)")
+            return self.decline(OP_AG, "x1 must not be transposed (the shard is non-contiguous)", ag)
         why = check_ag_rs(OP_AG, x1_val, _val(mm.x2), ws, mm.bias)
         if why:
-            return self.decline(OP_AG, why)
-        hcom = self.hcom(OP_AG, match.group_name)
+            return self.decline(OP_AG, why, ag)
+        hcom = self.hcom(OP_AG, match.group_name, ag)
         if hcom is None:
             return
         x1 = shard if view is None else self.emit(mm_node, view, aten.view.default, shard, list(x1_val.shape))
@@ -293,23 +343,23 @@ class _Rewriter:
             return  # not an MC2 site
         ws = _world_size(match.group_name)
         if ws is None:
-            return self.decline(OP_RS, f"cannot resolve process group {match.group_name!r}")
+            return self.decline(OP_RS, f"cannot resolve process group {match.group_name!r}", rs)
         if match.reduce_op != "sum":
-            return self.decline(OP_RS, f"reduce_op must be 'sum', got {match.reduce_op!r}")
+            return self.decline(OP_RS, f"reduce_op must be 'sum', got {match.reduce_op!r}", rs)
         if match.scatter_dim != 0 or len(rs.users) != 1 or len(mm.result.users) != 1:
-            return self.decline(OP_RS, "only a dim-0 reduce-scatter that alone reads the matmul is fused")
+            return self.decline(OP_RS, "only a dim-0 reduce-scatter that alone reads the matmul is fused", rs)
         x1v, x2v = _val(mm.x1), _val(mm.x2)
         if x1v is None or x2v is None:
-            return self.decline(OP_RS, "no FakeTensor metadata on its inputs")
+            return self.decline(OP_RS, "no FakeTensor metadata on its inputs", rs)
         if mm.out_view is not None:
             shape = list(_val(mm.out_view).shape)
             if shape[-1] != x2v.shape[-1] or shape[0] % ws:
                 return self.decline(OP_RS, f"the matmul's result is viewed as {shape}, whose dim 0 the world size "
-                                           f"{ws} does not divide")
+                                           f"{ws} does not divide", rs)
         why = check_ag_rs(OP_RS, x1v, x2v, ws, mm.bias)
         if why:
-            return self.decline(OP_RS, why)
-        hcom = self.hcom(OP_RS, match.group_name)
+            return self.decline(OP_RS, why, rs)
+        hcom = self.hcom(OP_RS, match.group_name, rs)
         if hcom is None:
             return
         out = self.emit(wait, wait, _npu(OP_RS), mm.x1, mm.x2, hcom, ws)
@@ -334,18 +384,18 @@ class _Rewriter:
         reduce_op, group_name = ar.args[1], ar.args[2]
         ws = _world_size(group_name)
         if ws is None:
-            return self.decline(OP_AR, f"cannot resolve process group {group_name!r}")
+            return self.decline(OP_AR, f"cannot resolve process group {group_name!r}", ar)
         if len(mm.result.users) != 1:
-            return self.decline(OP_AR, "the matmul's result has readers besides the all-reduce")
+            return self.decline(OP_AR, "the matmul's result has readers besides the all-reduce", ar)
         if not mm.plain:
-            return self.decline(OP_AR, "addmm with beta/alpha other than 1")
+            return self.decline(OP_AR, "addmm with beta/alpha other than 1", ar)
         x1v, x2v = _val(mm.x1), _val(mm.x2)
         if x1v is None or x2v is None:
-            return self.decline(OP_AR, "no FakeTensor metadata on its inputs")
+            return self.decline(OP_AR, "no FakeTensor metadata on its inputs", ar)
         why = check_ar(x1v, x2v, ws, reduce_op, _val(mm.bias) if mm.bias is not None else None)
         if why:
-            return self.decline(OP_AR, why)
-        hcom = self.hcom(OP_AR, group_name)
+            return self.decline(OP_AR, why, ar)
+        hcom = self.hcom(OP_AR, group_name, ar)
         if hcom is None:
             return
         kwargs = {"reduce_op": reduce_op} | ({"bias": mm.bias} if mm.bias is not None else {})
@@ -359,15 +409,17 @@ class _Rewriter:
         self.fused.append(OP_AR)
 
 
-def rewrite_mc2(gm: GraphModule, target: str) -> list[dict[str, str]]:
+def rewrite_mc2(gm: GraphModule, target: str, *, defer: bool = False) -> list[dict[str, str]]:
     """Fuse the MC2 sites of ``gm`` in place for ``target`` ('npu' or 'npu-sim'); returns report.json ``unfused``
-    entries for the sites declined. The ``npu`` ops must be defined (torch_npu, or npu-sim's registration)."""
+    entries for the sites declined on this graph and not returned by an earlier call (``defer``: keep them for a
+    later call, return none). The ``npu`` ops must be defined (torch_npu, or npu-sim's registration)."""
     from torch._inductor.fx_passes.micro_pipeline_tp import find_all_gather_patterns, find_reduce_scatter_patterns
 
     graph = gm.graph
     if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
                for n in graph.nodes):
-        return []
+        state = gm.meta.get(_META_STATE)
+        return [] if defer or state is None else state.take()
     rw = _Rewriter(gm, target)
     for match in find_all_gather_patterns(graph):
         if match.ag_node.graph is graph and match.ag_node in graph.nodes:
@@ -384,5 +436,5 @@ def rewrite_mc2(gm: GraphModule, target: str) -> list[dict[str, str]]:
         stable_topological_sort(graph)  # a reader of the gathered tensor may precede the matmul it now follows
         graph.lint()
         gm.recompile()
-    gm.meta["npu_compile_mc2"] = list(rw.fused)
-    return rw.unfused
+    gm.meta[_META] = gm.meta.get(_META, []) + rw.fused
+    return [] if defer else rw.state.take()

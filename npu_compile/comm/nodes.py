@@ -1,7 +1,9 @@
 """What a node is to the comm room: a collective (and which), the wait that completes one, its bytes and group.
 
 Collectives are functional collectives (``_c10d_functional``) as Dynamo and aot_autograd emit them: the op
-returns at once and ``wait_tensor`` on its result completes it.
+returns at once and ``wait_tensor`` on its result completes it. MC2 ops (torch_npu's matmul fused with a
+collective, :mod:`npu_compile.comm.mc2`) are not collectives here: they complete on the compute stream, and
+:func:`is_mc2` / :func:`mc2_kind` say which collective they carry.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import operator
 
 import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from npu_compile.comm.mc2 import OP_AG, OP_AR, OP_RS
 
 _C10D = "_c10d_functional"
 
@@ -27,6 +31,10 @@ KINDS = {
 }
 
 
+# MC2 op name (namespace ``npu``) -> the collective it carries
+MC2_KINDS = {OP_AG: "all_gather", OP_RS: "reduce_scatter", OP_AR: "all_reduce"}
+
+
 def _opname(node: torch.fx.Node) -> str | None:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
@@ -42,6 +50,19 @@ def is_collective(node: torch.fx.Node) -> bool:
 
 def is_wait(node: torch.fx.Node) -> bool:
     return _opname(node) == "wait_tensor"
+
+
+def is_mc2(node: torch.fx.Node) -> bool:
+    """An MC2 op (``npu.npu_all_gather_base_mm``, ``npu.npu_mm_reduce_scatter_base``, ``npu.npu_mm_all_reduce_base``):
+    a matmul and a collective in one kernel."""
+    target = node.target if node.op == "call_function" else None
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "npu"
+            and target._opname in MC2_KINDS)
+
+
+def mc2_kind(node: torch.fx.Node) -> str:
+    """all_gather | reduce_scatter | all_reduce: the collective an MC2 node carries."""
+    return MC2_KINDS[node.target._opname]
 
 
 def kind(node: torch.fx.Node) -> str:
@@ -105,7 +126,11 @@ def group_size(node: torch.fx.Node) -> int | None:
             value = node.args[i] if i < len(node.args) else node.kwargs.get("group_size")
             if isinstance(value, int):
                 return value
-    name = group_name(node)
+    return resolve_group_size(group_name(node))
+
+
+def resolve_group_size(name: str | None) -> int | None:
+    """Ranks in the live process group called ``name``; None without one (no group, or not a c10d name)."""
     if name is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return None
     try:

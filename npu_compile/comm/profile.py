@@ -31,6 +31,12 @@ class DeviceProfile:
     link_latency_us: float  # per step of a collective algorithm (launch + hop + handshake)
     algorithms: Mapping[str, str]  # collective kind -> "ring" | "full_mesh"
     ranks_per_node: int = 8  # group size assumed when a collective's group cannot be resolved
+    # Chunks an MC2 op (matmul fused with a collective) pipelines its work in; 0: one chunk per rank of its group.
+    # Per-rank chunks are how the op's data divides by itself: an all-gather brings one shard per rank, a
+    # reduce-scatter sends one row block per rank, so each block's matmul can start (or its send can start) once
+    # that block is there. torch_npu exposes no tile count (``comm_turn`` takes only 0 in 2.13), so this is an
+    # estimate of its granularity, not a documented figure; see ``cost.mc2_cost``.
+    mc2_chunks: int = 0
 
     def matrix_rate(self, dtype: torch.dtype) -> float:
         return _rate(self.matrix_flops, dtype)

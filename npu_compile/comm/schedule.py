@@ -34,6 +34,7 @@ from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from npu_compile.comm import cost, nodes
+from npu_compile.comm.mc2 import rewrite_mc2
 from npu_compile.comm.profile import DeviceProfile, load
 from npu_compile.comm.simulate import Timeline, simulate
 
@@ -205,8 +206,17 @@ def list_schedule(
     def fits(n: torch.fx.Node) -> bool:
         return allowed_bytes is None or tracker.current_memory_bytes + nodes.nbytes(n.meta.get("val")) <= allowed_bytes
 
+    def blocked_until(n: torch.fx.Node) -> float:
+        """When ``n`` could start without idling the compute stream: a wait when its collective ends, an MC2 node
+        when the link is free; anything else now."""
+        if nodes.is_wait(n):
+            return finish.get(nodes.collective_of(n), 0.0)
+        if nodes.is_mc2(n):
+            return comm_free
+        return 0.0
+
     while ready:
-        runnable = [n for n in ready if not (nodes.is_wait(n) and finish.get(nodes.collective_of(n), 0.0) > clock)]
+        runnable = [n for n in ready if blocked_until(n) <= clock]
         issuable = [n for n in runnable if nodes.is_collective(n)]
         if len(issuable) < len(runnable):  # with other work to do, an early collective must fit under the cap
             issuable = [n for n in issuable if fits(n)]
@@ -215,12 +225,14 @@ def list_schedule(
         elif runnable:
             over_cap = allowed_bytes is not None and tracker.current_memory_bytes > allowed_bytes
             node = max(runnable, key=in_order if strategy == "keep_compute_order" or over_cap else urgency)
-        else:  # only waits on running collectives: hold for the one that finishes first
-            node = min(ready, key=lambda w: finish.get(nodes.collective_of(w), 0.0))
+        else:  # only waits on running collectives (or MC2 nodes wanting the link): the first to be unblocked
+            node = min(ready, key=lambda n: (blocked_until(n), -level[n], index[n]))
         ready.remove(node)
         order.append(node)
         tracker.schedule_node(node)
-        if nodes.is_collective(node):
+        if nodes.is_mc2(node):  # on the compute stream, holding the link
+            clock = comm_free = max(clock, comm_free) + costs[node]
+        elif nodes.is_collective(node):
             comm_free = finish[node] = max(clock, comm_free) + costs[node]
         elif nodes.is_wait(node):
             clock = max(clock, finish.get(nodes.collective_of(node), clock))
@@ -290,11 +302,28 @@ def schedule_overlap(
     return OverlapResult(before, after, strategy, buckets, peak_before, peak)
 
 
+MC2_TARGETS = ("npu", "npu-sim")
+
+
+def mc2_ops_defined() -> bool:
+    """Whether the ``npu`` MC2 ops exist in this process (torch_npu, or npu-sim's registration)."""
+    return all(hasattr(torch.ops.npu, name) for name in nodes.MC2_KINDS)
+
+
 def overlap_stage(gm: torch.fx.GraphModule, opts, kind: str = "") -> None:
     """The backend's aten stage (any ``kind`` of graph): schedule for overlap when ``options.overlap`` is on.
+
+    On targets npu and npu-sim the MC2 rewrite runs first, so that bucketing cannot merge a collective that an MC2
+    op would take (a merged collective is no MC2 site) and the schedule is made for the ops that will run. Its
+    declined sites are kept on the graph and reported once, by lowering's MC2 step, which fuses nothing more.
     Overlap is an optimisation: if it fails, the graph compiles in its original order and the reason is logged."""
     if not opts.overlap:
         return
+    if opts.target in MC2_TARGETS:
+        if mc2_ops_defined():
+            rewrite_mc2(gm, opts.target, defer=True)
+        else:
+            log.debug("npu_compile: MC2 ops not defined yet; the %s graph is bucketed before its MC2 rewrite", kind)
     try:
         result = schedule_overlap(gm)
     except Exception:
