@@ -2,7 +2,8 @@
 
 A program is data (a list of steps drawn from a seed) and a function that runs it, so the same program traces
 to the same FX graph on every rank. Values are square shards [D, D] or gathered [world·D, D]; all-gather turns
-a shard into a gathered value and reduce-scatter the reverse.
+a shard into a gathered value and reduce-scatter the reverse. With ``mc2=True`` programs also call the MC2 ops
+(all-gather-mm, mm-reduce-scatter, mm-all-reduce; the ``npu`` ops must be defined): for tracing only.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class Program:
                 values.append(c10d.wait_tensor(c10d.all_gather_into_tensor(a, n, self.group)))
             elif op == "reduce_scatter":
                 values.append(c10d.wait_tensor(c10d.reduce_scatter_tensor(a, "sum", n, self.group)))
+            elif op == "ag_mm":
+                values.append(torch.ops.npu.npu_all_gather_base_mm(a, values[ix[1]], self.group, n)[0])
+            elif op == "mm_rs":
+                values.append(torch.ops.npu.npu_mm_reduce_scatter_base(a, values[ix[1]], self.group, n))
+            elif op == "mm_ar":
+                values.append(torch.ops.npu.npu_mm_all_reduce_base(a, values[ix[1]], self.group))
         return tuple(values[i] for i in self.outputs)
 
     def example_inputs(self, seed: int, rank: int = 0) -> list[torch.Tensor]:
@@ -62,7 +69,8 @@ class Program:
         return make_fx(self, tracing_mode="fake")(*self.example_inputs(0))
 
 
-def random_program(seed: int, world_size: int = 2, group: str = "0", n_steps: int = 16) -> Program:
+def random_program(seed: int, world_size: int = 2, group: str = "0", n_steps: int = 16, mc2: bool = False
+                   ) -> Program:
     rng = random.Random(seed)
     inputs = [SHARD, SHARD, SHARD, FULL]
     tags = list(inputs)
@@ -72,11 +80,25 @@ def random_program(seed: int, world_size: int = 2, group: str = "0", n_steps: in
     def pick(tag: str | None = None) -> int:
         return rng.choice([i for i, t in enumerate(tags) if tag is None or t == tag])
 
+    ops = ["mm", "add", "mul", "tanh", "t", "scale_", "rand", "all_reduce", "all_gather", "reduce_scatter"]
+    weights = [4, 2, 2, 1, 1, 1, 1, 3, 2, 2]
+    if mc2:
+        ops, weights = ops + ["ag_mm", "mm_rs", "mm_ar"], weights + [2, 2, 2]
     for _ in range(n_steps):
-        op = rng.choices(
-            ["mm", "add", "mul", "tanh", "t", "scale_", "rand", "all_reduce", "all_gather", "reduce_scatter"],
-            weights=[4, 2, 2, 1, 1, 1, 1, 3, 2, 2],
-        )[0]
+        op = rng.choices(ops, weights=weights)[0]
+        if op == "ag_mm":  # shard @ [D, D] gathered: full
+            steps.append((op, pick(SHARD), pick(SHARD)))
+            tags.append(FULL)
+            continue
+        if op == "mm_rs":  # full @ [D, D] scattered: shard
+            steps.append((op, pick(FULL), pick(SHARD)))
+            tags.append(SHARD)
+            continue
+        if op == "mm_ar":
+            a = pick()
+            steps.append((op, a, pick(SHARD)))
+            tags.append(tags[a])
+            continue
         if op == "mm":
             a = pick()
             steps.append((op, a, pick(SHARD)))
