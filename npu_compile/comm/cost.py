@@ -162,6 +162,12 @@ class MC2Cost:
     chunks: int  # T, the pipeline's depth
     kind: str  # all_gather | reduce_scatter | all_reduce
     ranks: int
+    chunk_comm_us: float  # c₁, one chunk's collective
+
+    @property
+    def comm_bound(self) -> bool:
+        """A chunk's collective outlasts its matmul: comm shows through every stage, not just the fill."""
+        return self.chunk_comm_us > self.matmul_us / self.chunks
 
 
 def _bound(node: torch.fx.Node) -> dict:
@@ -219,7 +225,7 @@ def mc2_cost(node: torch.fx.Node, profile: DeviceProfile | None = None) -> MC2Co
     chunks = max(1, profile.mc2_chunks or ranks)
     c1, m1 = collective_us(kind, comm_bytes / chunks, ranks, profile), matmul / chunks
     fused = c1 + m1 + (chunks - 1) * max(c1, m1)
-    return MC2Cost(matmul, comm, fused, chunks, kind, ranks)
+    return MC2Cost(matmul, comm, fused, chunks, kind, ranks, c1)
 
 
 def comm_us(node: torch.fx.Node, profile: DeviceProfile, nbytes: int | None = None) -> float:

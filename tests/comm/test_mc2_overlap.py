@@ -64,6 +64,7 @@ def test_all_gather_mm_compute_bound():
     assert part.fused_us == pytest.approx(c1 + m1 + 7 * m1)
     assert part.fused_us == pytest.approx(118.736, abs=1e-3)  # only the first chunk's gather shows
     assert part.fused_us - part.matmul_us == pytest.approx(11.362, abs=1e-3)
+    assert part.chunk_comm_us == pytest.approx(c1) and not part.comm_bound
     assert cost.node_us(node) == part.fused_us == cost.compute_us(node, ASCEND_910B)
 
 
@@ -79,6 +80,7 @@ def test_mm_reduce_scatter_comm_bound():
     assert part.fused_us == pytest.approx(c1 + matmul / 8 + 7 * c1)
     assert part.fused_us == pytest.approx(97.609, abs=1e-3)  # every chunk's comm shows: 43.9 µs exposed
     assert part.fused_us - part.matmul_us == pytest.approx(43.922, abs=1e-3)
+    assert part.comm_bound
 
 
 def test_mm_all_reduce_takes_the_profile_group_and_bias():
@@ -108,7 +110,8 @@ def test_one_chunk_hides_nothing_and_more_chunks_pay_more_latency():
 
 # ---- simulator ----------------------------------------------------------------------------------------------
 
-PARTS = MC2Cost(matmul_us=10.0, comm_us=8.0, fused_us=13.0, chunks=8, kind="reduce_scatter", ranks=8)
+PARTS = MC2Cost(matmul_us=10.0, comm_us=8.0, fused_us=13.0, chunks=8, kind="reduce_scatter", ranks=8,
+                chunk_comm_us=3.0)
 
 
 def by_name(**costs):
