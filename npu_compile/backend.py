@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from npu_compile import comm, config, lowering, passes
@@ -28,6 +27,7 @@ from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.plots import memory_png
 from npu_compile.debug.report import Report, count_ops, publish
 from npu_compile.debug.verify import verified
+from npu_compile.passes import recompute
 from npu_compile.passes.reorder import reorder_for_peak
 from npu_compile.passes.memory import (
     arena,
@@ -94,11 +94,14 @@ class _Compilation:
         self.dump.stage("joint", "aot_joint", joint)
         self._record_fusions(*passes.apply_rules(joint, self.opts.fusion_enabled, passes.TRAINING))
         self.dump.stage("joint", "fused", joint)
-        # At exactly 0 torch's min-cut saves the graph inputs only, ignoring MUST_SAVE on random values, so a
-        # dropout seed would be redrawn in the backward; the smallest positive budget saves just those.
-        budget = max(self.opts.memory_budget, 1e-6)
-        with functorch_config.patch(activation_memory_budget=budget):
+        # memory_budget → the min-cut's activation budget, recompute weighed by the cost model; attention's
+        # outputs are always saved, cheap fused ops may be recomputed (passes/recompute.py)
+        with recompute.policy(joint, self.opts.memory_budget):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        again = recompute.recompute_cost(fw.graph, bw.graph)
+        self.report.memory.update(recompute_nodes=again.nodes, recompute_flops=again.flops,
+                                  recompute_us=again.us, recompute_ops=again.ops,
+                                  step_flops=recompute.matrix_flops(fw.graph) + recompute.matrix_flops(bw.graph))
         self.before = training_buffers(fw.graph, bw.graph)
         self.report.memory["peak_bytes_before"] = liveness(*self.before).peak
         self.partitioned_bw = bw
@@ -194,6 +197,10 @@ def ascend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: 
             f"{', '.join(config.KEYS)}"
         )
     opts = config.resolve(options)
+    if opts.target == "npu-sim":  # the npu ops exist before the aten stages: the overlap stage's MC2 rewrite emits them
+        from npu_compile.lowering import npu_sim_kernels
+
+        npu_sim_kernels.register()
     c = _Compilation(gm, opts)
     compiled = aot_autograd(
         fw_compiler=c.compiler("forward"),

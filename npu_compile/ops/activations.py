@@ -35,27 +35,33 @@ def _biased(x: Tensor, bias: Optional[Tensor]) -> Tensor:
     return z.to(acc_dtype(x.dtype))
 
 
-def _gelu_and_grad(z: Tensor, approximate: str, need_value: bool, need_grad: bool):
-    """gelu(z) and d gelu/dz, written out (not through F.gelu) so the tests' F.gelu is an independent check."""
+def _gelu(z: Tensor, approximate: str) -> Tensor:
+    """gelu(z), written out (not through F.gelu, so that the tests' F.gelu is an independent check) and built
+    in place in one fresh buffer: the kernel's only scratch is z itself when the bias made it."""
     if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (z + _TANH_CUBIC * z * z * z)
-        t = torch.tanh(inner)
-        value = 0.5 * z * (1.0 + t) if need_value else None
-        grad = (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * z * z)
-                if need_grad else None)
-    else:
-        cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
-        value = z * cdf if need_value else None
-        grad = cdf + z * torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi)) if need_grad else None
-    return value, grad
+        # 0.5·z·(1 + tanh(√(2/π)·z·(1 + 0.044715·z²)))
+        return (z * z).mul_(_TANH_CUBIC).add_(1.0).mul_(z).mul_(_SQRT_2_OVER_PI).tanh_().add_(1.0).mul_(z).mul_(0.5)
+    return (z * (1.0 / math.sqrt(2.0))).erf_().add_(1.0).mul_(0.5).mul_(z)  # z·Φ(z)
+
+
+def _gelu_grad(z: Tensor, approximate: str) -> Tensor:
+    """d gelu/dz in a fresh buffer, with one more of z's size as scratch (z is never written)."""
+    if approximate == "tanh":
+        # with t = tanh(√(2/π)·(z + 0.044715·z³)) and b = 0.5·√(2/π)·z·(1 + 3·0.044715·z²):
+        # d/dz = 0.5·(1 + t) + b·(1 − t²) = (1 + t)·(0.5 + b·(1 − t))
+        t = (z * z).mul_(_TANH_CUBIC).add_(1.0).mul_(z).mul_(_SQRT_2_OVER_PI).tanh_()
+        b = (z * z).mul_(3.0 * _TANH_CUBIC).add_(1.0).mul_(z).mul_(0.5 * _SQRT_2_OVER_PI)
+        return b.addcmul_(b, t, value=-1.0).add_(0.5).mul_(t.add_(1.0))
+    # Φ(z) + z·φ(z)
+    density = (z * z).mul_(-0.5).exp_().mul_(z).mul_(1.0 / math.sqrt(2.0 * math.pi))
+    return (z * (1.0 / math.sqrt(2.0))).erf_().add_(1.0).mul_(0.5).add_(density)
 
 
 @torch.library.custom_op("npu_compile::bias_gelu", mutates_args=())
 def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none") -> Tensor:
     """gelu(x + bias) in x.dtype."""
     _check_gelu(x, bias, approximate)
-    value, _ = _gelu_and_grad(_biased(x, bias), approximate, need_value=True, need_grad=False)
-    return value.to(x.dtype).contiguous()
+    return _gelu(_biased(x, bias), approximate).to(x.dtype).contiguous()
 
 
 @bias_gelu.register_fake
@@ -69,8 +75,8 @@ def bias_gelu_backward(grad_y: Tensor, x: Tensor, bias: Optional[Tensor] = None,
                        bias_grad: bool = False) -> tuple[Tensor, Tensor]:
     """Returns (grad_x, grad_bias — the sum of grad_x over the broadcast dims; empty [0] unless bias_grad)."""
     _check_gelu(x, bias, approximate)
-    _, slope = _gelu_and_grad(_biased(x, bias), approximate, need_value=False, need_grad=True)
-    grad_z = grad_y.to(slope.dtype) * slope
+    slope = _gelu_grad(_biased(x, bias), approximate)
+    grad_z = slope.mul_(grad_y)  # in place: slope is the kernel's own buffer
     grad_x = grad_z.to(x.dtype).contiguous()
     if bias_grad:
         if bias is None:
@@ -116,7 +122,7 @@ def _halves(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
 def swiglu(x: Tensor, dim: int = -1) -> Tensor:
     """silu(a)·b for a, b = chunk(x, 2, dim): half of x's size along dim, in x.dtype."""
     a, b = (h.to(acc_dtype(x.dtype)) for h in _halves(x, dim))
-    return (a * torch.sigmoid(a) * b).to(x.dtype).contiguous()
+    return torch.sigmoid(a).mul_(a).mul_(b).to(x.dtype).contiguous()
 
 
 @swiglu.register_fake
@@ -129,11 +135,12 @@ def _(x, dim=-1):
 def swiglu_backward(grad_y: Tensor, x: Tensor, dim: int = -1) -> Tensor:
     """grad_x shaped like x: [g·b·σ(a)·(1 + a·(1 − σ(a))), g·a·σ(a)] along dim ~ npu_swiglu_backward."""
     a, b = (h.to(acc_dtype(x.dtype)) for h in _halves(x, dim))
-    g = grad_y.to(a.dtype)
-    sig = torch.sigmoid(a)
-    grad_a = g * b * sig * (1.0 + a * (1.0 - sig))
-    grad_b = g * a * sig
-    return torch.cat([grad_a, grad_b], dim=dim).to(x.dtype).contiguous()
+    grad_x = torch.empty(x.shape, dtype=a.dtype, device=x.device)
+    grad_a, grad_b = torch.chunk(grad_x, 2, dim=dim)
+    torch.sigmoid(a, out=grad_b)  # σ(a), then each half in place
+    torch.mul(grad_b, -1.0, out=grad_a).add_(1.0).mul_(a).add_(1.0).mul_(grad_b).mul_(b).mul_(grad_y)
+    grad_b.mul_(a).mul_(grad_y)  # g·a·σ(a)
+    return grad_x.to(x.dtype).contiguous()
 
 
 @swiglu_backward.register_fake

@@ -14,11 +14,19 @@ and its size beside that bound is the fragmentation.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
 from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
+from torch._library import custom_ops
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+log = logging.getLogger("npu_compile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +104,99 @@ def graph_buffers(
     by_output_node = {
         n.name: by_key[k] for n in output.all_input_nodes for k in alias.node_to_output_storages.get(n, ()) if k in by_key
     }
+    for node, step in index.items():
+        if scratch := workspace_bytes(node):
+            buffers.append(Buffer(f"{node.name}:workspace", str(node.target), (), "scratch", scratch, step, step))
     return GraphBuffers(steps, buffers, by_output_node)
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Live bytes of the storages the ops under it create, and their peak (a storage dies with its last
+    tensor, as CPython frees a kernel's temporaries)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key, (ref, nbytes) in list(self.live.items()):
+            if ref.expired():
+                self.current -= nbytes
+                del self.live[key]
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.live and not any(ref.cdata == StorageWeakRef(a.untyped_storage()).cdata
+                                                           for a in pytree.tree_leaves((args, kwargs))
+                                                           if isinstance(a, torch.Tensor)):
+                    nbytes = t.untyped_storage().nbytes()
+                    self.live[ref.cdata] = (ref, nbytes)
+                    self.current += nbytes
+                    self.peak = max(self.peak, self.current)
+        return out
+
+
+def _fake_like(val: object, mode: FakeTensorMode) -> object:
+    if not isinstance(val, torch.Tensor):
+        return val
+    shape = [optimization_hint(s, fallback=1) for s in val.shape]
+    if val.dim() == 0 and not val.is_floating_point():
+        return torch.zeros((), dtype=val.dtype)  # a seed: real, so that the kernel can read it
+    stride = [optimization_hint(s, fallback=1) for s in val.stride()]
+    with mode:
+        return torch.empty_strided(shape, stride, dtype=val.dtype, device="cpu")
+
+
+_SCRATCH: dict[tuple[str, str], int] = {}  # (op, signature) -> scratch bytes
+
+
+def _scratch(qualname: str, args: tuple, kwargs: tuple) -> int:
+    opdef = custom_ops._maybe_get_opdef(qualname)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_args = [_fake_like(a, mode) for a in args]
+    fake_kwargs = {k: _fake_like(v, mode) for k, v in kwargs}
+    tracker = _LiveStorages()
+    try:
+        with mode, tracker:
+            out = opdef._init_fn(*fake_args, **fake_kwargs)
+            outputs = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes()
+                       for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+    except Exception as e:  # a kernel that needs real data: no estimate
+        log.debug("no scratch estimate for %s: %s: %s", qualname, type(e).__name__, e)
+        return 0
+    return max(tracker.peak - sum(outputs.values()), 0)
+
+
+def _meta(a: object) -> object:
+    return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+
+def workspace_bytes(node: torch.fx.Node) -> int:
+    """Scratch a node's kernel allocates and frees within its own step, beyond its outputs: for our fused ops,
+    found by running the op's reference kernel on FakeTensors of the node's shapes while counting the live
+    bytes of the storages it creates (memoised per op and signature). Aten kernels' scratch is not modelled;
+    after lowering to ``npu`` the device kernels keep their tiles on chip."""
+    if node.op != "call_function" or getattr(node.target, "namespace", None) != "npu_compile":
+        return 0
+    args = tuple(_meta(a) for a in node.args)
+    kwargs = tuple(sorted((k, _meta(v)) for k, v in node.kwargs.items()))
+    if not all(isinstance(a, (torch.Tensor, int, float, bool, str, type(None), list, tuple))
+               for a in (*args, *(v for _, v in kwargs))):
+        return 0
+
+    def signature(a: object) -> str:
+        if isinstance(a, torch.Tensor):
+            return f"T{[optimization_hint(s, fallback=1) for s in a.shape]}{a.dtype}" \
+                   f"{[optimization_hint(s, fallback=1) for s in a.stride()]}"
+        return repr(a)
+
+    qualname = node.target._schema.name
+    key = (qualname, "|".join(signature(a) for a in (*args, *(f"{k}={signature(v)}" for k, v in kwargs))))
+    if key not in _SCRATCH:
+        _SCRATCH[key] = _scratch(qualname, args, kwargs)
+    return _SCRATCH[key]
 
 
 def liveness(buffers: list[Buffer], n_steps: int) -> Liveness:

@@ -122,3 +122,9 @@ def against_eager():
 def megatron_training():
     """``train_with_eager``; ask for ``megatron_cpu`` too."""
     return train_with_eager
+
+
+@pytest.fixture(scope="session")
+def rel_error():
+    """``relative_error``: max |actual − expected| over max |expected|."""
+    return relative_error

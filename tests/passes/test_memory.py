@@ -3,6 +3,8 @@
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import npu_compile.ops  # noqa: F401  (the fused ops)
+
 from npu_compile.passes.memory import (
     Buffer,
     arena,
@@ -110,3 +112,119 @@ def test_arena_reaches_the_bound_on_disjoint_lifetimes_and_never_goes_below():
             if a.start <= b.end and b.start <= a.end:
                 assert offsets[i] + a.bytes <= offsets[j] or offsets[j] + b.bytes <= offsets[i]
     assert size == peak  # the two 100-byte buffers share one slot, the rest fits beside them
+
+
+# ==== aliasing: views, in-place updates of inputs, outputs that alias inputs ==================================
+
+def test_in_place_update_of_an_input_allocates_nothing():
+    def f(a):
+        a.mul_(2)  # writes the caller's storage
+        b = a.view(32, 32)  # and a view of it
+        return b.t()  # an output aliasing the input
+
+    live = graph_liveness(trace(f, torch.randn(N)).graph)
+    assert live.peak == 0 and live.at_peak == []
+
+
+def test_output_aliasing_an_input_beside_a_fresh_output():
+    def f(a):
+        return a.t(), a * 2, a[:5]
+
+    live = graph_liveness(trace(f, torch.randn(32, 32)).graph)
+    assert live.peak == B  # only a * 2
+    assert [t.op for t in live.at_peak] == ["aten.mul.Tensor"]
+
+
+def test_a_view_keeps_its_base_alive_to_the_views_last_use():
+    def f(a):
+        big = a * 2  # B
+        first = big[:1]  # view: keeps all of big's storage
+        other = a + 1  # B, while big is still live through `first`
+        return (first * other[:1]).sum()
+
+    live = graph_liveness(trace(f, torch.randn(N)).graph)
+    assert live.peak == 2 * B + 4  # big + other + the [1] product (4 bytes) at the multiply
+
+
+def test_compiled_in_place_input_update_planned_and_equal_to_eager():
+    from npu_compile.debug.report import collect
+
+    def f(x, y):
+        x.add_(1)  # stays a mutation of the input (keep_inference_input_mutations)
+        return x.view(-1)[:8], y * x
+
+    x, y = torch.randn(N), torch.randn(N)
+    x_eager, x_comp = x.clone(), x.clone()
+    expected = f(x_eager, y)
+    with collect() as reports, torch.no_grad():
+        got = torch.compile(f, backend="ascend")(x_comp, y)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(x_comp, x_eager, rtol=0, atol=0)
+    assert got[0].data_ptr() == x_comp.data_ptr()  # the output aliases the caller's tensor
+    (report,) = reports
+    # the updated x is written into the caller's storage: fresh bytes are x + 1 (functional) and y * x
+    assert report.memory["lower_bound_bytes"] <= 2 * B
+    assert report.memory["lower_bound_bytes"] >= B
+
+
+# ==== kernel scratch: planned from the fused ops' own kernels, against the allocator ===========================
+
+def _measured_scratch(fn):
+    """Peak CPU bytes allocated while ``fn`` runs, minus what it returns (the profiler's memory events)."""
+    from bench.harness import peak_bytes
+
+    out = {}
+    peak = peak_bytes(lambda: out.setdefault("value", fn()))
+    leaves = torch.utils._pytree.tree_leaves(out["value"])
+    return peak - sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _scratch_cases():
+    ops = torch.ops.npu_compile
+    s, b, n, d = 384, 2, 4, 32  # two query tiles
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(s, b, n, 3 * d, generator=g)
+    q, k, v = qkv.split(d, dim=-1)
+    out, smax, ssum = ops.fused_attention(q, k, v, layout="sbnd", causal=True)
+    x, bias, gy = torch.randn(s, b, 256, generator=g), torch.randn(256, generator=g), torch.randn(s, b, 256, generator=g)
+    h, w = torch.randn(s, b, 64, generator=g), torch.randn(64, generator=g)
+    return {
+        "fused_attention": (ops.fused_attention, (q, k, v), dict(layout="sbnd", causal=True)),
+        "fused_attention_backward": (ops.fused_attention_backward, (out, q, k, v, out, smax, ssum),
+                                     dict(layout="sbnd", causal=True)),
+        "bias_gelu": (ops.bias_gelu, (x, bias, "tanh"), {}),
+        "bias_gelu_backward": (ops.bias_gelu_backward, (gy, x, bias, "tanh", True), {}),
+        "swiglu_backward": (ops.swiglu_backward, (gy[..., :128], x), {}),
+        "add_layer_norm": (ops.add_layer_norm, (h, h, w, w), {}),
+    }
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("op", ["fused_attention", "fused_attention_backward", "bias_gelu", "bias_gelu_backward",
+                                "swiglu_backward", "add_layer_norm"])
+def test_planned_kernel_scratch_equals_the_allocators(op):
+    from npu_compile.passes.memory import workspace_bytes
+
+    fn, args, kwargs = _scratch_cases()[op]
+    gm = make_fx(lambda *a: fn(*a, **kwargs), tracing_mode="fake")(*args)
+    (node,) = [n for n in gm.graph.nodes if getattr(n.target, "namespace", None) == "npu_compile"]
+    planned = workspace_bytes(node)
+    measured = _measured_scratch(lambda: fn(*args, **kwargs))
+    # equal but for eager's 0-dim tensors wrapping Python scalars (4 bytes each, a handful per kernel)
+    assert abs(planned - measured) <= 32, f"{op}: planned {planned} B of scratch, the allocator saw {measured} B"
+    if op.startswith("fused_attention"):  # one (forward) or two (backward) fp32 tiles of 256 rows × 384 keys
+        tile = 2 * 4 * 256 * 384 * 4
+        assert (2 if op.endswith("backward") else 1) * tile <= planned < (2 if op.endswith("backward") else 1) * tile * 1.2
+
+
+def test_scratch_counts_in_the_liveness_at_its_step():
+    x, bias = torch.randn(64, 256), torch.randn(256)
+    gm = trace(lambda x, b: torch.ops.npu_compile.bias_gelu(x, b, "none") * 2, x, bias)
+    live = graph_liveness(gm.graph)
+    # at bias_gelu: its output, and x + bias (its scratch, freed inside the kernel); then the output and * 2
+    size = 64 * 256 * 4
+    assert live.curve == [2 * size, 2 * size]
+    assert live.peak_step == 0
+    assert {(b.name, b.bytes) for b in live.at_peak} == {("bias_gelu", size), ("bias_gelu:workspace", size)}
