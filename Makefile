@@ -30,6 +30,7 @@ fuzz: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench
 	$(PY) -m bench.overlap
+	$(PY) -m bench.memory
 
 clean:
 	rm -rf $(VENV) npu_compile_dump .pytest_cache .hypothesis
