@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
-from npu_compile.passes.engine import Rule, in_layout_of, kwargs_as_traced, layout_check, register_rule
+from npu_compile.passes.engine import Rule, bias_problem, in_layout_of, kwargs_as_traced, layout_check, register_rule
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
@@ -125,11 +125,7 @@ def bias_gelu_examples():
 
 def bias_gelu_check(match):
     x, bias = (match.kwargs[k].meta["val"] for k in ("x", "bias"))
-    if bias.dtype != x.dtype:
-        return f"bias dtype {bias.dtype} differs from the input's {x.dtype} (the add promotes; bias_gelu does not)"
-    if torch.broadcast_shapes(x.shape, bias.shape) != x.shape:
-        return f"bias {tuple(bias.shape)} does not broadcast to the input {tuple(x.shape)}"
-    return _as_traced_and_laid_out(match)
+    return bias_problem(x, bias) or _as_traced_and_laid_out(match)
 
 
 def bias_gelu_site(node: torch.fx.Node) -> bool:

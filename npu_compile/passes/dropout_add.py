@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
-from npu_compile.passes.engine import Rule, contiguous_outputs, register_rule
+from npu_compile.passes.engine import Rule, bias_problem, contiguous_outputs, register_rule
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
@@ -85,12 +85,8 @@ def _check(match):
     if x.shape != residual.shape:
         return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape (the residual add broadcasts)"
     bias = match.kwargs.get("bias")
-    if bias is not None:
-        b = bias.meta["val"]
-        if b.dtype != x.dtype:
-            return f"bias dtype {b.dtype} differs from x's {x.dtype} (x + bias promotes; the fused op does not)"
-        if torch.broadcast_shapes(x.shape, b.shape) != x.shape:
-            return f"bias {tuple(b.shape)} does not broadcast to x {tuple(x.shape)}"
+    if bias is not None and (why := bias_problem(x, bias.meta["val"], "x")):
+        return why
     return contiguous_outputs(match)
 
 

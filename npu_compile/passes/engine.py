@@ -349,6 +349,16 @@ def in_layout_of(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out.permute(order).contiguous().permute(sorted(range(len(order)), key=order.__getitem__))
 
 
+def bias_problem(x: torch.Tensor, bias: torch.Tensor, what: str = "the input") -> str | None:
+    """Why a fused op that adds ``bias`` to ``x`` in x's dtype cannot replace an eager ``x + bias``, or None:
+    eager's add promotes mixed dtypes and broadcasts x up to the bias's shape; the fused ops do neither."""
+    if bias.dtype != x.dtype:
+        return f"bias dtype {bias.dtype} differs from {what}'s {x.dtype} (the add promotes; the fused op does not)"
+    if torch.broadcast_shapes(x.shape, bias.shape) != x.shape:
+        return f"bias {tuple(bias.shape)} does not broadcast to {what} {tuple(x.shape)}"
+    return None
+
+
 def layout_check(like: str | None = None) -> Callable[[Match], bool | str]:
     """An extra_check for rules whose fused ops write contiguous tensors: every tensor the match replaces must
     be contiguous already, except the forward output when the replacement returns it as

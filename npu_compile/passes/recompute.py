@@ -10,8 +10,10 @@ partitioner three things it cannot know about the fused ops:
 - **cheap fused ops may be recomputed**: norms, bias-GeLU, SwiGLU, RoPE and bias-dropout-add (a dropout seed is
   an input of the op and is itself saved: a recompute draws the same mask). They are one pass over their
   operands; MindSpeed offers the same trade by hand (``--recompute-norm``, ``--recompute-activation-function``);
-- **attention is never recomputed**: its outputs (out, softmax max and sum) are MUST_SAVE; recomputing it would
-  cost a second forward of the most expensive op of the layer for tensors of [b, n, s, 8] at most.
+- **attention is never recomputed**: its outputs (out, softmax max and sum) are MUST_SAVE, it counts as
+  compute-intensive in the min-cut's bans, and the knapsack (:class:`SavingKnapsack`) saves it before it weighs
+  anything else; recomputing it would cost a second forward of the layer's most expensive op to drop tensors
+  that are [b, s, h] and [b, n, s] at most.
 
 torch 2.13's partitioner takes its recomputable-op list from ``partitioners.get_default_op_list`` (its
 ``recomputable_ops`` argument is documented but unused), so the list is extended for the duration of one
@@ -28,7 +30,8 @@ from collections.abc import Iterator
 import torch
 from torch._functorch import config as functorch_config
 from torch._functorch import partitioners
-from torch._inductor.custom_graph_pass import CustomRuntimeEstimator
+from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
+from torch._inductor.custom_graph_pass import CustomKnapsackSolver, CustomRuntimeEstimator
 from torch.utils._ordered_set import OrderedSet
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -62,14 +65,35 @@ class CostModelRuntime(CustomRuntimeEstimator):
         return f"npu_compile.CostModelRuntime:{self.profile.name}"
 
 
+class SavingKnapsack(CustomKnapsackSolver):
+    """torch's DP knapsack over the nodes the budget may recompute, with attention kept out of it: those nodes
+    are saved first, from the budget, and the rest is chosen by their time on the cost model. (Marking the
+    attention tuple MUST_SAVE instead would make the partitioner save the tuple itself below budget 1.0.)"""
+
+    def __init__(self, runtime: CostModelRuntime):
+        self.runtime = runtime
+        self.saved_ops = _packets(SAVED_FUSED)
+
+    def __call__(self, memory, joint_graph, max_memory, node_info, nodes):
+        forced = [i for i, n in enumerate(nodes) if getattr(n.target, "overloadpacket", None) in self.saved_ops]
+        free = [i for i in range(len(nodes)) if i not in forced]
+        budget = max(max_memory - sum(memory[i] for i in forced), 0.0)
+        _, saved, recomputed = dp_knapsack([memory[i] for i in free], [self.runtime(nodes[i]) for i in free], budget)
+        return forced + [free[i] for i in saved], [free[i] for i in recomputed]
+
+    def uuid(self) -> str:
+        return f"npu_compile.SavingKnapsack:{self.runtime.uuid()}"
+
+
 def mark_saved(graph: torch.fx.Graph) -> int:
-    """MUST_SAVE on the outputs of the ops that are never recomputed (attention); returns how many nodes."""
+    """MUST_SAVE on the outputs of the ops that are never recomputed (attention); returns how many ops."""
     saved = _packets(SAVED_FUSED)
     marked = 0
     for node in graph.nodes:
         if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in saved:
-            # The tuple node is never saved itself (the partitioner skips multi-output nodes): its items are.
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            # Its items, not the tuple node: below budget 1.0 the knapsack returns MUST_SAVE nodes as saved
+            # values as they are, and a saved tuple breaks autograd's saved-tensor check. (The tuple node itself
+            # is kept from recompute by counting as compute-intensive, see _op_types.)
             for user in node.users:
                 if user.target is operator.getitem:
                     user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
@@ -97,8 +121,10 @@ def policy(joint: torch.fx.GraphModule, memory_budget: float, profile: DevicePro
     # At exactly 0 torch's min-cut saves the graph inputs only, ignoring MUST_SAVE (random values, attention),
     # so a dropout seed would be redrawn in the backward; the smallest positive budget saves just those.
     budget = max(memory_budget, 1e-6)
+    runtime = CostModelRuntime(profile)
     with functorch_config.patch(activation_memory_budget=budget,
-                                activation_memory_budget_runtime_estimator=CostModelRuntime(profile),
+                                activation_memory_budget_runtime_estimator=runtime,
+                                activation_memory_budget_solver=SavingKnapsack(runtime),
                                 ban_recompute_materialized_backward=False), \
             _patched(partitioners, "get_default_op_list", lambda: op_types):
         yield

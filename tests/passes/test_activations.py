@@ -173,7 +173,7 @@ def test_bias_of_another_dtype_is_declined_with_the_reason():
     assert fusions["bias_gelu"] == 0
     assert sites == [("aten.gelu.default",
                       "bias dtype torch.float32 differs from the input's torch.bfloat16 (the add promotes; "
-                      "bias_gelu does not)")]
+                      "the fused op does not)")]
 
 
 def test_a_layout_the_fused_op_cannot_give_is_declined_with_the_reason():
