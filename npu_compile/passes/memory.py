@@ -77,6 +77,7 @@ def graph_buffers(
     graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool] = lambda n: False
 ) -> GraphBuffers:
     """The buffers of ``graph`` in its current order; ``dies_inside(placeholder)`` says which inputs count."""
+    realias_views(graph)
     nodes = list(graph.nodes)
     alias = GraphAliasTracker(nodes)
     steps = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
@@ -197,6 +198,45 @@ def workspace_bytes(node: torch.fx.Node) -> int:
     if key not in _SCRATCH:
         _SCRATCH[key] = _scratch(qualname, args, kwargs)
     return _SCRATCH[key]
+
+
+# Ops whose output shares its first argument's storage (``_unsafe_view`` is a view without autograd's tracking).
+_ALIAS_OPS = (torch.ops.aten._unsafe_view.default,)
+
+
+def _storage(val: object):
+    return val.untyped_storage()._cdata if isinstance(val, torch.Tensor) else None
+
+
+def realias_views(graph: torch.fx.Graph) -> int:
+    """Make every view node's FakeTensor share its base's storage again; returns how many were remade.
+
+    Storage identity comes from ``meta["val"]``, and a rewrite that gives a node a new value (a fusion's
+    replacement, the partitioner's placeholders for saved views) leaves the views read from it pointing at the
+    old storage, so a view would count as a fresh allocation. Each such view is re-run on its base's value."""
+    remade = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if not (node.target.is_view or node.target in _ALIAS_OPS) or not node.args:
+            continue
+        base, val = node.args[0], node.meta.get("val")
+        base_val = base.meta.get("val") if isinstance(base, torch.fx.Node) else None
+        if not isinstance(base_val, torch.Tensor) or not isinstance(val, torch.Tensor):
+            continue
+        if _storage(base_val) == _storage(val) or getattr(base_val, "fake_mode", None) is None:
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        try:
+            with base_val.fake_mode:
+                new = node.target(*args, **kwargs)
+        except Exception as e:  # keep the old value: the view then counts as an allocation (an over-estimate)
+            log.debug("could not re-run view %s on its base: %s", node.name, e)
+            continue
+        if isinstance(new, torch.Tensor) and new.shape == val.shape and _storage(new) == _storage(base_val):
+            node.meta["val"] = new
+            remade += 1
+    return remade
 
 
 def liveness(buffers: list[Buffer], n_steps: int) -> Liveness:

@@ -228,3 +228,27 @@ def test_scratch_counts_in_the_liveness_at_its_step():
     assert live.curve == [2 * size, 2 * size]
     assert live.peak_step == 0
     assert {(b.name, b.bytes) for b in live.at_peak} == {("bias_gelu", size), ("bias_gelu:workspace", size)}
+
+
+def test_a_view_of_a_rewritten_node_is_no_allocation():
+    """A rewrite gives ``b`` a new value (new fake storage) while the view read from it keeps the old one: the view
+    must still count as an alias of ``b``, not as a fresh allocation."""
+    from npu_compile.passes.memory import realias_views
+
+    def f(a):
+        b = a * 2  # B
+        c = b.view(32, 32)  # alias of b
+        return c.sum()
+
+    gm = trace(f, torch.randn(N))
+    mul = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    old = mul.meta["val"]
+    with old.fake_mode:
+        mul.meta["val"] = torch.empty_like(old)  # what a replacement's fresh tracing leaves behind
+    view = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default)
+    assert view.meta["val"].untyped_storage()._cdata != mul.meta["val"].untyped_storage()._cdata
+    assert realias_views(gm.graph) == 1
+    assert view.meta["val"].untyped_storage()._cdata == mul.meta["val"].untyped_storage()._cdata
+    assert realias_views(gm.graph) == 0
+    live = graph_liveness(gm.graph)
+    assert live.peak == B + 4 and [t.name for t in live.at_peak] == ["mul", "sum_1"]
