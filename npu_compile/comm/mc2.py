@@ -22,6 +22,11 @@ lowering rewrites again; the graph keeps the communication domain, the sites fus
 (``gm.meta``), so the second pass fuses nothing twice, declines no site twice, and returns every decline made on
 this graph that was not returned before.
 
+Sites may also be left plain by choice (``leave``: collective node name → why): the overlap stage weighs, under
+the cost model, fusing a site against leaving its collective to the scheduler (``schedule.choose_mc2``). A site
+left so is reported as ``npu: MC2 not taken: <why>``, once, and the choice is kept on the graph: a later rewrite
+of it (lowering's) leaves that site plain too. Each fused op names its site in ``node.meta["mc2_site"]``.
+
 ``hcom``: torch_npu wants the HCCL communicator name (``pg._get_backend(npu).get_hccl_comm_name(rank)``). On
 target npu it is resolved from the group at compile time; on npu-sim ``hcom`` is the c10d group name the
 ``_c10d_functional`` op carried (``"0"`` for the default group), and the emulation runs the collective over that
@@ -37,7 +42,7 @@ tensor of the same shape, dtype and strides, which the rewrite reads through.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -56,6 +61,26 @@ MATMULS = (aten.mm.default, aten.addmm.default)
 OP_AG = "npu_all_gather_base_mm"
 OP_RS = "npu_mm_reduce_scatter_base"
 OP_AR = "npu_mm_all_reduce_base"
+
+
+def sites(gm: GraphModule) -> dict[str, Node]:
+    """The MC2 ops of ``gm`` by the name of the collective node each replaced (its site)."""
+    return {n.meta[SITE]: n for n in gm.graph.nodes if SITE in n.meta}
+
+
+def left_sites(gm: GraphModule) -> dict[str, str]:
+    """The sites left plain by choice on ``gm`` (collective node name → why)."""
+    state = gm.meta.get(_META_STATE)
+    return dict(state.left) if state is not None else {}
+
+
+def copy_choices(src: GraphModule, dst: GraphModule) -> None:
+    """Give ``dst`` (a copy of ``src``'s graph) what ``src``'s rewrites so far decided, as its own copy."""
+    import copy
+
+    for key in (_META, _META_STATE):
+        if key in src.meta:
+            dst.meta[key] = copy.deepcopy(src.meta[key])
 
 
 def _val(n: Any) -> Any:
@@ -235,12 +260,16 @@ _META = "npu_compile_mc2"  # ops fused on this graph, in order
 _META_STATE = "npu_compile_mc2_state"  # what a later rewrite of this graph must know (see _State)
 
 
+SITE = "mc2_site"  # node.meta key of a fused op: the name of the collective node it replaced
+
+
 class _State:
-    """What one graph's rewrites share: the communication domain, and the declined sites (by collective node name)
-    with whether their reason was returned yet."""
+    """What one graph's rewrites share: the communication domain, the sites left plain by choice, and the declined
+    sites (by collective node name) with whether their reason was returned yet."""
 
     def __init__(self) -> None:
         self.domain: str | None = None  # the one group all MC2 ops of this model use
+        self.left: dict[str, str] = {}  # sites left plain by choice: collective node name → why
         self.declined: dict[str, dict[str, str]] = {}
         self.returned: set[str] = set()
 
@@ -262,6 +291,13 @@ class _Rewriter:
 
     def decline(self, op: str, why: str, site: Node) -> None:
         self.state.declined.setdefault(site.name, {"op": f"npu.{op}", "reason": f"npu: MC2 declined: {why}"})
+
+    def left(self, op: str, site: Node) -> bool:
+        """Whether ``site`` is to stay plain by choice (then recorded as a decline with the choice's reason)."""
+        why = self.state.left.get(site.name)
+        if why is not None:
+            self.state.declined.setdefault(site.name, {"op": f"npu.{op}", "reason": f"npu: MC2 not taken: {why}"})
+        return why is not None
 
     def hcom(self, op: str, group_name: Any, site: Node) -> str | None:
         name = group_name.group_name if isinstance(group_name, torch.distributed.ProcessGroup) else str(group_name)
@@ -312,6 +348,8 @@ class _Rewriter:
         why = check_ag_rs(OP_AG, x1_val, _val(mm.x2), ws, mm.bias)
         if why:
             return self.decline(OP_AG, why, ag)
+        if self.left(OP_AG, ag):  # read through the copy either way: the choice weighs MC2 against overlap alone
+            return
         hcom = self.hcom(OP_AG, match.group_name, ag)
         if hcom is None:
             return
@@ -320,6 +358,7 @@ class _Rewriter:
         if view is not None:
             others += [u for u in view.users if u is not mm_node]
         fused = self.emit(mm_node, mm_node, _npu(OP_AG), x1, mm.x2, hcom, ws, gather_output=bool(others))
+        fused.meta[SITE] = ag.name
         out = self.emit(mm_node, mm_node, operator.getitem, fused, 0)
         mm_node.replace_all_uses_with(out)
         self.gm.graph.erase_node(mm_node)
@@ -359,10 +398,13 @@ class _Rewriter:
         why = check_ag_rs(OP_RS, x1v, x2v, ws, mm.bias)
         if why:
             return self.decline(OP_RS, why, rs)
+        if self.left(OP_RS, rs):
+            return
         hcom = self.hcom(OP_RS, match.group_name, rs)
         if hcom is None:
             return
         out = self.emit(wait, wait, _npu(OP_RS), mm.x1, mm.x2, hcom, ws)
+        out.meta[SITE] = rs.name
         if mm.out_view is not None:
             shape = list(_val(mm.out_view).shape)
             out = self.emit(wait, wait, aten.view.default, out, [shape[0] // ws, *shape[1:]])
@@ -395,11 +437,14 @@ class _Rewriter:
         why = check_ar(x1v, x2v, ws, reduce_op, _val(mm.bias) if mm.bias is not None else None)
         if why:
             return self.decline(OP_AR, why, ar)
+        if self.left(OP_AR, ar):
+            return
         hcom = self.hcom(OP_AR, group_name, ar)
         if hcom is None:
             return
         kwargs = {"reduce_op": reduce_op} | ({"bias": mm.bias} if mm.bias is not None else {})
         out = self.emit(wait, wait, _npu(OP_AR), mm.x1, mm.x2, hcom, **kwargs)
+        out.meta[SITE] = ar.name
         if mm.out_view is not None:
             out = self.emit(wait, wait, aten.view.default, out, list(_val(mm.out_view).shape))
         wait.replace_all_uses_with(out)
@@ -409,13 +454,21 @@ class _Rewriter:
         self.fused.append(OP_AR)
 
 
-def rewrite_mc2(gm: GraphModule, target: str, *, defer: bool = False) -> list[dict[str, str]]:
+def rewrite_mc2(gm: GraphModule, target: str, *, defer: bool = False,
+                leave: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     """Fuse the MC2 sites of ``gm`` in place for ``target`` ('npu' or 'npu-sim'); returns report.json ``unfused``
     entries for the sites declined on this graph and not returned by an earlier call (``defer``: keep them for a
-    later call, return none). The ``npu`` ops must be defined (torch_npu, or npu-sim's registration)."""
+    later call, return none). ``leave``: sites to keep plain, by the name of their collective node, each with why
+    (reported as "npu: MC2 not taken: <why>"; a site outside torch_npu's constraints is declined for that instead);
+    the choice stays on ``gm`` for later calls. The ``npu`` ops must be defined (torch_npu, or npu-sim's
+    registration)."""
     from torch._inductor.fx_passes.micro_pipeline_tp import find_all_gather_patterns, find_reduce_scatter_patterns
 
     graph = gm.graph
+    if leave:
+        state: _State = gm.meta.setdefault(_META_STATE, _State())
+        for site, why in leave.items():
+            state.left.setdefault(site, why)
     if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
                for n in graph.nodes):
         state = gm.meta.get(_META_STATE)

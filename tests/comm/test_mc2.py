@@ -107,14 +107,16 @@ class _TensorParallelMLP(torch.nn.Module):
         return funcol.reduce_scatter_tensor(torch.nn.functional.linear(h, self.fc2), "sum", 0, self.group)
 
 
-def compiled_case(rank, group):
+def compiled_case(rank, group, overlap):
+    """Without the overlap stage, lowering fuses every site; with it (the default), the stage's cost model leaves
+    these tiny sites plain (each chunk of an MC2 op pays the link latency again) and says so once per site."""
     from npu_compile.debug.report import collect
 
     m = _TensorParallelMLP(group)
     x = torch.randn(4, 2, 256, generator=torch.Generator().manual_seed(10 + rank)).to(BF16)
     torch._dynamo.reset()
     with collect() as reports:
-        cm = torch.compile(m, backend="ascend", options={"target": "npu-sim"}, fullgraph=True)
+        cm = torch.compile(m, backend="ascend", options={"target": "npu-sim", "overlap": overlap}, fullgraph=True)
         xc = x.clone().requires_grad_()
         got = cm(xc)
         got.float().square().sum().backward()
@@ -128,11 +130,68 @@ def compiled_case(rank, group):
         torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
     (report,) = reports
     ops = report.lowered_ops
-    # forward: AG → fc1, fc2 → RS; backward: AG(grad) → fc2ᵀ, fc1ᵀ → RS (the weight grads read gather_out)
-    assert ops.get("npu.npu_all_gather_base_mm", 0) == 2, ops
-    assert ops.get("npu.npu_mm_reduce_scatter_base", 0) == 2, ops
-    assert not any(k.startswith("_c10d_functional") for k in ops), ops
-    assert report.unfused == [], report.unfused
+    if not overlap:
+        # forward: AG → fc1, fc2 → RS; backward: AG(grad) → fc2ᵀ, fc1ᵀ → RS (the weight grads read gather_out)
+        assert ops.get("npu.npu_all_gather_base_mm", 0) == 2, ops
+        assert ops.get("npu.npu_mm_reduce_scatter_base", 0) == 2, ops
+        assert not any(k.startswith("_c10d_functional") for k in ops), ops
+        assert report.unfused == [], report.unfused
+        return
+    assert not any(k.startswith("npu.npu_") and "mm" in k for k in ops), ops
+    assert (ops.get("_c10d_functional.all_gather_into_tensor", 0), ops.get("_c10d_functional.reduce_scatter_tensor", 0)
+            ) == (2, 2), ops
+    assert report.unfused == TINY_SITES_NOT_TAKEN, report.unfused
+
+
+# The stage's reasons for the MLP's four sites (forward, then backward), on the default profile over 2 ranks.
+def _not_taken(op, mc2_us, plain_us):
+    return {"op": f"npu.{op}", "reason": "npu: MC2 not taken: the cost model finds the graph faster with this "
+                                         f"collective left to the overlap scheduler (exposed {mc2_us} µs as MC2 vs "
+                                         f"{plain_us} µs scheduled)"}
+
+
+TINY_SITES_NOT_TAKEN = [
+    _not_taken(mc2.OP_AG, "6.1", "4.1"), _not_taken(mc2.OP_RS, "6.1", "4.1"),  # forward: MC2 on either site
+    _not_taken(mc2.OP_AG, "5.7", "3.8"), _not_taken(mc2.OP_RS, "6.0", "3.8"),  # backward: the best with one fused
+]
+
+
+PROFILE = {  # slow matmuls and links, so that tensors a CPU multiplies at once cost like a layer's
+    "matrix_flops": {"bfloat16": 1e9}, "vector_flops": {"bfloat16": 1e15}, "hbm_bytes_per_s": 1e15,
+    "link_bytes_per_s": 1.5e6, "link_latency_us": 0.0,
+}
+
+
+def chosen_case(rank, group):
+    """The overlap stage's choice over 2 ranks: all-gather → mm1 is comm-bound (2097 µs matmul, 2731 µs gather) with
+    y @ wy (4194 µs) beside it, so it stays plain and hides; the gather of mm1's output before mm2 (16777 µs) is
+    fused. As MC2 the first site would expose 1365.3 + 1048.6 + 1365.3 − 2097.2 = 1682.1 µs. The chosen graph gives
+    exactly what the unrewritten one gives."""
+    from npu_compile import config
+    from npu_compile.comm import overlap_stage, simulate
+
+    c10d = torch.ops._c10d_functional
+
+    def f(x, w1, w2, y, wy):
+        h = c10d.wait_tensor(c10d.all_gather_into_tensor(x, WORLD, group)) @ w1  # [16, 256]
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(h.view(8, 512), WORLD, group)) @ w2, y @ wy
+
+    g = torch.Generator().manual_seed(20 + rank)
+    inputs = [torch.randn(*s, generator=g).to(BF16) for s in ((8, 256), (256, 256), (512, 1024), (16, 256), (256, 512))]
+    want = _graph(f, *inputs)(*inputs)
+    gm = _graph(f, *inputs)
+    overlap_stage(gm, config.Options(target="npu-sim", overlap=True), "forward", profile=PROFILE)
+    ops = _ops(gm)
+    plain, fused = "_c10d_functional.all_gather_into_tensor.default", "npu.npu_all_gather_base_mm.default"
+    assert (ops.count(plain), ops.count(fused)) == (1, 1), ops
+    t = simulate(gm, PROFILE)
+    chunk = 16 * 512 * 2 / 2 / (2 * 1.5e6) * 1e6  # half of the second gather: 2730.67 µs, the MC2 op's fill
+    assert (t.collectives, t.mc2) == (1, 1) and abs(t.exposed_comm_us - chunk) < 1e-6, t.summary()
+    unfused = mc2.rewrite_mc2(gm, "npu-sim")
+    assert unfused == [{"op": "npu.npu_all_gather_base_mm", "reason": (
+        "npu: MC2 not taken: the cost model finds the graph faster with this collective left to the overlap "
+        "scheduler (exposed 4412.8 µs as MC2 vs 2730.7 µs scheduled)")}], unfused
+    torch.testing.assert_close(gm(*inputs), want, rtol=0, atol=0)
 
 
 def worker(rank, store_path):
@@ -145,7 +204,9 @@ def worker(rank, store_path):
         npu_sim_kernels.register()
         group = dist.group.WORLD.group_name
         graph_cases(rank, group)
-        compiled_case(rank, group)
+        chosen_case(rank, group)
+        compiled_case(rank, group, overlap=False)
+        compiled_case(rank, group, overlap=True)
     finally:
         dist.destroy_process_group()
 

@@ -9,7 +9,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from comm_graphs import random_program
 from npu_compile import config
-from npu_compile.comm import cost, exposed_comm_lower_bound, nodes, overlap_stage, profile, schedule_overlap, simulate
+from npu_compile.comm import (cost, exposed_comm_lower_bound, nodes, overlap_stage, profile, schedule, schedule_overlap,
+                              simulate)
 from npu_compile.comm.cost import MC2Cost
 from npu_compile.comm.mc2 import rewrite_mc2
 from npu_compile.comm.profile import ASCEND_910B
@@ -197,13 +198,13 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def two_gathers(group):
+def two_gathers(group, rows=16, k=256, n=64):
     def f(x1, x2, w1, w2):
         a = c10d.all_gather_into_tensor(x1, 8, group)
         b = c10d.all_gather_into_tensor(x2, 8, group)
         return c10d.wait_tensor(a) @ w1, c10d.wait_tensor(b) @ w2
 
-    return trace(f, empty(16, 256), empty(16, 256), empty(256, 64), empty(256, 64))
+    return trace(f, empty(rows, k), empty(rows, k), empty(k, n), empty(k, n))
 
 
 def ops(gm):
@@ -219,11 +220,15 @@ def test_bucketing_alone_would_hide_the_mc2_sites(fake_world):
 
 
 def test_overlap_stage_rewrites_mc2_before_bucketing(fake_world):
-    gm = two_gathers(fake_world)
+    # 2 MiB gathered each: 2 + 4.68 µs, 30% latency, so bucketing would merge them; each [256, 4096] @ [4096, 4096]
+    # (26.8 µs) outlasts a chunk's gather (2.59 µs), so MC2 exposes 2 × 2.59 µs against 6.68 µs left plain
+    gm = two_gathers(fake_world, rows=32, k=4096, n=4096)
+    assert schedule.bucket_small_collectives(schedule._copy(gm), profile.load()) == 1
     overlap_stage(gm, config.Options(target="npu-sim", overlap=True), "forward")
     assert ops(gm).count("npu.npu_all_gather_base_mm.default") == 2
     assert not [o for o in ops(gm) if o.startswith("_c10d_functional")]
     assert gm.meta["npu_compile_mc2"] == ["npu_all_gather_base_mm"] * 2
+    assert simulate(gm).exposed_comm_us == pytest.approx(2 * (ALPHA + 2 * MiB / 8 / (8 * LINK) * 1e6))  # 2 × 2.585
     before = ops(gm)
     assert rewrite_mc2(gm, "npu-sim") == [] and ops(gm) == before  # lowering's pass: nothing left to do
     assert gm.meta["npu_compile_mc2"] == ["npu_all_gather_base_mm"] * 2
