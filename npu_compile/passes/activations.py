@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
-from npu_compile.passes.engine import Rule, bias_problem, in_layout_of, kwargs_as_traced, layout_check, register_rule
+from npu_compile.passes.engine import Rule, bias_problem, in_layout_of, layout_check, register_rule
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
@@ -52,10 +52,6 @@ OFFSET = 0.3183098
 in_x_layout = layout_check("x")
 
 
-def _as_traced_and_laid_out(match) -> bool | str:
-    """No keyword argument the pattern lacks (gelu's approximate), and outputs in the layout the replacement gives."""
-    verdict = kwargs_as_traced(match)
-    return in_x_layout(match) if verdict is True else verdict
 
 
 def _calls(*ops):
@@ -125,7 +121,7 @@ def bias_gelu_examples():
 
 def bias_gelu_check(match):
     x, bias = (match.kwargs[k].meta["val"] for k in ("x", "bias"))
-    return bias_problem(x, bias) or _as_traced_and_laid_out(match)
+    return bias_problem(x, bias) or in_x_layout(match)
 
 
 def bias_gelu_site(node: torch.fx.Node) -> bool:
@@ -249,7 +245,7 @@ def swiglu_check(match):
     x = match.kwargs["x"].meta["val"]
     if "bias" in match.kwargs and match.kwargs["bias"].meta["val"].dtype != x.dtype:
         return "bias dtype differs from the input's (the add promotes; swiglu does not)"
-    return _as_traced_and_laid_out(match)
+    return in_x_layout(match)
 
 
 def swiglu_site(node: torch.fx.Node) -> bool | str:

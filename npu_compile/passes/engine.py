@@ -173,7 +173,10 @@ def rule_names() -> tuple[str, ...]:
 
 def _checked(rule: Rule) -> Callable[[Match], bool]:
     def check(match: Match) -> bool:
-        verdict = rule.extra_check(match) if rule.extra_check else True
+        # every rule first: torch's matcher ignores keyword arguments its pattern lacks (see kwargs_as_traced)
+        verdict = kwargs_as_traced(match)
+        if verdict is True and rule.extra_check:
+            verdict = rule.extra_check(match)
         if verdict is True:
             return True
         out = match.output_nodes()[0]

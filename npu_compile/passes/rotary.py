@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
-from npu_compile.passes.engine import Rule, in_layout_of, kwargs_as_traced, layout_check, register_rule
+from npu_compile.passes.engine import Rule, in_layout_of, layout_check, register_rule
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
@@ -89,8 +89,7 @@ def rotary_check(layout):
         rotated = (*t.shape[:-1], cos.shape[-1])
         if cos.shape[-1] % 2 or torch.broadcast_shapes(rotated, cos.shape) != rotated:
             return f"cos/sin {tuple(cos.shape)} do not broadcast to the rotated channels {rotated} with an even width"
-        verdict = kwargs_as_traced(match)
-        return layout(match) if verdict is True else verdict
+        return layout(match)
 
     return check
 
