@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import operator
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 from torch._functorch import config as functorch_config
@@ -57,9 +58,12 @@ class CostModelRuntime(CustomRuntimeEstimator):
 
     def __init__(self, profile: DeviceProfile | None = None):
         self.profile = load(profile)
+        self._us: dict[torch.fx.Node, float] = {}  # the partitioner and SavingKnapsack both ask, per node
 
     def __call__(self, node: torch.fx.Node) -> float:
-        return max(cost.node_us(node, self.profile), 1e-3)
+        if node not in self._us:
+            self._us[node] = max(cost.node_us(node, self.profile), 1e-3)
+        return self._us[node]
 
     def uuid(self) -> str:
         return f"npu_compile.CostModelRuntime:{self.profile.name}"
@@ -126,18 +130,8 @@ def policy(joint: torch.fx.GraphModule, memory_budget: float, profile: DevicePro
                                 activation_memory_budget_runtime_estimator=runtime,
                                 activation_memory_budget_solver=SavingKnapsack(runtime),
                                 ban_recompute_materialized_backward=False), \
-            _patched(partitioners, "get_default_op_list", lambda: op_types):
+            mock.patch.object(partitioners, "get_default_op_list", lambda: op_types):
         yield
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, value) -> Iterator[None]:
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 @dataclasses.dataclass(frozen=True)

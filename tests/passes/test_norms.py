@@ -29,6 +29,15 @@ def llama():
     return llama_config(hidden_size=64, num_query_groups=2)
 
 
+def assert_each_norm_once(run, norms):
+    """Each norm's forward and backward op ``norms[op]`` times, the forward plus what the backward recomputes rather
+    than keep its output (report.json ``recompute_ops``, passes/recompute.py)."""
+    ops, again = run.report.lowered_ops, run.report.memory["recompute_ops"]
+    for op, n in norms.items():
+        assert ops[f"{op}_backward"] == n, op
+        assert ops[op] == n + again.get(op, 0), (op, again)
+
+
 @pytest.mark.parametrize("budget", [1.0, 0.3])
 def test_gpt_layer_norms_after_residual_adds_fused_and_training_equals_eager(budget, megatron_cpu,
                                                                              megatron_training):
@@ -36,14 +45,7 @@ def test_gpt_layer_norms_after_residual_adds_fused_and_training_equals_eager(bud
     # layer 0 pre-MLP, layer 1 input and pre-MLP, final; the first norm reads the embeddings: no add in front
     assert run.fusions["add_layer_norm"] == 4
     assert run.report.unfused == []
-    ops = run.report.lowered_ops
-    # the backward may run a norm again rather than keep its output (passes/recompute.py): each forward op once,
-    # plus what report.json says was recomputed
-    again = run.report.memory["recompute_ops"]
-    assert ops["npu_compile.add_layer_norm_backward"] == 4
-    assert ops["npu_compile.add_layer_norm"] == 4 + again.get("npu_compile.add_layer_norm", 0)
-    assert ops["aten.native_layer_norm_backward"] == 1
-    assert ops["aten.native_layer_norm"] == 1 + again.get("aten.native_layer_norm", 0)
+    assert_each_norm_once(run, {"npu_compile.add_layer_norm": 4, "aten.native_layer_norm": 1})
     bad = {k: v for k, v in run.errors.items() if v > 1e-5}
     assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
 
@@ -55,11 +57,7 @@ def test_llama_rms_norms_fused_and_training_equals_eager(budget, megatron_cpu, m
     assert run.fusions["add_rms_norm"] == 4 and run.fusions["rms_norm"] == 1
     assert run.report.unfused == []
     ops = run.report.lowered_ops
-    again = run.report.memory["recompute_ops"]
-    assert ops["npu_compile.add_rms_norm_backward"] == 4
-    assert ops["npu_compile.add_rms_norm"] == 4 + again.get("npu_compile.add_rms_norm", 0)
-    assert ops["npu_compile.rms_norm_backward"] == 1
-    assert ops["npu_compile.rms_norm"] == 1 + again.get("npu_compile.rms_norm", 0)
+    assert_each_norm_once(run, {"npu_compile.add_rms_norm": 4, "npu_compile.rms_norm": 1})
     assert not {"aten.rsqrt", "aten.pow", "aten.mean"} & set(ops)
     bad = {k: v for k, v in run.errors.items() if v > 1e-5}
     assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
