@@ -1,0 +1,283 @@
+"""Checkpoints in Megatron-LM's layout, written and read by megatron-core.
+
+    <save>/latest_checkpointed_iteration.txt      the iteration to resume from ("release" for converted weights)
+    <save>/iter_0000100/                          one iteration, one folder
+        torch_dist: megatron-core dist_checkpointing (any TP/PP/DP can load it)
+        torch:      mp_rank_XX[_YYY]/model_optim_rng.pt, one file per (TP, PP) rank, as Megatron-LM's legacy format
+
+Each checkpoint holds the model (one entry per virtual-pipeline chunk: `model`, or `model0`, `model1`, ...), the
+optimizer, the LR scheduler, the RNG states, the iteration, the consumed samples and the job's arguments (plain
+values), as Megatron-LM's `generate_state_dict` does.
+
+A save is committed only when complete: every rank has finished writing the folder before rank 0 replaces the
+tracker file (written to a temporary name and renamed), so an interrupted save leaves the tracker on the last
+complete iteration. A folder left by an interrupted save is removed when the same iteration is saved again.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_glue.training_log import print_rank0
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+# Architecture flags a checkpoint must agree with (stored with it; `--load` refuses another value).
+ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "normalization", "swiglu", "position_embedding_type", "add_bias_linear",
+                "add_qkv_bias", "untie_embeddings_and_output_weights", "padded_vocab_size")
+# The distributed optimizer's sharding: reshardable over TP, PP and DP, gathered over the gloo DP group.
+DISTOPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                    "distrib_optim_fully_reshardable_mem_efficient": True,
+                    "chained_optim_avoid_prefix": True}
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def iteration_dir(root: str, iteration: int | str) -> str:
+    return os.path.join(root, "release" if iteration == "release" else f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | str | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return "release"
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} holds {text!r}; expected an iteration number or 'release'")
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, f".{TRACKER}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))  # atomic: readers see the old or the new iteration
+
+
+def plain_args(args) -> dict:
+    """The job's arguments as plain values (no pickled Namespace: a checkpoint loads without our classes)."""
+    keep = (bool, int, float, str, type(None))
+    out = {}
+    for key, value in vars(args).items():
+        if isinstance(value, keep) or (isinstance(value, (list, tuple)) and all(isinstance(v, keep) for v in value)):
+            out[key] = value
+    return out
+
+
+def _rng_state():
+    from megatron.core import tensor_parallel
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _parallel_ranks():
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_data_parallel_rank())
+
+
+def _sharded_rng():
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    pp_rank, pp, tp_rank, tp, dp_rank = _parallel_ranks()
+    return ShardedObject("rng_state", [_rng_state()], (pp, tp), (pp_rank, tp_rank), replica_id=dp_rank)
+
+
+def _model_key(chunks, i):
+    return "model" if len(chunks) == 1 else f"model{i}"
+
+
+def _common(args, iteration, consumed) -> dict:
+    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+            "consumed_train_samples": consumed[0], "consumed_valid_samples": consumed[1], "args": plain_args(args)}
+
+
+def _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed, *, loading, with_optim, with_rng):
+    from megatron.core.utils import unwrap_model
+
+    state = _common(args, iteration, consumed)
+    metadata = dict(DISTOPT_METADATA)
+    for i, chunk in enumerate(unwrap_model(chunks)):
+        state[_model_key(chunks, i)] = chunk.sharded_state_dict(metadata=metadata)
+    if with_optim and optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _sharded_rng()
+    return state
+
+
+def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed_train: int,
+                    consumed_valid: int = 0) -> str:
+    """Write iteration `iteration` under args.save and commit it in the tracker; returns the folder."""
+    from megatron.core import dist_checkpointing
+
+    root = args.save
+    folder = iteration_dir(root, iteration)
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(folder):  # left by an interrupted save of this iteration: never committed
+            shutil.rmtree(folder)
+        os.makedirs(folder)
+    dist.barrier()
+    with_optim, with_rng = not args.no_save_optim, not args.no_save_rng
+    consumed = (consumed_train, consumed_valid)
+    if args.ckpt_format == "torch_dist":
+        state = _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed, loading=False,
+                                    with_optim=with_optim, with_rng=with_rng)
+        dist_checkpointing.save(state, folder, content_metadata=dict(DISTOPT_METADATA))
+    else:
+        _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed, with_optim, with_rng)
+    dist.barrier()  # every rank's part is on disk before the tracker moves
+    if rank == 0:
+        _write_tracker(root, iteration)
+    dist.barrier()
+    pp_rank, pp, tp_rank, tp, _ = _parallel_ranks()
+    print_rank0(f" successfully saved checkpoint from iteration {iteration:7d} to {root} "
+                f"[ t {tp_rank + 1}/{tp}, p {pp_rank + 1}/{pp} ]")
+    return folder
+
+
+def _torch_file(folder: str) -> str:
+    pp_rank, pp, tp_rank, _, _ = _parallel_ranks()
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return os.path.join(folder, name, "model_optim_rng.pt")
+
+
+def _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed, with_optim, with_rng):
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    if args.use_distributed_optimizer and with_optim:
+        raise CheckpointError("--ckpt-format torch with --use-distributed-optimizer is not implemented: its "
+                              "optimizer state is sharded over DP; use --ckpt-format torch_dist")
+    if ps.get_data_parallel_rank() != 0:
+        return  # DP replicas hold the same model and optimizer
+    state = _common(args, iteration, consumed)
+    for i, chunk in enumerate(unwrap_model(chunks)):
+        state[_model_key(chunks, i)] = chunk.state_dict_for_save_checkpoint()
+    if with_optim and optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = [_rng_state()]
+    path = _torch_file(folder)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(state, path)
+
+
+def check_architecture(args, saved: dict, where: str) -> None:
+    """Refuse a checkpoint whose architecture flags differ from this job's, naming both values."""
+    for key in ARCHITECTURE:
+        if key in saved and getattr(args, key, None) != saved[key]:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(f"the checkpoint at {where} was saved with {flag} {saved[key]!r}, this job has "
+                                  f"{getattr(args, key, None)!r}; use the checkpoint's value")
+
+
+def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
+    """Load from args.load as Megatron-LM does; returns (iteration, consumed train samples, consumed validation
+    samples), zeros when there is nothing to load. --finetune loads only the model and restarts at 0."""
+    from megatron.core import dist_checkpointing
+
+    root = args.load
+    if not root:
+        return 0, 0, 0
+    tracker = read_tracker(root)
+    if tracker is None:
+        if os.path.isdir(root) and os.listdir(root) and not args.save == root:
+            raise CheckpointError(f"--load {root}: no {TRACKER} there; expected a Megatron checkpoint directory")
+        print_rank0(f" WARNING: could not find the metadata file {os.path.join(root, TRACKER)}; "
+                    "will not load any checkpoints and will start from random")
+        return 0, 0, 0
+    folder = iteration_dir(root, tracker)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {tracker}, but {folder} is missing")
+    release = tracker == "release"
+    finetune = args.finetune or release
+    if args.ckpt_format == "torch_dist":
+        if not dist_checkpointing.check_is_distributed_checkpoint(folder):
+            raise CheckpointError(f"{folder} is not a torch_dist checkpoint (no metadata); was it saved with "
+                                  "--ckpt-format torch?")
+        common = dist_checkpointing.load_common_state_dict(folder)
+    else:
+        common = torch.load(_torch_file(folder), map_location="cpu", weights_only=False)
+    saved_args = common.get("args", {})
+    check_architecture(args, saved_args, folder)
+    pp_rank, pp, tp_rank, tp, _ = _parallel_ranks()
+    same_layout = (saved_args.get("tensor_model_parallel_size", tp), saved_args.get("pipeline_model_parallel_size", pp)) == (tp, pp)
+    with_optim = not (finetune or args.no_load_optim)
+    with_rng = not (finetune or args.no_load_rng)
+    if with_rng and not same_layout:
+        print_rank0(f" (TP, PP) mismatch after resume ({(tp, pp)} vs {(saved_args.get('tensor_model_parallel_size'), saved_args.get('pipeline_model_parallel_size'))} "
+                    "from checkpoint): RNG state will be ignored")
+        with_rng = False
+    if with_optim and saved_args.get("no_save_optim"):
+        raise CheckpointError(f"{folder} was saved without optimizer state (--no-save-optim); load with --no-load-optim")
+
+    if args.ckpt_format == "torch_dist":
+        template = _sharded_state_dict(args, chunks, optimizer, scheduler, 0, (0, 0), loading=True,
+                                       with_optim=with_optim, with_rng=with_rng)
+        try:
+            state = dist_checkpointing.load(template, folder)
+        except KeyError as e:
+            if with_optim and "optimizer" in str(e):
+                raise CheckpointError(f"{folder} has no optimizer state for this model (saved before the first "
+                                      f"step, or by a converter); load with --no-load-optim or --finetune ({e})")
+            raise
+    else:
+        if not same_layout:
+            raise CheckpointError(f"{folder} is a --ckpt-format torch checkpoint saved at TP={saved_args.get('tensor_model_parallel_size')}, "
+                                  f"PP={saved_args.get('pipeline_model_parallel_size')}; it loads only at that layout "
+                                  "(torch_dist checkpoints reshard)")
+        state = common
+    from megatron.core.utils import unwrap_model
+
+    for i, chunk in enumerate(unwrap_model(chunks)):
+        chunk.load_state_dict(state[_model_key(chunks, i)], strict=True)
+    if with_optim:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if with_rng:
+        rng = state["rng_state"]
+        _set_rng_state(rng[0] if isinstance(rng, list) else rng)
+    iteration = 0 if finetune else int(state.get("iteration", common.get("iteration", 0)))
+    consumed = (0, 0) if finetune else (int(common.get("consumed_train_samples", 0)),
+                                         int(common.get("consumed_valid_samples", 0)))
+    dist.barrier()
+    print_rank0(f"  successfully loaded checkpoint from {root} [ t {tp_rank + 1}/{tp}, p {pp_rank + 1}/{pp} ] "
+                f"at iteration {iteration}")
+    return iteration, *consumed

@@ -1,0 +1,115 @@
+"""Where the job runs: the device and the collective backend for `--distributed-backend`.
+
+- `hccl`: Ascend NPU. torch_npu is imported, and its own `transfer_to_npu` maps `cuda` to `npu` across torch
+  (device strings, `torch.cuda.*`, `.cuda()`), which is how Ascend's own Megatron ports run CUDA-minded code.
+- `nccl`: CUDA.
+- `gloo`: CPU (how every test here runs).
+
+`init(args)` joins the process group, picks this rank's device and applies the adaptation groups the job needs.
+The process group's timeout is Megatron-LM's `--distributed-timeout-minutes`; `HCCL_CONNECT_TIMEOUT` (seconds,
+Ascend's variable for building links), when set, bounds it instead, so a rank that never arrives is reported
+within the time the user set for HCCL, on any backend.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_glue.arguments import ArgumentError
+
+
+@dataclass(frozen=True)
+class Placement:
+    backend: str
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+    timeout: datetime.timedelta
+
+
+def _torch_npu_missing() -> str | None:
+    if importlib.util.find_spec("torch_npu") is None:
+        return "torch_npu is not installed"
+    try:
+        import torch_npu  # noqa: F401
+
+        if not torch.npu.is_available():
+            return "torch_npu sees no NPU"
+    except Exception as e:  # CANN missing: torch_npu fails at import (libhccl.so, ...)
+        return f"torch_npu cannot be imported ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+def process_group_timeout(args) -> datetime.timedelta:
+    connect = os.environ.get("HCCL_CONNECT_TIMEOUT")
+    if connect:
+        try:
+            return datetime.timedelta(seconds=int(connect))
+        except ValueError:
+            raise ArgumentError(f"pretrain_gpt: error: HCCL_CONNECT_TIMEOUT={connect!r} is not a number of seconds")
+    return datetime.timedelta(minutes=args.distributed_timeout_minutes)
+
+
+def placement(args) -> Placement:
+    """Check the backend against the machine; one-line error naming the fix when they do not fit."""
+    backend = args.distributed_backend
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "hccl":
+        missing = _torch_npu_missing()
+        if missing:
+            raise ArgumentError(
+                f"pretrain_gpt: error: --distributed-backend hccl needs torch_npu and an Ascend NPU, but {missing}; "
+                "install Ascend CANN and `pip install torch-npu==2.13.0` (the npu extra), or on CPU use "
+                "--distributed-backend gloo")
+        device = torch.device("npu", local_rank)
+    elif backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ArgumentError("pretrain_gpt: error: --distributed-backend nccl needs CUDA, which this machine "
+                                "lacks; on an Ascend NPU use --distributed-backend hccl, on CPU use gloo")
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return Placement(backend, device, int(os.environ.get("RANK", "0")), args.world_size, local_rank,
+                     process_group_timeout(args))
+
+
+def adaptation_groups(placement: Placement, tensor_parallel: int) -> tuple[str, ...]:
+    """What megatron_glue changes in Megatron for this placement (see megatron_glue.adaptations)."""
+    groups = ("compile",) + (("tp_compile",) if tensor_parallel > 1 else ())
+    if placement.device.type == "cpu":
+        groups = ("cpu",) + groups
+    # "sp" holds the torch.cuda.current_device() stand-in that the "training" edits call.
+    return groups + ("sp", "training")
+
+
+def init(args) -> Placement:
+    """Process group up, this rank's device current, adaptations applied."""
+    import megatron_glue
+    import megatron_glue.training_adaptations  # noqa: F401  (registers the "training" group)
+    from megatron_glue import adaptations
+
+    where = placement(args)
+    if where.backend == "hccl":
+        import torch_npu  # noqa: F401
+        from torch_npu.contrib import transfer_to_npu  # noqa: F401  (cuda -> npu, torch_npu's own means)
+
+        torch.npu.set_device(where.device)
+    elif where.backend == "nccl":
+        torch.cuda.set_device(where.device)
+    adaptations.set_current_device(where.device)
+    megatron_glue.adapt(adaptation_groups(where, args.tensor_model_parallel_size))
+    if not dist.is_initialized():
+        # The CPU collective is gloo whatever the accelerator's backend is: Megatron's gloo groups use it.
+        backend = "gloo" if where.device.type == "cpu" else where.backend
+        # One process started without a launcher needs no rendezvous: an in-process store.
+        store = dist.HashStore() if where.world_size == 1 and "MASTER_ADDR" not in os.environ else None
+        dist.init_process_group(backend, rank=where.rank, world_size=where.world_size, timeout=where.timeout,
+                                store=store)
+    return where

@@ -1,0 +1,384 @@
+"""The training job's machinery, composed from megatron-core: parallel state, the model per pipeline stage (each
+transformer layer compiled with `backend="ascend"`), Float16Module, Megatron's DDP and optimizer (distributed or
+not, mixed precision with loss scaling), the LR scheduler, the pipeline schedules, `finalize_model_grads`,
+evaluation, checkpoints and logs. `pretrain(args, model_provider, forward_step, datasets_provider)` is
+Megatron-LM's `pretrain()`; `megatron_glue.pretrain_gpt` gives it the GPT pieces.
+
+Nothing here is a hand-written training loop over a model: one iteration is megatron-core's
+`get_forward_backward_func()` (no pipelining, 1F1B or interleaved) followed by the Megatron optimizer's `step()`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_glue import checkpointing, device as glue_device, quiet_megatron
+from megatron_glue.training_log import Metrics, iteration_line, peak_memory_mb, print_rank0, validation_lines
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class State:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    graph_counts: dict = field(default_factory=dict)
+
+
+# -- set-up ------------------------------------------------------------------------------------------------------
+
+def initialize(args):
+    """Process group, adaptations, Megatron's parallel state, the micro-batch calculator, seeds."""
+    where = glue_device.init(args)
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    with quiet_megatron():
+        parallel_state.initialize_model_parallel(
+            args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
+    init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
+                                     args.data_parallel_size)
+    # Megatron-LM's _set_random_seed: pipeline stages differ so that their dropout masks do
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return where
+
+
+def transformer_config(args, where):
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = DTYPES[args.params_dtype]
+    pipelined = args.pipeline_model_parallel_size > 1
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    fields = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, fp16=args.fp16, bf16=args.bf16,
+        # Fusions are the compiler's: Megatron's hand-fused kernels (jit/apex/TE) stay off so that the plain
+        # ops reach the backend's rules.
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=where.device.type == "cpu",
+        # p2p: no torch.cuda.synchronize; at PP=2 interleaved, batched p2p posts the send to and the receive
+        # from the same peer with the same tag, and gloo swaps activations and grads (wrong losses, no error)
+        batch_p2p_comm=not interleaved, batch_p2p_sync=False, overlap_p2p_comm=False,
+        deallocate_pipeline_outputs=pipelined,
+    )
+    from megatron_glue.versions import transformer_config_extras
+
+    fields.update(transformer_config_extras())
+    with quiet_megatron():
+        return TransformerConfig(**fields)
+
+
+def compile_model(chunk, args, state: State) -> None:
+    """Each transformer layer, the embedding and the output layer compiled with backend="ascend", in place
+    (parameter names, sharded_state_dict and DDP hooks unchanged). Layers of the same structure share one
+    compiled graph: Dynamo treats their parameters as inputs and guards on structure, not identity."""
+    options = dict(args.npu_compile_options)
+    for layer in chunk.decoder.layers:
+        layer.compile(backend="ascend", options=options)
+    if chunk.pre_process:
+        chunk.embedding.compile(backend="ascend", options=options)
+    if chunk.post_process:
+        chunk.output_layer.compile(backend="ascend", options=options)
+
+
+def build_model(args, where, model_provider, state: State):
+    """Model chunks for this pipeline stage (one per virtual stage), compiled, wrapped in Float16Module and
+    Megatron's DDP; returns (chunks, config)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = transformer_config(args, where)
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        with quiet_megatron():
+            chunk = model_provider(args, config, pre_process=pre, post_process=post, vp_stage=vp_stage)
+        chunk.to(where.device)
+        if args.npu_compile:
+            compile_model(chunk, args, state)
+        chunks.append(chunk)
+    if args.fp16 or args.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    dynamic_fp16 = args.fp16 and args.loss_scale is None
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        # With dynamic loss scaling an overflowed fp16 step has non-finite grads by design: the grad scaler
+        # finds them and skips the step. The loss itself is still checked (train_step).
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not dynamic_fp16,
+        bucket_size=args.ddp_bucket_size)
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
+                                      disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    for c in chunks:
+        c.broadcast_params()  # DP replicas start equal (Megatron-LM does this after wrapping)
+    return chunks, config
+
+
+def build_optimizer(args, chunks, config):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        fp16=args.fp16, bf16=args.bf16, params_dtype=DTYPES[args.params_dtype], loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather)
+    with quiet_megatron():
+        optimizer = get_megatron_optimizer(opt_config, chunks)
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant")
+    _wire_config(args, config, chunks, optimizer)
+    return optimizer, scheduler
+
+
+def _wire_config(args, config, chunks, optimizer):
+    """The callbacks Megatron-LM's setup puts on the config for the schedules (training.py, `train`)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        config.no_sync_func = [c.no_sync for c in chunks]
+        config.grad_sync_func = [c.start_grad_sync for c in chunks]
+        if len(chunks) == 1:
+            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
+    if args.overlap_param_gather:
+        config.param_sync_func = [c.start_param_sync for c in chunks]
+        if len(chunks) == 1:
+            config.param_sync_func = config.param_sync_func[0]
+
+
+# -- one iteration ------------------------------------------------------------------------------------------------
+
+def _reduce_losses(losses_reduced) -> dict[str, float]:
+    """Megatron-LM's reduction: per key, sum the [loss sum, token count] pairs over micro-batches and DP."""
+    from megatron.core import parallel_state
+
+    out = {}
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or not losses_reduced:
+        return out
+    for key in losses_reduced[0]:
+        pair = torch.vstack([x[key].view(-1).float() for x in losses_reduced]).sum(dim=0)
+        dist.all_reduce(pair, group=parallel_state.get_data_parallel_group())
+        out[key] = (pair[0] / pair[1]).item()
+    return out
+
+
+def _broadcast_from_last_stage(values: dict[str, float], keys) -> dict[str, float]:
+    """The last pipeline stage's losses on every rank (rank 0 logs them)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    t = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(t, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    return dict(zip(keys, t.tolist()))
+
+
+def train_step(args, forward_step, data_iterator, chunks, optimizer, scheduler):
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for c in chunks:
+        c.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=chunks,
+        num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return _reduce_losses(losses), not update_successful, grad_norm
+
+
+def evaluate(args, forward_step, data_iterator, chunks, state: State) -> dict[str, float]:
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for c in chunks:
+        c.eval()
+    totals: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data_iterator, model=chunks,
+                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True)
+            for key, value in _reduce_losses(losses).items():
+                totals.setdefault(key, []).append(value)
+            state.consumed_valid_samples += args.global_batch_size
+    for c in chunks:
+        c.train()
+    values = {k: sum(v) / len(v) for k, v in totals.items()}
+    return _broadcast_from_last_stage(values, ["lm loss"])
+
+
+# -- the job ------------------------------------------------------------------------------------------------------
+
+def _iterators(args, build, datasets, consumed: tuple[int, int], chunks):
+    """(train, valid, test) iterators, one per model chunk that reads data (first or last stage), else None."""
+    from megatron.core import parallel_state
+
+    train_ds, valid_ds, test_ds = datasets
+    per_chunk = []
+    for chunk in chunks:
+        inner = chunk.module.module if hasattr(chunk.module, "module") else chunk.module
+        reads = inner.pre_process or inner.post_process
+        if not reads:
+            per_chunk.append((None, None, None))
+            continue
+        dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        per_chunk.append(tuple(
+            build(ds, consumed_samples=c, micro_batch_size=args.micro_batch_size, data_parallel_rank=dp_rank,
+                  data_parallel_size=dp) if ds is not None else None
+            for ds, c in ((train_ds, consumed[0]), (valid_ds, consumed[1]), (test_ds, 0))))
+    if len(chunks) == 1:
+        return per_chunk[0]
+    return tuple([p[i] for p in per_chunk] for i in range(3))
+
+
+def _count_graphs() -> dict:
+    import torch._dynamo.utils as dynamo_utils
+
+    stats = dynamo_utils.counters["stats"]
+    breaks = sum(dynamo_utils.counters["graph_break"].values())
+    return {"graphs": int(stats.get("unique_graphs", 0)), "graph_breaks": int(breaks)}
+
+
+def pretrain(args, model_provider, forward_step, datasets_provider, build_loader):
+    """Megatron-LM's pretrain(): set up, load, train with periodic evaluation and saves, evaluate, exit."""
+    where = initialize(args)
+    state = State()
+    chunks, config = build_model(args, where, model_provider, state)
+    optimizer, scheduler = build_optimizer(args, chunks, config)
+    if args.load:
+        state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
+            checkpointing.load_checkpoint(args, chunks, optimizer, scheduler)
+    datasets = datasets_provider(args)
+    train_it, valid_it, test_it = _iterators(
+        args, build_loader, datasets, (state.consumed_train_samples, state.consumed_valid_samples), chunks)
+
+    metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
+    metrics = Metrics(metrics_path, show_progress=not args.no_progress_bar, total=args.train_iters,
+                      start=state.iteration)
+    tokens_per_iteration = args.global_batch_size * args.seq_length
+    if not args.skip_train:
+        _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it, state, metrics,
+               tokens_per_iteration, where)
+    if args.eval_iters > 0 and valid_it is not None or args.skip_train:
+        _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics, "on validation set")
+    if args.save and not args.skip_train and state.iteration > 0 and (
+            args.save_interval is None or state.iteration % args.save_interval):
+        checkpointing.save_checkpoint(args, state.iteration, chunks, optimizer, scheduler,
+                                      state.consumed_train_samples, state.consumed_valid_samples)
+    state.graph_counts = _count_graphs()
+    metrics.record("end", iteration=state.iteration, **state.graph_counts)
+    plot = metrics.close()
+    if plot:
+        print_rank0(f" loss curve: {plot}")
+    return state
+
+
+def _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics, suffix=""):
+    if valid_it is None and args.pipeline_model_parallel_size == 1:
+        return
+    losses = evaluate(args, forward_step, valid_it, chunks, state)
+    prefix = f"iteration {state.iteration}" + (f" {suffix}" if suffix else "")
+    print_rank0(validation_lines(prefix, losses))
+    metrics.record("validation", iteration=state.iteration, **losses)
+
+
+def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it, state, metrics, tokens_per_it,
+           where):
+    # Time per iteration counts the iterations only: evaluation and checkpoint saves are timed apart
+    interval_time, interval_iters, interval_good, interval_losses = 0.0, 0, 0, {}
+    for c in chunks:
+        c.train()
+    while state.iteration < args.train_iters:
+        started = time.perf_counter()
+        losses, skipped, grad_norm = train_step(args, forward_step, train_it, chunks, optimizer, scheduler)
+        losses = _broadcast_from_last_stage(losses, ["lm loss"])
+        state.iteration += 1
+        state.consumed_train_samples += args.global_batch_size
+        state.skipped_iterations += int(skipped)
+        loss = losses.get("lm loss")
+        nan = loss is not None and not math.isfinite(loss)
+        if nan:
+            state.nan_iterations += 1
+            if args.check_for_nan_in_loss_and_grad:
+                raise FloatingPointError(f"iteration {state.iteration}: the lm loss is {loss}; stopping "
+                                         "(--no-check-for-nan-in-loss-and-grad goes on)")
+        if not skipped and not nan:
+            interval_good += 1
+            for k, v in losses.items():
+                interval_losses[k] = interval_losses.get(k, 0.0) + v
+        interval_iters += 1
+        interval_time += time.perf_counter() - started
+        metrics.step(loss)
+        lr = optimizer.param_groups[0]["lr"]
+        scale = optimizer.get_loss_scale().item()
+        metrics.record("train", iteration=state.iteration, lr=lr, loss_scale=scale, skipped=bool(skipped),
+                       grad_norm=None if grad_norm is None else float(grad_norm), **losses)
+        if state.iteration % args.log_interval == 0:
+            elapsed = interval_time / interval_iters
+            good = max(1, interval_good)  # the loss is averaged over iterations neither skipped nor nan
+            print_rank0(iteration_line(
+                iteration=state.iteration, train_iters=args.train_iters,
+                consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, learning_rate=lr,
+                global_batch_size=args.global_batch_size, losses={k: v / good for k, v in interval_losses.items()},
+                loss_scale=scale, grad_norm=None if grad_norm is None else float(grad_norm),
+                skipped=state.skipped_iterations, nan=state.nan_iterations,
+                tokens_per_sec=tokens_per_it / elapsed, peak_mb=peak_memory_mb(where.device)))
+            interval_time, interval_iters, interval_good, interval_losses = 0.0, 0, 0, {}
+        if args.eval_interval and state.iteration % args.eval_interval == 0 and args.eval_iters > 0 \
+                and state.iteration < args.train_iters:
+            _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics)
+        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            checkpointing.save_checkpoint(args, state.iteration, chunks, optimizer, scheduler,
+                                          state.consumed_train_samples, state.consumed_valid_samples)
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            print_rank0(f" exiting program at iteration {state.iteration}")
+            break

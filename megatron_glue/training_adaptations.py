@@ -1,0 +1,183 @@
+"""Adaptations (group "training") that megatron-core's training machinery needs off CUDA, and three fixes to its
+DistributedOptimizer resume that any device needs without Apex/TE.
+
+megatron-core's optimizer, grad scaler, grad clipping, schedules and tied-embedding code build small tensors with
+`device='cuda'`, check `param.type()` against CUDA type strings and call `torch.cuda.synchronize()`. Most of
+these sit inside long functions, so an adaptation here is a *source edit*: the function's own source with named
+text substitutions, compiled again in its own module. Every substitution must match its expected number of
+times, so a megatron-core release that changed the code fails loudly at `adapt()` instead of running unpatched.
+`device='cuda'` becomes `device=torch.cuda.current_device()`, which the "sp" group's `current_device_stand_in`
+answers with the CPU (and torch_npu's `transfer_to_npu` answers with the NPU).
+"""
+
+from __future__ import annotations
+
+import __future__
+import functools
+import inspect
+import textwrap
+
+import torch
+
+from megatron_glue.adaptations import Adaptation, registry
+
+GROUP = "training"
+
+_CUDA = "device=torch.cuda.current_device()"
+# (old, new) pairs used by several edits
+DEVICE_SQ = ("device='cuda'", _CUDA)
+DEVICE_DQ = ('device="cuda"', _CUDA)
+LOW_PRECISION_TYPES = ("param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
+                       "param.dtype in (torch.float16, torch.bfloat16)")
+FP32_TYPE = ("param.type() == 'torch.cuda.FloatTensor'", "param.dtype == torch.float32")
+
+
+def source_edit(function, edits: list[tuple[str, str]], where: str):
+    """`function` recompiled from its source with each (old, new) substitution applied; each `old` must occur.
+
+    The new function runs in the original's module globals. Zero-argument `super()` needs the class cell that
+    only a class body gives, so it is spelled out with the owning class's name."""
+    raw = inspect.unwrap(function)
+    if set(raw.__code__.co_freevars) - {"__class__"}:  # __class__: zero-argument super(), spelled out below
+        raise RuntimeError(f"adaptation of {where}: a closure cannot be recompiled from source")
+    source = inspect.getsource(raw)
+    for old, new in edits:  # on the text as the file has it, indentation included
+        if old not in source:
+            raise RuntimeError(f"adaptation of {where}: {old!r} is no longer in its source; this megatron-core "
+                               "release needs the adaptation revised")
+        source = source.replace(old, new)
+    source = textwrap.dedent(source)
+    qualname = raw.__qualname__
+    if "." in qualname and "super()" in source:
+        owner = qualname.rsplit(".", 1)[0]
+        source = source.replace("super()", f"super({owner}, self)")
+    lines = source.splitlines(keepends=True)
+    while lines and lines[0].lstrip().startswith("@"):  # decorators were applied to the original already
+        lines.pop(0)
+    namespace: dict = {}
+    future = raw.__code__.co_flags & __future__.annotations.compiler_flag  # the module's own future imports
+    code = compile("".join(lines), f"<megatron_glue edit of {inspect.getsourcefile(raw)}:{raw.__name__}>", "exec",
+                   flags=future, dont_inherit=True)
+    exec(code, raw.__globals__, namespace)
+    new = namespace[raw.__name__]
+    new.__qualname__ = qualname
+    new.__kwdefaults__ = raw.__kwdefaults__
+    new.__defaults__ = raw.__defaults__
+    if function is not raw:  # a wrapped original (e.g. by a decorator): keep the wrapping, swap the core
+        raise RuntimeError(f"adaptation of {where}: the target is a decorated function; edit its inner function")
+    new.__megatron_glue_edit__ = edits
+    return new
+
+
+def edit(name: str, target: str, reason: str, *edits: tuple[str, str], group: str = GROUP, **extra) -> Adaptation:
+    """Register a source edit of `target` (a dotted path to a function or method)."""
+    def build(original):
+        is_static = isinstance(original, staticmethod)
+        fn = source_edit(original.__func__ if is_static else original, list(edits), target)
+        return staticmethod(fn) if is_static else fn
+
+    return registry.add(Adaptation(name, target, group, reason, build=build, **extra))
+
+
+# -- device='cuda' literals -------------------------------------------------------------------------------------
+
+edit("optimizer_scalars_on_device", "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer.__init__",
+     "found_inf, overflow buffer and the unit scale are made with device='cuda' (optimizer/optimizer.py:473-485)",
+     DEVICE_SQ)
+edit("fp32_optimizer_scale_on_device", "megatron.core.optimizer.optimizer.FP32Optimizer.__init__",
+     "the constant scale is made with device='cuda' (optimizer/optimizer.py:907)", DEVICE_SQ)
+edit("grad_scaler_on_device", "megatron.core.optimizer.grad_scaler.MegatronGradScaler.__init__",
+     "the loss scale is made with device='cuda' (optimizer/grad_scaler.py:15)", DEVICE_SQ)
+edit("dynamic_grad_scaler_on_device", "megatron.core.optimizer.grad_scaler.DynamicGradScaler.__init__",
+     "min scale, growth and backoff factors are made with device='cuda' (optimizer/grad_scaler.py:88-94)", DEVICE_SQ)
+edit("grad_scaler_loads_to_device", "megatron.core.optimizer.grad_scaler.DynamicGradScaler.load_state_dict",
+     "the loaded scale is moved with .cuda(torch.cuda.current_device()) (optimizer/grad_scaler.py:140)",
+     (".cuda(torch.cuda.current_device())", ".to(torch.cuda.current_device())"))
+edit("grad_norm_on_device", "megatron.core.optimizer.clip_grads.get_grad_norm_fp32",
+     "the norm and the overflow buffer are made with device='cuda' (optimizer/clip_grads.py:90,103,115)", DEVICE_SQ)
+edit("clip_grads_on_device", "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+     "asserts grads are 'torch.cuda.FloatTensor' and makes its buffer with device='cuda' "
+     "(optimizer/clip_grads.py:167,174)",
+     ("param.grad.type() == 'torch.cuda.FloatTensor'", "param.grad.dtype == torch.float32"), DEVICE_SQ)
+edit("count_zeros_on_device", "megatron.core.optimizer.clip_grads.count_zeros_fp32",
+     "the zero count is made with device='cuda' (optimizer/clip_grads.py:207)", DEVICE_SQ)
+edit("l2_norm_on_device", "megatron.core.utils.local_multi_tensor_l2_norm",
+     "the no-Apex/TE l2 norm returns a tensor made with device=\"cuda\" (utils.py:1207)", DEVICE_DQ)
+edit("clip_grads_l2_norm_on_device", "megatron.core.optimizer.clip_grads.l2_norm_impl",
+     "grad clipping holds the same l2 norm under its own name (optimizer/clip_grads.py:42)", DEVICE_DQ)
+edit("no_pipelining_token_count_on_device", "megatron.core.pipeline_parallel.schedules.forward_backward_no_pipelining",
+     "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:596)", DEVICE_DQ)
+edit("interleaved_token_count_on_device",
+     "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
+     "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:983)", DEVICE_DQ)
+edit("1f1b_token_count_on_device",
+     "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving",
+     "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:2138)", DEVICE_DQ)
+edit("tied_embedding_on_device",
+     "megatron.core.models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer",
+     "the tied output weight of the last pipeline stage is moved with .cuda() (models/common/language_module/"
+     "language_module.py:244)",
+     ("weight.data = weight.data.cuda()", "weight.data = weight.data.to(torch.cuda.current_device())"))
+
+# -- CUDA type strings ------------------------------------------------------------------------------------------
+
+edit("float16_optimizer_param_types", "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
+     "params must have type() 'torch.cuda.{Half,BFloat16,Float}Tensor' (optimizer/optimizer.py:671,690); test the "
+     "dtype instead", LOW_PRECISION_TYPES, FP32_TYPE)
+edit("distributed_optimizer_param_types",
+     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups",
+     "params must have type() 'torch.cuda.{Half,BFloat16,Float}Tensor' (optimizer/distrib_optimizer.py:361,420); "
+     "test the dtype instead",
+     ("model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
+      "model_param.dtype in (torch.float16, torch.bfloat16)"),
+     ("model_param.type() == 'torch.cuda.FloatTensor'", "model_param.dtype == torch.float32"))
+edit("distributed_optimizer_main_param_types",
+     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__",
+     "params must have type() 'torch.cuda.{Half,BFloat16}Tensor' (optimizer/distrib_optimizer.py:582); test the "
+     "dtype instead", LOW_PRECISION_TYPES)
+
+# -- DistributedOptimizer resume without Apex/TE (any device) ----------------------------------------------------
+
+edit("distributed_optimizer_state_dict_before_first_step",
+     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+     "state_dict() asserts every param has an Adam 'step', which a fresh optimizer has not "
+     "(optimizer/distrib_optimizer.py:641-643); loading calls it on a fresh one (:1268), so every resume failed",
+     ("steps = list(set([s[\"step\"].item() for s in inner_state_dict[\"state\"].values()]))\n"
+      "            assert len(steps) == 1\n"
+      "            step = steps[0]",
+      "steps = list(set([s[\"step\"].item() for s in inner_state_dict[\"state\"].values()]))\n"
+      "            assert len(steps) <= 1\n"
+      "            step = steps[0] if steps else 0"))
+edit("distributed_optimizer_step_per_param",
+     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
+     "every param's state gets the same 'step' tensor (optimizer/distrib_optimizer.py:825); torch's AdamW "
+     "increments it once per param, so the bias correction after a resume was wrong",
+     ('s["step"] = step\n', 's["step"] = step.clone()\n'))
+edit("distributed_optimizer_load_keeps_step",
+     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
+     "copies into views of leaf params outside no_grad, needs a 'step' that fully_reshardable lacks, and under "
+     "dp_reshardable overwrites the loaded step with the template's 0 (optimizer/distrib_optimizer.py:938-940)",
+     ("            for key in dst_tensors:\n"
+      "                dst_tensors[key].copy_(tensors[key])",
+      "            with torch.no_grad():\n"
+      "                for key in dst_tensors:\n"
+      "                    if key != \"step\" and key in tensors:\n"
+      "                        dst_tensors[key].copy_(tensors[key])"))
+
+
+# -- torch.cuda.synchronize ---------------------------------------------------------------------------------------
+
+@registry.wraps(
+    "synchronize_without_cuda", "torch.cuda.synchronize", GROUP,
+    reason="dist_checkpointing's writer and the p2p ops call torch.cuda.synchronize() "
+    "(dist_checkpointing/strategies/filesystem_async.py:230, pipeline_parallel/p2p_communication.py:242,398); "
+    "without CUDA there is nothing to wait for",
+)
+def _synchronize(cuda_synchronize):
+    @functools.wraps(cuda_synchronize)
+    def synchronize(device=None):
+        if torch.cuda.is_available():
+            return cuda_synchronize(device)
+        return None
+
+    return synchronize

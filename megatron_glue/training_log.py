@@ -1,0 +1,137 @@
+"""What the job tells its user: Megatron-LM's log lines (rank 0 prints them), a metrics JSONL, a progress bar on a
+terminal, and a loss-curve PNG at the end.
+
+The line formats are Megatron-LM's (megatron/training/training.py `training_log`, `evaluate_and_print_results`;
+megatron/training/checkpointing.py), so tools that parse Megatron logs parse these:
+
+     iteration       10/     100 | consumed samples:          320 | elapsed time per iteration (ms): 812.3 | ...
+     validation loss at iteration 100 | lm loss value: 6.512345E+00 | lm loss PPL: 6.731235E+02 |
+     successfully saved checkpoint from iteration     100 to <dir> [ t 1/2, p 1/1 ]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print_rank0(message: str) -> None:
+    if is_rank0():
+        print(message, flush=True)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: the accelerator's allocator where there is one, else the resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    if device.type == "npu":
+        return torch.npu.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
+                   learning_rate: float, global_batch_size: int, losses: dict[str, float], loss_scale: float,
+                   grad_norm: float | None, skipped: int, nan: int, tokens_per_sec: float,
+                   peak_mb: float) -> str:
+    line = f" iteration {iteration:8d}/{train_iters:8d} |"
+    line += f" consumed samples: {consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+    line += f" learning rate: {learning_rate:.6E} |"
+    line += f" global batch size: {global_batch_size:5d} |"
+    for key, value in losses.items():
+        line += f" {key}: {value:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped:3d} |"
+    line += f" number of nan iterations: {nan:3d} |"
+    line += f" tokens per second: {tokens_per_sec:.1f} |"
+    line += f" peak memory (MB): {peak_mb:.1f} |"
+    return line
+
+
+def validation_lines(prefix: str, losses: dict[str, float]) -> str:
+    line = f" validation loss at {prefix} | "
+    for key, value in losses.items():
+        line += f"{key} value: {value:.6E} | "
+        line += f"{key} PPL: {math.exp(min(20.0, value)):.6E} | "
+    rule = "-" * (len(line) + 1)
+    return f"{rule}\n{line}\n{rule}"
+
+
+class Metrics:
+    """Rank 0's record of the run: one JSON object per logged event, and the loss curve drawn from it."""
+
+    def __init__(self, path: str | None, show_progress: bool, total: int, start: int):
+        self.path = path if is_rank0() else None
+        self.rows: list[dict] = []
+        self._bar = None
+        if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            if start == 0 and os.path.exists(self.path):
+                os.remove(self.path)  # a fresh run; a resumed one appends
+        if show_progress and is_rank0() and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, unit="it", dynamic_ncols=True, leave=False)
+
+    def record(self, kind: str, **fields) -> None:
+        if not is_rank0():
+            return
+        row = {"kind": kind, "time": time.time(), **fields}
+        self.rows.append(row)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def step(self, loss: float | None) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            if loss is not None:
+                self._bar.set_postfix(loss=f"{loss:.4f}")
+
+    def close(self) -> str | None:
+        """Close the bar; draw the loss curve next to the JSONL (read back whole: a resumed run has both parts)."""
+        if self._bar is not None:
+            self._bar.close()
+        if not self.path or not os.path.exists(self.path):
+            return None
+        with open(self.path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return plot_loss_curve(rows, os.path.join(os.path.dirname(os.path.abspath(self.path)), "loss_curve.png"))
+
+
+def plot_loss_curve(rows: list[dict], out: str) -> str | None:
+    train = [(r["iteration"], r["lm loss"]) for r in rows if r["kind"] == "train" and "lm loss" in r]
+    valid = [(r["iteration"], r["lm loss"]) for r in rows if r["kind"] == "validation" and "lm loss" in r]
+    if not train and not valid:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train lm loss", lw=1.2)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation lm loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

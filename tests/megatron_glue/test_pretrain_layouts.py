@@ -1,0 +1,81 @@
+"""The training job over gloo processes at every parallel layout: compiled equals eager, and every layout equals
+the one-process run of the same global batch (fp32, 1e-5). All runs start from one checkpoint saved by a
+one-process run (`--load ... --finetune`): pipeline stages seed their init differently (Megatron-LM's
+seed + 100 x stage), so only loaded weights are the same at every layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pretrain_runs import assert_close, pretrain
+
+pytestmark = [pytest.mark.slow, pytest.mark.training]
+
+LAYOUTS = {
+    # name: (processes, flags, layers)
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+    "pp2_1f1b": (2, ["--pipeline-model-parallel-size", "2"], 2),
+    "pp2_interleaved": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 4),
+    "dp2_distopt_overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce"], 2),
+    "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2),
+}
+ITERS = ["--train-iters", "5"]
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """layers -> a checkpoint saved by one process after one step, to start every layout from."""
+    out = {}
+    for layers in (2, 4):
+        folder = tmp_path_factory.mktemp(f"start{layers}")
+        pretrain(folder, "--num-layers", str(layers), "--train-iters", "1", "--save", str(folder / "ckpt"),
+                 "--no-npu-compile").check()
+        out[layers] = folder / "ckpt"
+    return out
+
+
+def _layers(layers):
+    return ["--num-layers", str(layers)]
+
+
+@pytest.fixture(scope="module")
+def one_process(start, tmp_path_factory):
+    """(layers, compiled) -> the one-process losses."""
+    out = {}
+    for layers in (2, 4):
+        for compiled in (True, False):
+            folder = tmp_path_factory.mktemp(f"ref{layers}{'c' if compiled else 'e'}")
+            flags = [*ITERS, *_layers(layers), "--load", str(start[layers]), "--finetune"]
+            run = pretrain(folder, *flags, *([] if compiled else ["--no-npu-compile"])).check()
+            out[layers, compiled] = run.losses
+    return out
+
+
+def test_one_process_compiled_equals_eager(one_process):
+    for layers in (2, 4):
+        assert_close(one_process[layers, True], one_process[layers, False], what=f"{layers} layers")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout(name, start, one_process, tmp_path):
+    nproc, flags, layers = LAYOUTS[name]
+    common = [*ITERS, *_layers(layers), "--load", str(start[layers]), "--finetune", *flags]
+    dumps = tmp_path / "dumps"
+    compiled = pretrain(tmp_path / "compiled", *common, "--npu-compile-options",
+                        json.dumps({"dump_dir": str(dumps)}), nproc=nproc).check()
+    eager = pretrain(tmp_path / "eager", *common, "--no-npu-compile", nproc=nproc).check()
+
+    assert len(compiled.losses) == 5
+    assert_close(compiled.losses, eager.losses, what=f"{name}: compiled vs --no-npu-compile")
+    assert_close(eager.losses, one_process[layers, False], what=f"{name} vs one process (eager)")
+    assert_close(compiled.losses, one_process[layers, True], what=f"{name} vs one process (compiled)")
+
+    # Every layer went through the backend, in whole graphs: no graph breaks, attention fused.
+    end = compiled.rows("end")[0]
+    assert end["graph_breaks"] == 0 and end["graphs"] > 0
+    reports = [json.loads(p.read_text()) for p in dumps.rglob("report.json")]
+    assert reports, f"no report.json under {dumps}"
+    assert any(r["fusions"].get("attention", 0) > 0 for r in reports), [r["fusions"] for r in reports]
+    assert eager.rows("end")[0]["graphs"] == 0
