@@ -330,8 +330,9 @@ def validate(args: argparse.Namespace) -> None:
         fail("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local directory)")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.save_interval is not None and not args.save:
-        fail("--save-interval needs --save (a checkpoint directory)")
+    if args.save_interval is not None and not args.save and int(os.environ.get("RANK", "0")) == 0:
+        print(" WARNING: --save-interval has no effect without --save; no checkpoints will be written",
+              file=sys.stderr)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:

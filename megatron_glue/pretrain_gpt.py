@@ -81,6 +81,7 @@ def datasets_provider(args):
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_glue import training
+    from megatron_glue.checkpointing import CheckpointError
     from megatron_glue.data import build_loader
     from megatron_glue.tokenizer import padded_vocab_size
 
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as e:
         print(e.message, file=sys.stderr)
         return 2
+    except (CheckpointError, FileNotFoundError) as e:  # bad input found while setting up: one line, no traceback
+        print(f"pretrain_gpt: error: {e}", file=sys.stderr)
+        return 1
     finally:
         import torch.distributed as dist
 

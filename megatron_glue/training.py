@@ -33,6 +33,7 @@ class State:
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
+    has_validation: bool = False  # a validation split exists (every stage evaluates, reading data or not)
     graph_counts: dict = field(default_factory=dict)
 
 
@@ -298,6 +299,7 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
         state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
             checkpointing.load_checkpoint(args, chunks, optimizer, scheduler)
     datasets = datasets_provider(args)
+    state.has_validation = datasets[1] is not None
     train_it, valid_it, test_it = _iterators(
         args, build_loader, datasets, (state.consumed_train_samples, state.consumed_valid_samples), chunks)
 
@@ -308,12 +310,13 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
     if not args.skip_train:
         _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it, state, metrics,
                tokens_per_iteration, where)
-    if args.eval_iters > 0 and valid_it is not None or args.skip_train:
-        _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics, "on validation set")
+    # Megatron-LM's order: the last save, then the final evaluation
     if args.save and not args.skip_train and state.iteration > 0 and (
             args.save_interval is None or state.iteration % args.save_interval):
         checkpointing.save_checkpoint(args, state.iteration, chunks, optimizer, scheduler,
                                       state.consumed_train_samples, state.consumed_valid_samples)
+    if args.eval_iters > 0:
+        _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics, "on validation set")
     state.graph_counts = _count_graphs()
     metrics.record("end", iteration=state.iteration, **state.graph_counts)
     plot = metrics.close()
@@ -323,7 +326,7 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
 
 
 def _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics, suffix=""):
-    if valid_it is None and args.pipeline_model_parallel_size == 1:
+    if not state.has_validation:
         return
     losses = evaluate(args, forward_step, valid_it, chunks, state)
     prefix = f"iteration {state.iteration}" + (f" {suffix}" if suffix else "")

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-COMMANDS = {"demo": "train a small megatron-core GPT eagerly and with backend='ascend', and compare"}
+COMMANDS = {
+    "demo": "train a small megatron-core GPT eagerly and with backend='ascend', and compare",
+    "preprocess": "tokenize a jsonl corpus into megatron-core's .bin/.idx (Megatron-LM's preprocess_data.py)",
+}
+# Where each command's main(argv) lives; imported only when run, so `import npu_compile` never imports Megatron.
+_ENTRY = {"demo": "npu_compile.demo", "preprocess": "megatron_glue.preprocess"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,11 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print("usage: npu-compile <command> [options]\n\ncommands:")
         for name, what in COMMANDS.items():
-            print(f"  {name:8s} {what}")
+            print(f"  {name:10s} {what}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    from npu_compile import demo
-
-    return demo.main(argv[1:])
+    return importlib.import_module(_ENTRY[argv[0]]).main(argv[1:])
 
 
 if __name__ == "__main__":

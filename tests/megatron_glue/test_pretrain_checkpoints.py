@@ -1,0 +1,110 @@
+"""Checkpoints of the training job: Megatron-LM's layout, exact resume, resharding across TP/PP, interrupted saves,
+architecture checks."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pretrain_runs import assert_close, pretrain
+
+pytestmark = [pytest.mark.slow, pytest.mark.training]
+
+
+def _train_rows(run):
+    return [(r["iteration"], r["lm loss"], r["grad_norm"]) for r in run.rows("train")]
+
+
+def test_resume_is_bitwise(tmp_path):
+    """10 iterations in one go == 5, stop, load iteration 5, 5 more: losses and grad norms of 6-10 identical.
+    Compiled, DP=2, distributed optimizer with overlapped grad reduce."""
+    flags = ["--train-iters", "10", "--save-interval", "5", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    whole = pretrain(tmp_path / "whole", *flags, "--save", str(tmp_path / "whole" / "ckpt"), nproc=2).check()
+    ckpt = tmp_path / "parts" / "ckpt"
+    first = pretrain(tmp_path / "parts", *flags, "--save", str(ckpt), "--exit-interval", "5", nproc=2).check()
+    assert "exiting program at iteration 5" in first.output
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert (ckpt / "iter_0000005").is_dir() and not (ckpt / "iter_0000010").exists()
+    second = pretrain(tmp_path / "parts", *flags, "--save", str(ckpt), "--load", str(ckpt), nproc=2).check()
+    assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 5" in second.output
+
+    resumed = _train_rows(second)  # the JSONL of the folder holds both parts: 1-5, then 6-10
+    assert [r[0] for r in resumed] == list(range(1, 11))
+    assert resumed == _train_rows(whole)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "10"
+
+
+def test_tp2_checkpoint_loads_at_tp1_and_pp2(tmp_path):
+    """Saved at TP=2 after 3 of 6 iterations; resumed at TP=2, TP=1 and PP=2 (model, optimizer and scheduler
+    resharded by dist_checkpointing; the RNG state, shaped by the layout, is ignored): iterations 4-6 agree."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--train-iters", "6", "--save-interval", "3"]
+    pretrain(tmp_path / "tp2", *common, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
+             "--exit-interval", "3", nproc=2).check()
+    resumed = {}
+    for name, nproc, flags in (("tp2", 2, ["--tensor-model-parallel-size", "2"]), ("tp1", 1, []),
+                               ("pp2", 2, ["--pipeline-model-parallel-size", "2"])):
+        run = pretrain(tmp_path / f"resume_{name}", *common, *flags, "--load", str(ckpt), nproc=nproc).check()
+        assert "at iteration 3" in run.output
+        if name != "tp2":
+            assert "RNG state will be ignored" in run.output
+        assert [r["iteration"] for r in run.rows("train")] == [4, 5, 6]
+        resumed[name] = run.losses
+    assert_close(resumed["tp1"], resumed["tp2"], what="TP=1 from a TP=2 checkpoint")
+    assert_close(resumed["pp2"], resumed["tp2"], what="PP=2 from a TP=2 checkpoint")
+
+
+INTERRUPT = """
+import sys
+from megatron.core import dist_checkpointing
+import megatron_glue.checkpointing as ckpt
+
+real_save, calls = dist_checkpointing.save, []
+def save(state, folder, **kw):
+    calls.append(folder)
+    if len(calls) == 2:  # the second save dies after writing part of its folder
+        open(folder + "/__0_0.distcp", "wb").write(b"partial")
+        raise KeyboardInterrupt("killed during the save of " + folder)
+    return real_save(state, folder, **kw)
+dist_checkpointing.save = save
+from megatron_glue.pretrain_gpt import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = ["--train-iters", "6", "--save-interval", "2", "--save", str(ckpt)]
+    died = pretrain(tmp_path / "a", *flags, prefix=[sys.executable, "-c", INTERRUPT])
+    assert died.returncode != 0 and "killed during the save of" in died.output
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (ckpt / "iter_0000004").is_dir()  # the broken folder is there, but nothing points at it
+
+    again = pretrain(tmp_path / "b", *flags, "--load", str(ckpt)).check()
+    assert "at iteration 2" in again.output
+    assert [r["iteration"] for r in again.rows("train")] == [3, 4, 5, 6]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    partial = ckpt / "iter_0000004" / "__0_0.distcp"
+    assert not partial.exists() or partial.read_bytes() != b"partial"  # the folder was written anew
+
+
+def test_architecture_mismatch_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    pretrain(tmp_path / "a", "--train-iters", "1", "--save", str(ckpt), "--no-npu-compile").check()
+    run = pretrain(tmp_path / "b", "--train-iters", "2", "--load", str(ckpt), "--hidden-size", "32",
+                   "--no-npu-compile")
+    assert run.returncode == 1
+    assert (f"pretrain_gpt: error: the checkpoint at {ckpt}/iter_0000001 was saved with --hidden-size 64, this "
+            "job has 32; use the checkpoint's value") in run.output
+
+
+def test_torch_format_resumes_exactly(tmp_path):
+    """--ckpt-format torch: Megatron-LM's mp_rank_XX/model_optim_rng.pt, resumed bit for bit (eager)."""
+    common = ["--train-iters", "4", "--save-interval", "2", "--ckpt-format", "torch", "--no-npu-compile"]
+    whole = pretrain(tmp_path / "whole", *common, "--save", str(tmp_path / "whole" / "ckpt")).check()
+    ckpt = tmp_path / "parts" / "ckpt"
+    pretrain(tmp_path / "parts", *common, "--save", str(ckpt), "--exit-interval", "2").check()
+    assert (ckpt / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    second = pretrain(tmp_path / "parts", *common, "--save", str(ckpt), "--load", str(ckpt)).check()
+    assert _train_rows(second) == _train_rows(whole)
