@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron_glue import quiet_megatron
+from megatron_glue.tokenizer import DataError
 
 with quiet_megatron():
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -41,20 +42,20 @@ def build_datasets(*, data_path: list[str] | None, split: str, seq_length: int, 
     `is_built_on_rank` defaults to every rank; Megatron-LM builds on TP rank 0 of the first/last PP stages only.
     """
     if mock and data_path:
-        raise ValueError("build_datasets: mock=True and data_path are exclusive (Megatron-LM: --mock-data or "
+        raise DataError("build_datasets: mock=True and data_path are exclusive (Megatron-LM: --mock-data or "
                          "--data-path, not both)")
     if not mock and not data_path:
-        raise ValueError("build_datasets: give data_path (--data-path) or mock=True (--mock-data)")
+        raise DataError("build_datasets: give data_path (--data-path) or mock=True (--mock-data)")
     if seq_length < 1:
-        raise ValueError(f"build_datasets: seq_length must be >= 1, got {seq_length}")
+        raise DataError(f"build_datasets: seq_length must be >= 1, got {seq_length}")
     if len(num_samples) != 3 or any(n is None or n < 0 for n in num_samples):
-        raise ValueError(f"build_datasets: num_samples must be three counts >= 0 (train, valid, test), got "
+        raise DataError(f"build_datasets: num_samples must be three counts >= 0 (train, valid, test), got "
                          f"{num_samples!r}")
     blend = None if mock else _blend(data_path)
     blended = blend is not None and (len(blend[0]) > 1 or blend[1] is not None)  # built as a BlendedDataset
     if blended and data_cache_path and not torch.distributed.is_initialized():
         # BlendedDataset asks torch.distributed for the rank when it writes its cache (blended_dataset.py:153).
-        raise ValueError("build_datasets: a blend (several prefixes, or weights) with data_cache_path needs "
+        raise DataError("build_datasets: a blend (several prefixes, or weights) with data_cache_path needs "
                          "torch.distributed initialised (megatron-core's BlendedDataset asks for the rank)")
     with quiet_megatron():
         config = GPTDatasetConfig(
@@ -69,11 +70,35 @@ def build_datasets(*, data_path: list[str] | None, split: str, seq_length: int, 
             eod_mask_loss=False,
             create_attention_mask=create_attention_mask,
         )
+        if blend is not None:
+            _check_splits_have_tokens(blend[0], config.split_matrix, num_samples, split)
         builder = BlendedMegatronDatasetBuilder(
             _MockGPTDataset if mock else GPTDataset, list(num_samples),
             is_built_on_rank if is_built_on_rank is not None else _always, config)
         train, valid, test = builder.build()
     return train, valid, test
+
+
+def _check_splits_have_tokens(prefixes: list[str], split_matrix, num_samples, split: str) -> None:
+    """A split asked for samples whose documents hold no tokens makes megatron-core count epochs for ever
+    (gpt_dataset.py `_get_num_epochs`: tokens per epoch 0): refuse it. The document ranges are megatron-core's
+    own (blended_megatron_dataset_builder.py `_build_megatron_dataset_splits`: round(fraction x documents))."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    names = ("train", "validation", "test")
+    for prefix in prefixes:
+        indexed = IndexedDataset(prefix)  # held: its lengths are a view of the index's memory map
+        lengths = indexed.sequence_lengths
+        for i, bounds in enumerate(split_matrix):
+            if bounds is None or not num_samples[i]:
+                continue
+            begin, end = (int(round(b * float(len(lengths)))) for b in bounds)
+            if int(lengths[begin:end].sum()) == 0:
+                raise DataError(
+                    f"--split {split!r} gives the {names[i]} split {end - begin} of the {len(lengths)} documents "
+                    f"of {prefix}, with no tokens, but {num_samples[i]} {names[i]} samples are needed; give that "
+                    f"split more weight (e.g. --split 90,5,5), use more data, or ask for none"
+                    f"{' (--eval-iters 0)' if i else ''}")
 
 
 def build_loader(dataset, *, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
@@ -97,12 +122,12 @@ class PretrainingSampler:
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
                  data_parallel_size: int) -> None:
         if micro_batch_size < 1 or data_parallel_size < 1:
-            raise ValueError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
+            raise DataError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
                              f"({data_parallel_size}) must be >= 1")
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} is not in [0, {data_parallel_size})")
+            raise DataError(f"data_parallel_rank {data_parallel_rank} is not in [0, {data_parallel_size})")
         if not 0 <= consumed_samples < total_samples:
-            raise ValueError(f"consumed_samples {consumed_samples} leaves nothing to read from a dataset of "
+            raise DataError(f"consumed_samples {consumed_samples} leaves nothing to read from a dataset of "
                              f"{total_samples} samples")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
@@ -133,15 +158,16 @@ def _blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     if len(data_path) % 2 == 0:
         numbers = [_is_number(w) for w in data_path[0::2]]
         if any(numbers) and not all(numbers):
-            raise ValueError(f"data_path {data_path}: mixes weights and prefixes; give prefixes only, or "
+            raise DataError(f"data_path {data_path}: mixes weights and prefixes; give prefixes only, or "
                              f"weight prefix pairs")
     prefixes, weights = get_blend_from_list(data_path)
     if weights is not None and any(w <= 0 for w in weights):
-        raise ValueError(f"data_path {data_path}: blend weights must be > 0, got {weights}")
+        raise DataError(f"data_path {data_path}: blend weights must be > 0, got {weights}")
     for prefix in prefixes:
         missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(f"{prefix}{ext}")]
         if missing:
-            hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+            hint = (" (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx"))
+                    else " (write them with `npu-compile preprocess`)")
             raise FileNotFoundError(f"data prefix {prefix}: expected {prefix}.bin and {prefix}.idx, missing "
                                     f"{' and '.join(missing)}{hint}")
     return prefixes, weights
@@ -199,6 +225,6 @@ class _MegatronTokenizerView:
 def _for_megatron(tokenizer):
     for attr in ("vocab_size", "eod"):
         if not hasattr(tokenizer, attr):
-            raise ValueError(f"build_datasets: the tokenizer has no {attr!r} (megatron-core's GPT datasets read "
+            raise DataError(f"build_datasets: the tokenizer has no {attr!r} (megatron-core's GPT datasets read "
                              f"it)")
     return tokenizer if hasattr(tokenizer, "unique_identifiers") else _MegatronTokenizerView(tokenizer)

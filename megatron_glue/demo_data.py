@@ -1,8 +1,9 @@
 """A small real corpus, tokenizer and indexed dataset for the training demo, made offline in a few seconds.
 
 `make_demo_data(out_dir)` writes, from text this project itself ships (the .py and .md files of the installed
-`npu_compile` and `megatron_glue` packages, and the README when there is one next to them; one document per
-file, in path order):
+`npu_compile` and `megatron_glue` packages, and the README when there is one next to them, in path order; each
+file cut at blank lines into documents of about DOCUMENT_CHARS characters, so that Megatron-LM's default
+--split 969,30,1 gives every split at least one document):
 
     corpus.jsonl                          {"text": ..., "path": ...} per line
     vocab.json, merges.txt                a byte-level BPE trained on it, in GPT-2's format (GPT2BPETokenizer)
@@ -27,7 +28,8 @@ from megatron_glue.tokenizer import EOD_TOKEN, build_tokenizer
 
 DEMO_VOCAB_SIZE = 3000  # padded to 3072 for divisible_by 128 at TP up to 8
 _PACKAGES = ("npu_compile", "megatron_glue")
-_VERSION = 1  # bump when what is made from the same sources changes
+DOCUMENT_CHARS = 600
+_VERSION = 2  # bump when what is made from the same sources changes
 
 
 def train_bpe(texts: list[str], out_dir: str, vocab_size: int = DEMO_VOCAB_SIZE) -> tuple[str, str]:
@@ -52,8 +54,22 @@ def train_bpe(texts: list[str], out_dir: str, vocab_size: int = DEMO_VOCAB_SIZE)
     return os.path.join(out_dir, "vocab.json"), os.path.join(out_dir, "merges.txt")
 
 
+def _pieces(text: str) -> list[str]:
+    """`text` cut at blank lines into pieces of at least DOCUMENT_CHARS characters (the last may be shorter)."""
+    pieces, current = [], ""
+    for paragraph in text.split("\n\n"):
+        current = f"{current}\n\n{paragraph}" if current else paragraph
+        if len(current) >= DOCUMENT_CHARS:
+            pieces.append(current)
+            current = ""
+    if current.strip():
+        pieces.append(current)
+    return pieces
+
+
 def corpus_documents() -> list[dict]:
-    """The demo corpus: {"path", "text"} per shipped .py/.md file of the packages (and the README), sorted."""
+    """The demo corpus: {"path", "text"} per piece of each shipped .py/.md file of the packages (and the README),
+    in path order."""
     docs = {}
     roots = []
     for package in _PACKAGES:
@@ -76,8 +92,7 @@ def corpus_documents() -> list[dict]:
     for rel in sorted(docs):
         with open(docs[rel], encoding="utf-8", errors="replace") as f:
             text = f.read()
-        if text.strip():
-            out.append({"path": rel, "text": text})
+        out.extend({"path": rel, "text": piece} for piece in _pieces(text) if piece.strip())
     if not out:
         raise RuntimeError(f"no .py/.md files found in the installed {', '.join(_PACKAGES)} packages")
     return out

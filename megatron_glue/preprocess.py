@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Iterator, TextIO
 
-from megatron_glue.tokenizer import SUPPORTED, build_tokenizer
+from megatron_glue.tokenizer import SUPPORTED, DataError, build_tokenizer
 
 _LEVEL = "document"  # Megatron names outputs "<prefix>_<key>_<level>"; "sentence" only with --split-sentences
 
@@ -56,11 +56,11 @@ def preprocess(input_path: str, output_prefix: str, *, tokenizer_type: str, voca
     log = sys.stderr if log is None else log
     json_keys = tuple(json_keys)
     if not json_keys:
-        raise ValueError("--json-keys: give at least one key")
+        raise DataError("--json-keys: give at least one key")
     if workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
+        raise DataError(f"--workers must be >= 1, got {workers}")
     if log_interval < 1:
-        raise ValueError(f"--log-interval must be >= 1, got {log_interval}")
+        raise DataError(f"--log-interval must be >= 1, got {log_interval}")
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"--input {input_path}: no such file (expected a .jsonl file, one JSON object "
                                 f"per line)")
@@ -125,19 +125,19 @@ def _encode(item: tuple[int, str, int]) -> tuple[dict[str, list[int]], int]:
     try:
         data = json.loads(line.rstrip("\r\n"))  # the newline would make an error's column read "line 2, column 1"
     except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+        raise DataError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a JSON object, got a JSON {type(data).__name__}")
+        raise DataError(f"{where}: expected a JSON object, got a JSON {type(data).__name__}")
     tokenizer = _worker["tokenizer"]
     ids = {}
     for key in _worker["json_keys"]:
         if key not in data:
-            raise ValueError(f"{where}: no key {key!r} (--json-keys); the object has {sorted(data)}")
+            raise DataError(f"{where}: no key {key!r} (--json-keys); the object has {sorted(data)}")
         text = data[key]
         # A list of strings is Megatron's pre-split sentences; we keep them as one document.
         pieces = text if isinstance(text, list) else [text]
         if not all(isinstance(p, str) for p in pieces):
-            raise ValueError(f"{where}: key {key!r} holds a {type(text).__name__}, expected a string")
+            raise DataError(f"{where}: key {key!r} holds a {type(text).__name__}, expected a string")
         doc = [i for p in pieces for i in tokenizer.tokenize(p)]
         if doc and _worker["append_eod"]:
             doc.append(tokenizer.eod)  # Megatron appends no eod to an empty document either
@@ -152,7 +152,7 @@ def _lines(input_path: str) -> Iterator[tuple[int, str, int]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise ValueError(f"{input_path}:{lineno}: not UTF-8 ({error.reason} at byte {error.start} of "
+                raise DataError(f"{input_path}:{lineno}: not UTF-8 ({error.reason} at byte {error.start} of "
                                  f"the line)") from None
             if line.strip():
                 yield lineno, line, len(raw)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_glue import training
     from megatron_glue.checkpointing import CheckpointError
     from megatron_glue.data import build_loader
-    from megatron_glue.tokenizer import padded_vocab_size
+    from megatron_glue.tokenizer import DataError, padded_vocab_size
 
     try:
         args = parse_args(argv)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as e:
         print(e.message, file=sys.stderr)
         return 2
-    except (CheckpointError, FileNotFoundError) as e:  # bad input found while setting up: one line, no traceback
+    except (CheckpointError, DataError, FileNotFoundError) as e:  # bad input found while setting up: one line, no traceback
         print(f"pretrain_gpt: error: {e}", file=sys.stderr)
         return 1
     finally:

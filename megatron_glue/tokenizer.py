@@ -23,6 +23,10 @@ import os
 from collections import OrderedDict
 from typing import Any
 
+
+class DataError(ValueError):
+    """Bad input data, vocabulary or tokenizer: the message names the file or flag and what was expected."""
+
 SUPPORTED = ("GPT2BPETokenizer", "HuggingFaceTokenizer")  # the ones with files, which preprocess takes
 EOD_TOKEN = "<|endoftext|>"  # GPT-2's end-of-document token
 
@@ -33,7 +37,7 @@ def padded_vocab_size(orig: int, make_vocab_size_divisible_by: int, tensor_model
     for name, value in (("orig", orig), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
                         ("tensor_model_parallel_size", tensor_model_parallel_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"padded_vocab_size: {name} must be a positive int, got {value!r}")
+            raise DataError(f"padded_vocab_size: {name} must be a positive int, got {value!r}")
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     # Integer ceiling: Megatron's float math.ceil(orig / multiple) gives the same for any real vocabulary.
     return -(-orig // multiple) * multiple
@@ -95,7 +99,7 @@ class GPT2BPETokenizer(_Tokenizer):
         vocab = _read_vocab(vocab_file)
         merges = _read_merges(merge_file, vocab, vocab_file)
         if EOD_TOKEN not in vocab:
-            raise ValueError(f"--vocab-file {vocab_file}: has no {EOD_TOKEN!r} token, GPT2BPETokenizer's "
+            raise DataError(f"--vocab-file {vocab_file}: has no {EOD_TOKEN!r} token, GPT2BPETokenizer's "
                              f"end-of-document token")
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -128,7 +132,7 @@ class HuggingFaceTokenizer(_Tokenizer):
             raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no such directory (HuggingFaceTokenizer "
                                     f"loads a local directory written by save_pretrained; no hub downloads)")
         if not any(os.path.isfile(os.path.join(tokenizer_model, f)) for f in _HF_FILES):
-            raise ValueError(f"--tokenizer-model {tokenizer_model}: no tokenizer files in it (expected one of "
+            raise DataError(f"--tokenizer-model {tokenizer_model}: no tokenizer files in it (expected one of "
                              f"{', '.join(_HF_FILES)}, as written by save_pretrained)")
         from transformers import AutoTokenizer
 
@@ -136,9 +140,9 @@ class HuggingFaceTokenizer(_Tokenizer):
             tok = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True)
         except Exception as error:  # transformers' messages run over many lines: keep the first
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise ValueError(f"--tokenizer-model {tokenizer_model}: AutoTokenizer cannot load it: {first}") from error
+            raise DataError(f"--tokenizer-model {tokenizer_model}: AutoTokenizer cannot load it: {first}") from error
         if tok.eos_token_id is None:
-            raise ValueError(f"--tokenizer-model {tokenizer_model}: the tokenizer has no eos token, which "
+            raise DataError(f"--tokenizer-model {tokenizer_model}: the tokenizer has no eos token, which "
                              f"HuggingFaceTokenizer uses as its end-of-document id (eod)")
         self._tok = tok
         self._vocab = tok.get_vocab()
@@ -164,7 +168,7 @@ class NullTokenizer(_Tokenizer):
 
     def __init__(self, vocab_size: int) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 1:
-            raise ValueError(f"NullTokenizer needs --vocab-size, a positive int, got {vocab_size!r}")
+            raise DataError(f"NullTokenizer needs --vocab-size, a positive int, got {vocab_size!r}")
         vocab_size = int(vocab_size)
         self.vocab_size = vocab_size + 1
         self.eod = vocab_size
@@ -189,18 +193,18 @@ def build_tokenizer(tokenizer_type: str, *, vocab_file: str | None = None, merge
     type does not use are ignored."""
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None:
-            raise ValueError("GPT2BPETokenizer needs --vocab-file (GPT-2's vocab.json)")
+            raise DataError("GPT2BPETokenizer needs --vocab-file (GPT-2's vocab.json)")
         if merge_file is None:
-            raise ValueError("GPT2BPETokenizer needs --merge-file (GPT-2's merges.txt)")
+            raise DataError("GPT2BPETokenizer needs --merge-file (GPT-2's merges.txt)")
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
         if tokenizer_model is None:
-            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a local directory written by "
+            raise DataError("HuggingFaceTokenizer needs --tokenizer-model (a local directory written by "
                              "save_pretrained)")
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
-    raise ValueError(f"--tokenizer-type {tokenizer_type} is not implemented here (supported: "
+    raise DataError(f"--tokenizer-type {tokenizer_type} is not implemented here (supported: "
                      f"{', '.join(SUPPORTED + ('NullTokenizer',))})")
 
 
@@ -214,20 +218,20 @@ def _read_vocab(path: str) -> dict[str, int]:
         with open(path, encoding="utf-8") as f:
             vocab: Any = json.load(f)
     except UnicodeDecodeError as error:
-        raise ValueError(f"--vocab-file {path}: not UTF-8 text ({error.reason} at byte {error.start}); "
+        raise DataError(f"--vocab-file {path}: not UTF-8 text ({error.reason} at byte {error.start}); "
                          f"{expected}") from None
     except json.JSONDecodeError as error:
-        raise ValueError(f"--vocab-file {path}: not valid JSON ({error.msg} at line {error.lineno} column "
+        raise DataError(f"--vocab-file {path}: not valid JSON ({error.msg} at line {error.lineno} column "
                          f"{error.colno}); {expected}") from None
     if not isinstance(vocab, dict):
-        raise ValueError(f"--vocab-file {path}: holds a JSON {type(vocab).__name__}; {expected}")
+        raise DataError(f"--vocab-file {path}: holds a JSON {type(vocab).__name__}; {expected}")
     for token, index in vocab.items():
         if isinstance(index, bool) or not isinstance(index, int):
-            raise ValueError(f"--vocab-file {path}: token {token!r} maps to {index!r}; {expected}")
+            raise DataError(f"--vocab-file {path}: token {token!r} maps to {index!r}; {expected}")
     # The ids index the embedding rows: GPT-2's are 0..N-1, each once. Gaps or repeats would make vocab_size
     # (len, as Megatron counts it) disagree with the largest id.
     if sorted(vocab.values()) != list(range(len(vocab))):
-        raise ValueError(f"--vocab-file {path}: the ids are not 0..{len(vocab) - 1}, each once; {expected}")
+        raise DataError(f"--vocab-file {path}: the ids are not 0..{len(vocab) - 1}, each once; {expected}")
     return vocab
 
 
@@ -239,7 +243,7 @@ def _read_merges(path: str, vocab: dict[str, int], vocab_path: str) -> list[tupl
         with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")
     except UnicodeDecodeError as error:
-        raise ValueError(f"--merge-file {path}: not UTF-8 text ({error.reason} at byte {error.start}); expected "
+        raise DataError(f"--merge-file {path}: not UTF-8 text ({error.reason} at byte {error.start}); expected "
                          f"GPT-2's merges.txt") from None
     for lineno, line in enumerate(lines, start=1):
         line = line.rstrip("\r")
@@ -247,13 +251,13 @@ def _read_merges(path: str, vocab: dict[str, int], vocab_path: str) -> list[tupl
             continue
         parts = line.split(" ")
         if len(parts) != 2 or not all(parts):
-            raise ValueError(f"--merge-file {path}: line {lineno} is {line!r}; expected two tokens separated by "
+            raise DataError(f"--merge-file {path}: line {lineno} is {line!r}; expected two tokens separated by "
                              f"one space (GPT-2's merges.txt)")
         # tokenizers' BPE panics (a BaseException, not an Exception) on a merge whose result is not in the
         # vocabulary (tokenizers 0.23, models/bpe/model.rs:267), so check each piece here, with the line.
         for piece in (parts[0], parts[1], parts[0] + parts[1]):
             if piece not in vocab:
-                raise ValueError(f"--merge-file {path}: line {lineno} ({line!r}) needs the token {piece!r}, "
+                raise DataError(f"--merge-file {path}: line {lineno} ({line!r}) needs the token {piece!r}, "
                                  f"which --vocab-file {vocab_path} does not have")
         merges.append((parts[0], parts[1]))
     return merges

@@ -32,8 +32,7 @@ class State:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
-    nan_iterations: int = 0
-    has_validation: bool = False  # a validation split exists (every stage evaluates, reading data or not)
+    has_split: tuple = (False, False, False)  # train/valid/test exist (every stage evaluates, reading or not)
     graph_counts: dict = field(default_factory=dict)
 
 
@@ -235,7 +234,7 @@ def train_step(args, forward_step, data_iterator, chunks, optimizer, scheduler):
     return _reduce_losses(losses), not update_successful, grad_norm
 
 
-def evaluate(args, forward_step, data_iterator, chunks, state: State) -> dict[str, float]:
+def evaluate(args, forward_step, data_iterator, chunks) -> dict[str, float]:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -250,7 +249,6 @@ def evaluate(args, forward_step, data_iterator, chunks, state: State) -> dict[st
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True)
             for key, value in _reduce_losses(losses).items():
                 totals.setdefault(key, []).append(value)
-            state.consumed_valid_samples += args.global_batch_size
     for c in chunks:
         c.train()
     values = {k: sum(v) / len(v) for k, v in totals.items()}
@@ -299,7 +297,7 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
         state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
             checkpointing.load_checkpoint(args, chunks, optimizer, scheduler)
     datasets = datasets_provider(args)
-    state.has_validation = datasets[1] is not None
+    state.has_split = tuple(d is not None for d in datasets)
     train_it, valid_it, test_it = _iterators(
         args, build_loader, datasets, (state.consumed_train_samples, state.consumed_valid_samples), chunks)
 
@@ -317,6 +315,7 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
                                       state.consumed_train_samples, state.consumed_valid_samples)
     if args.eval_iters > 0:
         _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics, "on validation set")
+        _evaluate_and_print(args, forward_step, test_it, chunks, state, metrics, "on test set", split=2)
     state.graph_counts = _count_graphs()
     metrics.record("end", iteration=state.iteration, **state.graph_counts)
     plot = metrics.close()
@@ -325,19 +324,31 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
     return state
 
 
-def _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics, suffix=""):
-    if not state.has_validation:
+def _evaluate_and_print(args, forward_step, data_iterator, chunks, state, metrics, suffix="", split=1):
+    """Megatron-LM's evaluate_and_print_results on the validation (split 1) or test (split 2) data."""
+    if not state.has_split[split]:
         return
-    losses = evaluate(args, forward_step, valid_it, chunks, state)
+    losses = evaluate(args, forward_step, data_iterator, chunks)
+    if split == 1:
+        state.consumed_valid_samples += args.eval_iters * args.global_batch_size
     prefix = f"iteration {state.iteration}" + (f" {suffix}" if suffix else "")
     print_rank0(validation_lines(prefix, losses))
-    metrics.record("validation", iteration=state.iteration, **losses)
+    metrics.record("validation" if split == 1 else "test", iteration=state.iteration, **losses)
+
+
+@dataclass
+class _Interval:
+    """What one --log-interval accumulates (Megatron-LM's total_loss_dict): reset after each log line."""
+    seconds: float = 0.0
+    iterations: int = 0
+    skipped: int = 0
+    nan: int = 0
+    loss_sums: dict = field(default_factory=dict)
 
 
 def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it, state, metrics, tokens_per_it,
            where):
-    # Time per iteration counts the iterations only: evaluation and checkpoint saves are timed apart
-    interval_time, interval_iters, interval_good, interval_losses = 0.0, 0, 0, {}
+    interval = _Interval()
     for c in chunks:
         c.train()
     while state.iteration < args.train_iters:
@@ -346,36 +357,38 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
         losses = _broadcast_from_last_stage(losses, ["lm loss"])
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
-        state.skipped_iterations += int(skipped)
         loss = losses.get("lm loss")
-        nan = loss is not None and not math.isfinite(loss)
-        if nan:
-            state.nan_iterations += 1
-            if args.check_for_nan_in_loss_and_grad:
-                raise FloatingPointError(f"iteration {state.iteration}: the lm loss is {loss}; stopping "
-                                         "(--no-check-for-nan-in-loss-and-grad goes on)")
-        if not skipped and not nan:
-            interval_good += 1
+        if loss is not None and not math.isfinite(loss) and args.check_for_nan_in_loss_and_grad:
+            raise FloatingPointError(f"iteration {state.iteration}: the lm loss is {loss}; stopping "
+                                     "(--no-check-for-nan-in-loss-and-grad trains on)")
+        # Megatron-LM's bookkeeping: a skipped step's loss is left out of the average; among skipped steps,
+        # those whose loss is not finite are the "nan iterations"
+        interval.iterations += 1
+        interval.seconds += time.perf_counter() - started  # evaluation and saves are not iteration time
+        if skipped:
+            interval.skipped += 1
+            interval.nan += int(loss is not None and not math.isfinite(loss))
+        else:
             for k, v in losses.items():
-                interval_losses[k] = interval_losses.get(k, 0.0) + v
-        interval_iters += 1
-        interval_time += time.perf_counter() - started
+                interval.loss_sums[k] = interval.loss_sums.get(k, 0.0) + v
+        state.skipped_iterations += int(skipped)
         metrics.step(loss)
         lr = optimizer.param_groups[0]["lr"]
         scale = optimizer.get_loss_scale().item()
+        norm = None if grad_norm is None else float(grad_norm)
         metrics.record("train", iteration=state.iteration, lr=lr, loss_scale=scale, skipped=bool(skipped),
-                       grad_norm=None if grad_norm is None else float(grad_norm), **losses)
+                       grad_norm=norm, **losses)
         if state.iteration % args.log_interval == 0:
-            elapsed = interval_time / interval_iters
-            good = max(1, interval_good)  # the loss is averaged over iterations neither skipped nor nan
+            counted = max(1, interval.iterations - interval.skipped)
+            elapsed = interval.seconds / interval.iterations
             print_rank0(iteration_line(
                 iteration=state.iteration, train_iters=args.train_iters,
                 consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, learning_rate=lr,
-                global_batch_size=args.global_batch_size, losses={k: v / good for k, v in interval_losses.items()},
-                loss_scale=scale, grad_norm=None if grad_norm is None else float(grad_norm),
-                skipped=state.skipped_iterations, nan=state.nan_iterations,
-                tokens_per_sec=tokens_per_it / elapsed, peak_mb=peak_memory_mb(where.device)))
-            interval_time, interval_iters, interval_good, interval_losses = 0.0, 0, 0, {}
+                global_batch_size=args.global_batch_size,
+                losses={k: v / counted for k, v in interval.loss_sums.items()}, loss_scale=scale, grad_norm=norm,
+                skipped=interval.skipped, nan=interval.nan, tokens_per_sec=tokens_per_it / elapsed,
+                peak_mb=peak_memory_mb(where.device)))
+            interval = _Interval()
         if args.eval_interval and state.iteration % args.eval_interval == 0 and args.eval_iters > 0 \
                 and state.iteration < args.train_iters:
             _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics)
