@@ -168,10 +168,10 @@ def test_data_path_errors(gloo, data, tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         _build(data, tmp_path, ["0.5", data.letters, "0.5", missing])
     assert str(info.value) == (f"data prefix {missing}: expected {missing}.bin and {missing}.idx, missing "
-                               f"{missing}.bin and {missing}.idx")
+                               f"{missing}.bin and {missing}.idx (write them with `npu-compile preprocess`)")
     only_bin = str(tmp_path / "half")
     open(only_bin + ".bin", "wb").close()
-    with pytest.raises(FileNotFoundError, match=r"missing .*half\.idx$"):
+    with pytest.raises(FileNotFoundError, match=r"missing [^ ]*half\.idx \(write them with `npu-compile preprocess`\)$"):
         _build(data, tmp_path, [only_bin])
     with pytest.raises(FileNotFoundError, match=r"\(give the prefix, without \.bin/\.idx\)$"):
         _build(data, tmp_path, [data.letters + ".bin"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_glue.demo_data import train_bpe
-from megatron_glue.tokenizer import EOD_TOKEN, NullTokenizer, build_tokenizer, padded_vocab_size
+from megatron_glue.tokenizer import EOD_TOKEN, DataError, NullTokenizer, build_tokenizer, padded_vocab_size
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.\n" * 3,
@@ -89,7 +89,7 @@ def test_null_tokenizer_is_megatrons():
     assert (null.vocab_size, null.eod) == (101, 100)  # eod is one past the ids, and counted
     assert null.tokenize("3 1 4 99") == [3, 1, 4, 99] and null.detokenize([3, 1, 100]) == "3 1 100"
     assert NullTokenizer(100).unique_identifiers == null.unique_identifiers != NullTokenizer(7).unique_identifiers
-    with pytest.raises(ValueError, match=r"^NullTokenizer needs --vocab-size, a positive int, got None$"):
+    with pytest.raises(DataError, match=r"^NullTokenizer needs --vocab-size, a positive int, got None$"):
         build_tokenizer("NullTokenizer")
 
 
@@ -107,7 +107,7 @@ def test_padded_vocab_size_figures():
     assert padded_vocab_size(50257, 128, 1) == 50304  # GPT-2 in Megatron-LM
     assert padded_vocab_size(50257, 128, 8) == 51200
     assert padded_vocab_size(3072, 128, 1) == 3072
-    with pytest.raises(ValueError, match=r"^padded_vocab_size: tensor_model_parallel_size must be a positive int, "
+    with pytest.raises(DataError, match=r"^padded_vocab_size: tensor_model_parallel_size must be a positive int, "
                                          r"got 0$"):
         padded_vocab_size(100, 128, 0)
 
@@ -115,7 +115,7 @@ def test_padded_vocab_size_figures():
 # -- bad inputs --------------------------------------------------------------------------------------------
 
 def _error(kind, **kwargs):
-    with pytest.raises((ValueError, FileNotFoundError)) as info:
+    with pytest.raises((DataError, FileNotFoundError)) as info:
         build_tokenizer(kind, **kwargs)
     assert "\n" not in str(info.value)
     return type(info.value), str(info.value)
@@ -129,9 +129,9 @@ def _write(path, text):
 def test_gpt2_missing_flags_and_files(gpt2_files, tmp_path):
     vocab, merges = gpt2_files
     assert _error("GPT2BPETokenizer", merge_file=merges) == (
-        ValueError, "GPT2BPETokenizer needs --vocab-file (GPT-2's vocab.json)")
+        DataError, "GPT2BPETokenizer needs --vocab-file (GPT-2's vocab.json)")
     assert _error("GPT2BPETokenizer", vocab_file=vocab) == (
-        ValueError, "GPT2BPETokenizer needs --merge-file (GPT-2's merges.txt)")
+        DataError, "GPT2BPETokenizer needs --merge-file (GPT-2's merges.txt)")
     missing = str(tmp_path / "nope.json")
     assert _error("GPT2BPETokenizer", vocab_file=missing, merge_file=merges) == (
         FileNotFoundError, f"--vocab-file {missing}: no such file (expected GPT-2's vocab.json)")
@@ -150,7 +150,7 @@ def test_gpt2_malformed_vocab(gpt2_files, tmp_path):
     ]:
         path = _write(tmp_path / "vocab.json", text)
         assert _error("GPT2BPETokenizer", vocab_file=path, merge_file=merges) == (
-            ValueError, f"--vocab-file {path}: {why}; {expected}")
+            DataError, f"--vocab-file {path}: {why}; {expected}")
 
 
 def test_gpt2_malformed_merges_and_vocab_without_eod(tmp_path):
@@ -162,17 +162,17 @@ def test_gpt2_malformed_merges_and_vocab_without_eod(tmp_path):
     ]:
         merges = _write(tmp_path / "merges.txt", text)
         assert _error("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges) == (
-            ValueError, f"--merge-file {merges}: line {lineno} {why}")
+            DataError, f"--merge-file {merges}: line {lineno} {why}")
     merges = _write(tmp_path / "merges.txt", "#version: 0.2\na b\n")
     assert build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges).tokenize("ab") == [3]
     no_eod = _write(tmp_path / "no_eod.json", json.dumps({"a": 0, "b": 1, "ab": 2}))
     assert _error("GPT2BPETokenizer", vocab_file=no_eod, merge_file=merges) == (
-        ValueError, f"--vocab-file {no_eod}: has no '<|endoftext|>' token, GPT2BPETokenizer's end-of-document token")
+        DataError, f"--vocab-file {no_eod}: has no '<|endoftext|>' token, GPT2BPETokenizer's end-of-document token")
 
 
 def test_huggingface_bad_dirs_and_unknown_type(tmp_path):
     assert _error("HuggingFaceTokenizer") == (
-        ValueError, "HuggingFaceTokenizer needs --tokenizer-model (a local directory written by save_pretrained)")
+        DataError, "HuggingFaceTokenizer needs --tokenizer-model (a local directory written by save_pretrained)")
     missing = str(tmp_path / "nope")
     assert _error("HuggingFaceTokenizer", tokenizer_model=missing) == (
         FileNotFoundError, f"--tokenizer-model {missing}: no such directory (HuggingFaceTokenizer loads a local "
@@ -180,8 +180,8 @@ def test_huggingface_bad_dirs_and_unknown_type(tmp_path):
     (tmp_path / "empty").mkdir()
     empty = str(tmp_path / "empty")
     assert _error("HuggingFaceTokenizer", tokenizer_model=empty) == (
-        ValueError, f"--tokenizer-model {empty}: no tokenizer files in it (expected one of tokenizer.json, "
+        DataError, f"--tokenizer-model {empty}: no tokenizer files in it (expected one of tokenizer.json, "
                     f"tokenizer_config.json, as written by save_pretrained)")
     assert _error("SentencePieceTokenizer", tokenizer_model=empty) == (
-        ValueError, "--tokenizer-type SentencePieceTokenizer is not implemented here (supported: GPT2BPETokenizer, "
+        DataError, "--tokenizer-type SentencePieceTokenizer is not implemented here (supported: GPT2BPETokenizer, "
                     "HuggingFaceTokenizer, NullTokenizer)")
