@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from typing import Iterator, TextIO
@@ -97,6 +98,11 @@ def preprocess(input_path: str, output_prefix: str, *, tokenizer_type: str, voca
         for key in json_keys:
             os.replace(tmp[key][0], prefixes[key] + ".bin")
             os.replace(tmp[key][1], prefixes[key] + ".idx")
+            # megatron-core caches sample indices in <prefix>/cache/ keyed by the path and the dataset config,
+            # not by the data (gpt_dataset.py:413): indices of the data just replaced would be read as these.
+            stale = os.path.join(prefixes[key], "cache")
+            if os.path.isdir(stale):
+                shutil.rmtree(stale)
     finally:
         for builder in builders.values():
             builder.data_file.close()  # finalize closes it too; a second close is harmless

@@ -171,3 +171,16 @@ def test_missing_data_path(tmp_path):
     assert _one_line_failure(run, 1) == (f"pretrain_gpt: error: data prefix {prefix}: expected {prefix}.bin and "
                                          f"{prefix}.idx, missing {prefix}.bin and {prefix}.idx (write them with "
                                          "`npu-compile preprocess`)")
+
+
+def test_demo_runs_the_seed_flags(tmp_path):
+    """`make demo`'s job is the seed script's flags (sizes scaled down, gloo, bf16 for fp16): they parse at 2
+    processes as the flags of a real job, and its terminal curve draws what the metrics hold."""
+    from megatron_glue.demo import ascii_curve, seed_flags
+
+    data = {"data_prefix": str(tmp_path / "corpus_text_document"), "vocab_file": "v.json", "merge_file": "m.txt"}
+    args = parse_args(seed_flags(data, tmp_path), world_size=2)
+    assert (args.data_parallel_size, args.num_microbatches, args.params_dtype) == (2, 2, "bfloat16")
+    assert args.save == args.load == str(tmp_path / "ckpt") and args.tokenizer_type == "GPT2BPETokenizer"
+    curve = ascii_curve([8.0, 7.0, 6.0, 5.0], width=4, height=4).splitlines()
+    assert [row.split("|")[1] for row in curve[:4]] == ["*   ", " *  ", "  * ", "   *"]
