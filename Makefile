@@ -1,4 +1,5 @@
-# make demo | make test | make bench | make fuzz — each sets up its own .venv on a fresh machine.
+# make demo | make test | make bench | make fuzz — each sets up its own .venv on a fresh machine; make test-mcore012
+# (the Megatron tests on megatron-core 0.12.1) sets up its own .venv-mcore012.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +7,12 @@ STAMP  := $(VENV)/.installed
 # torch_npu, where installed, hooks `import torch` and dies without Ascend's CANN runtime.
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: demo test fuzz bench venv clean
+# A second venv on the users' seed line of megatron-core, 0.12.1; `make test-mcore012` runs the Megatron tests on it.
+VENV012  := .venv-mcore012
+PY012    := $(VENV012)/bin/python
+STAMP012 := $(VENV012)/.installed
+
+.PHONY: demo test test-mcore012 fuzz bench venv venv-mcore012 clean
 
 venv: $(STAMP)
 
@@ -18,11 +24,33 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	touch $@
 
+venv-mcore012: $(STAMP012)
+
+# Built as .venv is (CPU torch first, then the project), then megatron-core 0.12.1 over the 0.16.1 the extras pin.
+$(STAMP012): pyproject.toml
+	$(PYTHON) -m venv $(VENV012)
+	$(VENV012)/bin/pip install -q --upgrade pip
+	$(VENV012)/bin/pip install -q torch==2.13.0
+	$(PY012) -c "import torch; print(torch.__version__)" > $(VENV012)/.torch-version
+	$(VENV012)/bin/pip install -q -e '.[test]'
+	$(VENV012)/bin/pip install -q megatron-core==0.12.1
+	# megatron-core 0.12.1 and its dependencies must leave the torch build of the first step in place.
+	$(PY012) -c "import sys, torch; from importlib.metadata import version as v; kept = open(sys.argv[1]).read().strip(); \
+		assert torch.__version__ == kept, f'torch {kept} was replaced by {torch.__version__}'; \
+		assert v('megatron-core') == '0.12.1', v('megatron-core')" $(VENV012)/.torch-version
+	touch $@
+
 demo: $(STAMP)
 	$(PY) -m npu_compile demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not fuzz"
+
+# The Megatron tests on megatron-core 0.12.1: the Megatron folders whole, and of tests/passes those that build on
+# megatron-core (megatron_glue.testing's --megatron-only).
+test-mcore012: $(STAMP012)
+	$(PY012) -m pytest -q -m "not fuzz" tests/megatron_glue tests/lowering/test_megatron.py
+	$(PY012) -m pytest -q -m "not fuzz" -p megatron_glue.testing --megatron-only tests/passes
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz
@@ -33,4 +61,4 @@ bench: $(STAMP)
 	$(PY) -m bench.memory
 
 clean:
-	rm -rf $(VENV) npu_compile_dump .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV012) npu_compile_dump .pytest_cache .hypothesis

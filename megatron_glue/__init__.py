@@ -7,10 +7,11 @@ One line for users:
 Tensor parallelism adds groups "tp_compile" (and "sp" for sequence parallelism); `distributed.init_distributed`
 applies what a worker at a given TP size needs.
 
-`adaptations` holds every change we make to Megatron, with its reason; `models` builds small GPT/Llama-style
-models and batches; `distributed` sets up TP workers, launches them for tests and does the TP grad work
-Megatron's DDP would; `capture` captures one layer at TP=8 over a fake process group for benchmarks; `testing`
-holds pytest fixtures shared by test folders.
+`adaptations` holds every change we make to Megatron, with its reason, keyed by megatron-core version where the
+lines differ (tested on 0.12.1 and 0.16.1; `registry.skipped()` lists those not for the installed one); `models`
+builds small GPT/Llama-style models and batches; `distributed` sets up TP workers, launches them for tests and
+does the TP grad work Megatron's DDP would; `capture` captures one layer at TP=8 over a fake process group for
+benchmarks; `testing` holds pytest fixtures shared by test folders.
 """
 
 import contextlib
@@ -19,8 +20,8 @@ import warnings
 from megatron_glue.adaptations import registry
 
 
-# What megatron-core 0.16.1 (and torch under it) says on import or model build that does not apply here:
-# we use neither TE nor Apex, and the deprecations are Megatron's own business.
+# What megatron-core 0.16.1 or 0.12.1 (and torch under it) says on import or model build that does not apply
+# here: we use neither TE nor Apex, and the deprecations are Megatron's own business.
 _MEGATRON_NOISE = (
     (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed"),
     (DeprecationWarning, r"`torch\.jit\.script_method` is deprecated"),

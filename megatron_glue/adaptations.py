@@ -7,6 +7,15 @@ did `from x import f` keep their own reference), once; reverting puts the origin
 adaptation is wanted: "cpu" (no CUDA device), "compile" (Dynamo capture), "tp_compile" (capture at tensor
 parallel size > 1), "sp" (sequence parallelism without TE/Apex or CUDA); later "npu".
 
+Megatron differs between releases. An adaptation that is needed (or possible) only on some megatron-core versions
+says which with `megatron_versions`, a PEP 440 specifier set matched against the installed distribution's
+version (`importlib.metadata.version("megatron-core")`), e.g. ">=0.13" or "<0.13"; None, the default, means every
+version. One that does not match is skipped by `apply_groups`, left out of `known()` and listed with why by
+`skipped()`. Where the same fix needs different code per line there are two entries with disjoint ranges and
+their own names (the older line's named with its suffix, e.g. "inference_rng_tracker_0_12"), each citing the
+Megatron file:line of its own line. Tested lines: 0.12.1 and 0.16.1 (`make test-mcore012`, `make test`); range
+boundaries in between come from reading each release's source.
+
 Megatron is imported only when an adaptation is applied, so importing this module stays cheap.
 We never disable or replace `torch.compile` itself: the point of this project is to compile Megatron.
 """
@@ -16,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import importlib.metadata
 import inspect
 import sys
 from dataclasses import dataclass
@@ -26,13 +36,49 @@ import torch
 _MISSING = object()
 
 
+def _specifier_set(megatron_versions: str):
+    from packaging.specifiers import SpecifierSet  # megatron-core's own dependency; imported when a range is used
+
+    return SpecifierSet(megatron_versions)
+
+
 @dataclass(frozen=True)
 class Adaptation:
     name: str
     target: str  # dotted path of the attribute replaced, e.g. "megatron.core.utils.GlobalMemoryBuffer.get_tensor"
     group: str
-    reason: str  # one line: why, citing the Megatron file:line it works around
+    reason: str  # one line: why, citing the Megatron file:line it works around (of each line it applies to)
     build: Callable[[Any], Any]  # original -> new object; runs once per apply
+    # The megatron-core versions it applies to: a PEP 440 specifier set ("<0.13", ">=0.13"); None: every version.
+    megatron_versions: str | None = None
+
+    def __post_init__(self):
+        if self.megatron_versions is not None:
+            _specifier_set(self.megatron_versions)  # a malformed range fails where it is declared
+
+    def applies_to(self, megatron_version: str | None) -> bool:
+        """Whether this adaptation is for that megatron-core version (None: megatron-core not installed)."""
+        if self.megatron_versions is None:
+            return True
+        if megatron_version is None:
+            return False
+        # prereleases=True: a 0.16.0rc0 or dev build belongs to its line, not outside every range
+        return _specifier_set(self.megatron_versions).contains(megatron_version, prereleases=True)
+
+
+@functools.lru_cache(maxsize=None)
+def megatron_core_version() -> str | None:
+    """The installed megatron-core distribution's version, e.g. "0.12.1"; None when it is not installed."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def megatron_core_in(megatron_versions: str) -> bool:
+    """Whether the installed megatron-core is in the PEP 440 specifier set `megatron_versions` (e.g. ">=0.16")."""
+    version = megatron_core_version()
+    return version is not None and _specifier_set(megatron_versions).contains(version, prereleases=True)
 
 
 @dataclass
@@ -72,11 +118,23 @@ def resolve(target: str) -> tuple[Any, str]:
 
 
 class Registry:
-    """Named adaptations, applied by name or by group, listed with reasons, reverted in reverse order."""
+    """Named adaptations, applied by name or by group, listed with reasons, reverted in reverse order.
 
-    def __init__(self):
+    `megatron_version` is the megatron-core version the adaptations' `megatron_versions` are matched against:
+    by default the installed one (looked up on first use); a test may pin another.
+    """
+
+    def __init__(self, megatron_version: str | None = _MISSING):
         self._known: dict[str, Adaptation] = {}
         self._applied: dict[str, _Applied] = {}  # insertion order = application order
+        self._megatron_version = megatron_version
+
+    @property
+    def megatron_version(self) -> str | None:
+        """The megatron-core version this registry applies adaptations for (None: not installed)."""
+        if self._megatron_version is _MISSING:
+            self._megatron_version = megatron_core_version()
+        return self._megatron_version
 
     # -- declaring -----------------------------------------------------------------------------------------
     def add(self, adaptation: Adaptation) -> Adaptation:
@@ -85,30 +143,48 @@ class Registry:
         self._known[adaptation.name] = adaptation
         return adaptation
 
-    def replaces(self, name: str, target: str, group: str, reason: str):
-        """Decorator: the decorated object replaces `target` outright."""
+    def replaces(self, name: str, target: str, group: str, reason: str, megatron_versions: str | None = None):
+        """Decorator: the decorated object replaces `target` outright (on `megatron_versions` only, if given)."""
         def register(new):
-            self.add(Adaptation(name, target, group, reason, build=lambda original: new))
+            self.add(Adaptation(name, target, group, reason, build=lambda original: new,
+                                megatron_versions=megatron_versions))
             return new
         return register
 
-    def wraps(self, name: str, target: str, group: str, reason: str):
-        """Decorator: the decorated factory gets the current `target` and returns what stands in its place."""
+    def wraps(self, name: str, target: str, group: str, reason: str, megatron_versions: str | None = None):
+        """Decorator: the decorated factory gets the current `target` and returns what stands in its place
+        (on `megatron_versions` only, if given)."""
         def register(factory):
-            self.add(Adaptation(name, target, group, reason, build=factory))
+            self.add(Adaptation(name, target, group, reason, build=factory, megatron_versions=megatron_versions))
             return factory
         return register
 
     # -- looking -------------------------------------------------------------------------------------------
-    def known(self, group: str | None = None) -> list[str]:
-        return [n for n, a in self._known.items() if group is None or a.group == group]
+    def applies(self, name: str) -> bool:
+        """Whether adaptation `name` is for the megatron-core version of this registry."""
+        return self.get(name).applies_to(self.megatron_version)
+
+    def known(self, group: str | None = None, every_version: bool = False) -> list[str]:
+        """Names (of `group`, or all) that apply to this megatron-core version: what `apply_groups` applies.
+        every_version=True: every registered name, those for other megatron-core versions too."""
+        return [n for n, a in self._known.items()
+                if (group is None or a.group == group) and (every_version or a.applies_to(self.megatron_version))]
+
+    def skipped(self, group: str | None = None) -> dict[str, str]:
+        """name -> why it does not apply here, for the registered adaptations (of `group`) that are for other
+        megatron-core versions: `apply_groups` leaves them out."""
+        installed = ("megatron-core is not installed" if self.megatron_version is None
+                     else f"megatron-core {self.megatron_version} is installed")
+        return {n: f"for megatron-core {a.megatron_versions}; {installed}" for n, a in self._known.items()
+                if (group is None or a.group == group) and not a.applies_to(self.megatron_version)}
 
     def groups(self) -> list[str]:
+        """Every group named by a registered adaptation, whether or not any of it applies to this version."""
         return list(dict.fromkeys(a.group for a in self._known.values()))
 
     def get(self, name: str) -> Adaptation:
         if name not in self._known:
-            raise ValueError(f"unknown adaptation {name!r}; known: {', '.join(self.known())}")
+            raise ValueError(f"unknown adaptation {name!r}; known: {', '.join(self._known)}")
         return self._known[name]
 
     def applied(self) -> dict[str, str]:
@@ -117,12 +193,19 @@ class Registry:
 
     # -- doing ---------------------------------------------------------------------------------------------
     def apply(self, *names: str) -> None:
-        adaptations = [self.get(n) for n in names]  # all names checked before anything changes
+        """Apply the named adaptations, in order (idempotent). Naming one that is for another megatron-core
+        version is a ValueError; all names are checked before anything changes."""
+        adaptations = [self.get(n) for n in names]
+        for adaptation in adaptations:
+            if not adaptation.applies_to(self.megatron_version):
+                raise ValueError(f"adaptation {adaptation.name!r} does not apply here: "
+                                 f"{self.skipped()[adaptation.name]}")
         for adaptation in adaptations:
             if adaptation.name not in self._applied:
                 self._applied[adaptation.name] = self._apply_one(adaptation)
 
     def apply_groups(self, groups: Iterable[str]) -> None:
+        """Apply every adaptation of the groups that applies to this megatron-core version; see `skipped`."""
         groups = [groups] if isinstance(groups, str) else list(groups)
         for g in groups:
             if g not in self.groups():
@@ -184,13 +267,16 @@ registry = Registry()
 
 
 # ======================================================================================================
-# group "cpu": megatron-core 0.16.1 hard-codes CUDA in places a CPU (or not-yet-adapted device) run reaches.
+# group "cpu": megatron-core hard-codes CUDA in places a CPU (or not-yet-adapted device) run reaches.
+# Cited lines are 0.16.1's, with 0.12.1's where they differ ("0.12.1: file:line").
 # ======================================================================================================
 
 @registry.wraps(
     "inference_rng_tracker", "megatron.core.tensor_parallel.random.initialize_rng_tracker", "cpu",
-    reason="CudaRNGStatesTracker seeds and forks torch.cuda generators (tensor_parallel/random.py:237,250); "
-    "use the inference tracker, whose fork() is a nullcontext",
+    reason="CudaRNGStatesTracker seeds and forks torch.cuda generators (tensor_parallel/random.py:237,248); "
+    "use the inference tracker, whose fork() is a nullcontext, built again with force_reset "
+    "(tensor_parallel/random.py:298)",
+    megatron_versions=">=0.13",
 )
 def _inference_rng_tracker(initialize_rng_tracker):
     # Replace any tracker built before now; the wrapper keeps later (re)initialisations CPU-safe too,
@@ -204,12 +290,32 @@ def _inference_rng_tracker(initialize_rng_tracker):
     return initialize_cpu_rng_tracker
 
 
+@registry.wraps(
+    "inference_rng_tracker_0_12", "megatron.core.tensor_parallel.random.initialize_rng_tracker", "cpu",
+    reason="CudaRNGStatesTracker seeds and forks torch.cuda generators (0.12.1: tensor_parallel/random.py:196,207); "
+    "use the inference tracker, whose fork() is a nullcontext; 0.12 has no force_reset and keeps the first "
+    "tracker built (0.12.1: tensor_parallel/random.py:243), so clear its initialised flag to build ours",
+    megatron_versions="<0.13",
+)
+def _inference_rng_tracker_0_12(initialize_rng_tracker):
+    from megatron.core.tensor_parallel import random
+
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False  # what force_reset=True does from 0.13 on
+    initialize_rng_tracker(inference_rng_tracker=True)
+
+    def initialize_cpu_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False,
+                                   use_cudagraphable_rng=False):
+        initialize_rng_tracker(inference_rng_tracker=True)
+
+    return initialize_cpu_rng_tracker
+
+
 @registry.replaces(
     "fresh_global_buffer", "megatron.core.utils.GlobalMemoryBuffer.get_tensor", "cpu",
-    reason="GlobalMemoryBuffer allocates on torch.cuda.current_device() (utils.py:631); a fresh tensor on the "
-    "default device also keeps cached state out of Dynamo guards and autograd: under SP a buffer first made in a "
-    "compiled step is a graph output with autograd history, and the next step's backward fails "
-    "(tensor_parallel/layers.py:482)",
+    reason="GlobalMemoryBuffer allocates on torch.cuda.current_device() (utils.py:631; 0.12.1: utils.py:394); a "
+    "fresh tensor on the default device also keeps cached state out of Dynamo guards and autograd: under SP a "
+    "buffer first made in a compiled step is a graph output with autograd history, and the next step's backward "
+    "fails (tensor_parallel/layers.py:482; 0.12.1: tensor_parallel/layers.py:433)",
 )
 def _fresh_buffer(self, tensor_shape, dtype, name, mem_alloc_context=None):
     return torch.empty(tensor_shape, dtype=dtype)
@@ -217,27 +323,51 @@ def _fresh_buffer(self, tensor_shape, dtype, name, mem_alloc_context=None):
 
 @registry.replaces(
     "causal_mask_on_default_device", "megatron.core.transformer.utils.get_default_causal_mask", "cpu",
-    reason="get_default_causal_mask builds the mask with device='cuda' (transformer/utils.py:35), "
-    "reached when attention_mask is None",
+    reason="get_default_causal_mask builds the mask with device='cuda' (transformer/utils.py:35; 0.12.1: "
+    "transformer/utils.py:32), reached when attention_mask is None",
 )
 def _default_causal_mask(sq):
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _rope_emb_on_its_device(rotary, freqs):
+    """[seq, 1, 1, dim] embedding from freqs [seq, dim/2], as Megatron lays it out (rotate-half or interleaved)."""
+    if rotary.rotary_interleaved:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
 
 
 @registry.replaces(
     "rope_stays_on_device", "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb",
     "cpu",
     reason="RotaryEmbedding.get_emb moves inv_freq from cpu to torch.cuda.current_device() "
-    "(models/common/embeddings/rotary_pos_embedding.py:162)",
+    "(models/common/embeddings/rotary_pos_embedding.py:162); get_emb exists from 0.16",
+    megatron_versions=">=0.16",
 )
 def _rope_emb(self, max_seq_len, offset=0):
     # Megatron's get_emb without the device move: inv_freq stays where the module put it.
-    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-    if self.rotary_interleaved:
-        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-    else:
-        emb = torch.cat((freqs, freqs), dim=-1)
-    return emb[:, None, None, :]  # [seq, 1, 1, dim]
+    return _rope_emb_on_its_device(self, self.get_freqs_non_repeated(max_seq_len, offset))
+
+
+@registry.replaces(
+    "rope_stays_on_device_0_12", "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward",
+    "cpu",
+    reason="RotaryEmbedding.forward moves inv_freq from cpu to torch.cuda.current_device() (0.12.1: "
+    "models/common/embeddings/rotary_pos_embedding.py:155); 0.12 has no get_emb, so forward itself is replaced",
+    megatron_versions="<0.13",
+)
+@functools.lru_cache(maxsize=32)  # as Megatron's own (0.12.1: models/common/embeddings/rotary_pos_embedding.py:141)
+def _rope_forward_0_12(self, max_seq_len, offset=0, packed_seq=False):
+    # Megatron 0.12's forward without the device move: inv_freq stays where the module put it.
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    emb = _rope_emb_on_its_device(self, self.get_freqs_non_repeated(max_seq_len, offset))
+    if parallel_state.get_context_parallel_world_size() > 1 and not packed_seq:
+        emb = get_pos_emb_on_this_cp_rank(emb, 0)  # this CP rank's part of the sequence
+    return emb
 
 
 # ======================================================================================================
@@ -247,7 +377,9 @@ def _rope_emb(self, max_seq_len, offset=0):
 @registry.wraps(
     "quiet_default_tp_group", "megatron.core.utils.get_tensor_model_parallel_group_if_none", "compile",
     reason="warnings.warn(DeprecationWarning) on every RowParallelLinear forward (utils.py:501, layers.py:1281 "
-    "passes tp_group=None) is a Dynamo graph break",
+    "passes tp_group=None) is a Dynamo graph break; from 0.13 only: 0.12's layers take the group from parallel_state "
+    "and do not warn (0.12.1: tensor_parallel/layers.py:1195, tensor_parallel/mappings.py:31)",
+    megatron_versions=">=0.13",
 )
 def _quiet_default_tp_group(get_group_if_none):
     from megatron.core import parallel_state
@@ -302,8 +434,9 @@ def _issue_in_graph_when_compiling(collective):
 @registry.wraps(
     "capturable_async_all_reduce", "torch.distributed.all_reduce", "tp_compile",
     reason="LinearWithGradAccumulationAndAsyncCommunication.backward all-reduces the input grad with "
-    "async_op=True (tensor_parallel/layers.py:544), a Dynamo graph break in every ColumnParallelLinear; it calls "
-    "it as torch.distributed.all_reduce, so only the torch attribute can be wrapped",
+    "async_op=True (tensor_parallel/layers.py:544; 0.12.1: tensor_parallel/layers.py:489), a Dynamo graph break "
+    "in every ColumnParallelLinear; it calls it as torch.distributed.all_reduce, so only the torch attribute can "
+    "be wrapped",
 )
 def _capturable_all_reduce(all_reduce):
     from torch.distributed._functional_collectives import REDUCE_OP_TO_STR
@@ -314,7 +447,7 @@ def _capturable_all_reduce(all_reduce):
             return all_reduce(tensor, op, group, async_op)
         # Dynamo names the reduce op for the functional collective ("max") only when it calls the function that
         # is torch.distributed.all_reduce at trace time, which is now this one: name it here, or cross-entropy's
-        # ReduceOp.MAX (tensor_parallel/cross_entropy.py:130) reaches the functional op unnamed and fails.
+        # ReduceOp.MAX (tensor_parallel/cross_entropy.py:130, both lines) reaches the functional op unnamed and fails.
         all_reduce(tensor, REDUCE_OP_TO_STR[op], group)
         return _COMPLETED if async_op else None
 
@@ -323,8 +456,8 @@ def _capturable_all_reduce(all_reduce):
 
 @registry.wraps(
     "capturable_async_all_gather", "megatron.core.tensor_parallel.layers.dist_all_gather_func", "tp_compile",
-    reason="under SP the linear backward re-gathers its input with async_op=True (tensor_parallel/layers.py:522), "
-    "a Dynamo graph break",
+    reason="under SP the linear backward re-gathers its input with async_op=True (tensor_parallel/layers.py:522; "
+    "0.12.1: tensor_parallel/layers.py:468), a Dynamo graph break",
 )
 def _capturable_all_gather(all_gather):
     return _issue_in_graph_when_compiling(all_gather)
@@ -333,7 +466,7 @@ def _capturable_all_gather(all_gather):
 @registry.wraps(
     "capturable_async_reduce_scatter", "megatron.core.tensor_parallel.layers.dist_reduce_scatter_func", "tp_compile",
     reason="under SP the linear backward reduce-scatters the input grad with async_op=True "
-    "(tensor_parallel/layers.py:555), a Dynamo graph break",
+    "(tensor_parallel/layers.py:555; 0.12.1: tensor_parallel/layers.py:502), a Dynamo graph break",
 )
 def _capturable_reduce_scatter(reduce_scatter):
     return _issue_in_graph_when_compiling(reduce_scatter)
@@ -343,9 +476,9 @@ registry.add(Adaptation(
     "no_cuda_max_connections_warning",
     "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce.warned",
     "tp_compile",
-    reason="the first TP linear warns unless CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor_parallel/layers.py:728-741), "
-    "a CUDA stream-ordering hint with no meaning off CUDA; warnings.warn is a Dynamo graph break; set Megatron's "
-    "own already-warned flag",
+    reason="the first TP linear warns unless CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor_parallel/layers.py:728-741; "
+    "0.12.1: tensor_parallel/layers.py:651-664), a CUDA stream-ordering hint with no meaning off CUDA; "
+    "warnings.warn is a Dynamo graph break; set Megatron's own already-warned flag",
     build=lambda warned: True,
 ))
 
@@ -356,9 +489,10 @@ registry.add(Adaptation(
 
 @registry.wraps(
     "sequence_parallel_torch_norm", "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", "sp",
-    reason="WrappedTorchNorm asserts not config.sequence_parallel (transformer/torch_norm.py:32); a torch norm "
-    "is correct on a sequence shard once its params are tagged .sequence_parallel, as TE tags its own, so that "
-    "their grads get all-reduced over TP (distributed/finalize_model_grads.py:354)",
+    reason="WrappedTorchNorm asserts not config.sequence_parallel (transformer/torch_norm.py:32, both lines); a torch "
+    "norm is correct on a sequence shard once its params are tagged .sequence_parallel, as TE tags its own, so that "
+    "their grads get all-reduced over TP (distributed/finalize_model_grads.py:354; 0.12.1: "
+    "distributed/finalize_model_grads.py:205)",
 )
 def _sequence_parallel_torch_norm(wrapped_new):
     def __new__(cls, config, *args, **kwargs):
@@ -389,7 +523,8 @@ def set_current_device(device: str | torch.device) -> None:
 @registry.wraps(
     "current_device_stand_in", "torch.cuda.current_device", "sp",
     reason="SP buffers are made with device=torch.cuda.current_device() (tensor_parallel/mappings.py:141,181, "
-    "tensor_parallel/layers.py:552); torch.cuda is the only place to redirect it from",
+    "tensor_parallel/layers.py:552; 0.12.1: tensor_parallel/mappings.py:142,185, tensor_parallel/layers.py:499); "
+    "torch.cuda is the only place to redirect it from",
 )
 def _current_device_stand_in(cuda_current_device):
     @torch.compiler.assume_constant_result  # Dynamo folds the call to its result, as it does torch.cuda's own

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_glue import versions
 from megatron_glue.training_log import print_rank0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -125,14 +126,13 @@ def _common(args, iteration, consumed) -> dict:
 
 
 def _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed, *, loading, with_optim, with_rng):
-    from megatron.core.utils import unwrap_model
-
     state = _common(args, iteration, consumed)
     metadata = dict(DISTOPT_METADATA)
-    for i, chunk in enumerate(unwrap_model(chunks)):
+    for i, chunk in enumerate(versions.unwrap_model(chunks)):
         state[_model_key(chunks, i)] = chunk.sharded_state_dict(metadata=metadata)
     if with_optim and optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
+        state["optimizer"] = versions.optimizer_sharded_state_dict(optimizer, state, loading=loading,
+                                                                   metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _sharded_rng()
@@ -158,7 +158,7 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
     if args.ckpt_format == "torch_dist":
         state = _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed, loading=False,
                                     with_optim=with_optim, with_rng=with_rng)
-        dist_checkpointing.save(state, folder, content_metadata=dict(DISTOPT_METADATA))
+        dist_checkpointing.save(state, folder, **versions.checkpoint_save_kwargs(DISTOPT_METADATA))
     else:
         _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed, with_optim, with_rng)
     dist.barrier()  # every rank's part is on disk before the tracker moves
@@ -179,15 +179,13 @@ def _torch_file(folder: str) -> str:
 
 def _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed, with_optim, with_rng):
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import unwrap_model
-
     if args.use_distributed_optimizer and with_optim:
         raise CheckpointError("--ckpt-format torch with --use-distributed-optimizer is not implemented: its "
                               "optimizer state is sharded over DP; use --ckpt-format torch_dist")
     if ps.get_data_parallel_rank() != 0:
         return  # DP replicas hold the same model and optimizer
     state = _common(args, iteration, consumed)
-    for i, chunk in enumerate(unwrap_model(chunks)):
+    for i, chunk in enumerate(versions.unwrap_model(chunks)):
         state[_model_key(chunks, i)] = chunk.state_dict_for_save_checkpoint()
     if with_optim and optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
@@ -264,9 +262,7 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
                                   f"PP={saved_args.get('pipeline_model_parallel_size')}; it loads only at that layout "
                                   "(torch_dist checkpoints reshard)")
         state = common
-    from megatron.core.utils import unwrap_model
-
-    for i, chunk in enumerate(unwrap_model(chunks)):
+    for i, chunk in enumerate(versions.unwrap_model(chunks)):
         chunk.load_state_dict(state[_model_key(chunks, i)], strict=True)
     if with_optim:
         optimizer.load_state_dict(state["optimizer"])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_glue import quiet_megatron
+from megatron_glue.adaptations import megatron_core_in
 from megatron_glue.distributed import allreduce_sequence_parallel_grads
 
 with quiet_megatron():
@@ -47,8 +48,11 @@ def _config(defaults: dict, overrides: dict) -> TransformerConfig:
         use_cpu_initialization=True,  # Megatron's default init path allocates on CUDA
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        cuda_graph_scope=[],  # the default, "full", only earns a deprecation warning (transformer_config.py:1705)
     )
+    if megatron_core_in(">=0.16"):
+        # From 0.16 the default, "full", only earns a deprecation warning (transformer_config.py:1705); before,
+        # cuda_graph_scope is a plain string and "full" its normal value (0.12.1: transformer_config.py:498).
+        base["cuda_graph_scope"] = []
     return TransformerConfig(**{**base, **defaults, **overrides})
 
 
@@ -67,7 +71,8 @@ def llama_config(**overrides) -> TransformerConfig:
 
 def build_gpt_model(config: TransformerConfig, vocab_size: int = 128, seq_len: int = 64,
                     position_embedding_type: str | None = None, seed: int = 0) -> GPTModel:
-    """megatron-core GPTModel with the local (no TE) layer spec; same seed, same weights.
+    """megatron-core GPTModel with the local (no TE) layer spec; same seed, same weights (the same full model at
+    every TP size, on every megatron-core line).
 
     position_embedding_type defaults to "rope" for RMSNorm configs (llama_config) and "learned_absolute" otherwise.
     """
@@ -77,13 +82,46 @@ def build_gpt_model(config: TransformerConfig, vocab_size: int = 128, seq_len: i
         raise RuntimeError("Megatron's model-parallel state is not initialised: call init_single_process() first")
     torch.manual_seed(seed)  # use_cpu_initialization draws every weight from torch's CPU generator
     with quiet_megatron():
-        return GPTModel(
+        model = GPTModel(
             config=config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
             vocab_size=vocab_size,
             max_sequence_length=seq_len,
             position_embedding_type=position_embedding_type,
         )
+    if not megatron_core_in(">=0.16"):
+        _glu_fc1_shards_as_from_0_16(model)
+    return model
+
+
+def _glu_fc1_shards_as_from_0_16(model: torch.nn.Module) -> None:
+    """Same seed, same model at every TP size, on megatron-core before 0.16 too.
+
+    A GLU's fc1 weight is [gate; up]; each TP rank computes gate and up from the halves of its own shard
+    (0.12.1: transformer/mlp.py:139-141), so rank r must hold [gate_r; up_r]. From 0.16 Megatron initialises it
+    so (stride 2, transformer/mlp.py:105-109); before, it gives rank r contiguous rows of the master weight
+    (no stride, 0.12.1: transformer/mlp.py:69-82), a function other than TP=1's from the same seed. Here each
+    rank takes its [gate_r; up_r] of that master weight and its params say stride 2, as they do from 0.16
+    (which `distributed.gather_tensor_parallel` reads). Collective over the TP group: all its ranks build.
+    """
+    from megatron.core.transformer.mlp import MLP
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return
+    for module in model.modules():
+        if not (isinstance(module, MLP) and module.config.gated_linear_unit):
+            continue
+        for param in (module.linear_fc1.weight, module.linear_fc1.bias):
+            if param is None or param.partition_stride != 1:
+                continue
+            shards = [torch.empty_like(param) for _ in range(world)]
+            dist.all_gather(shards, param.detach().contiguous(), group=group)
+            chunks = torch.cat(shards, dim=param.partition_dim).chunk(2 * world, dim=param.partition_dim)
+            with torch.no_grad():
+                param.copy_(torch.cat([chunks[rank], chunks[world + rank]], dim=param.partition_dim))
+            param.partition_stride = 2
 
 
 def synthetic_batch(batch: int = 2, seq: int = 64, vocab: int = 128, seed: int = 0) -> dict:

@@ -33,7 +33,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
+    from megatron_glue.versions import gpt_model_kwargs
+
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
@@ -41,7 +42,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, **kwargs)
+        rotary_base=args.rotary_base, **gpt_model_kwargs(vp_stage))
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -3,6 +3,10 @@
 Import the ones you need into that folder's conftest.py:
 
     from megatron_glue.testing import megatron_cpu, fresh_dynamo  # noqa: F401
+
+As a pytest plugin (`-p megatron_glue.testing`) it adds `--megatron-only`: of the tests collected, run only those
+that use megatron-core (they ask for `megatron_cpu`, or their name says Megatron). `make test-mcore012` uses it
+on tests/passes, where Megatron tests sit beside others, to run just those on megatron-core 0.12.1.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import pytest
 import torch
 
 from megatron_glue import adapt
-from megatron_glue.adaptations import registry
+from megatron_glue.adaptations import megatron_core_in, registry
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +40,18 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def megatrons_own_rng_tracker() -> None:
+    """Build Megatron's own (CUDA) RNG tracker again, replacing the one in place, as a fresh process would have
+    it; with the "cpu" adaptation "inference_rng_tracker[_0_12]" taken off, the next dropout needs CUDA."""
+    from megatron.core.tensor_parallel import random
+
+    if megatron_core_in(">=0.13"):
+        random.initialize_rng_tracker(force_reset=True)
+    else:  # 0.12 keeps the first tracker built (0.12.1: tensor_parallel/random.py:243) and has no force_reset
+        random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+        random.initialize_rng_tracker()
+
+
 @contextlib.contextmanager
 def adaptations_reverted(*names: str):
     """Run a block with the named adaptations taken off (to show each is needed), then put them back."""
@@ -45,3 +61,26 @@ def adaptations_reverted(*names: str):
         yield
     finally:
         registry.apply(*was_applied)
+
+
+# -- as a pytest plugin ------------------------------------------------------------------------------------
+
+def pytest_addoption(parser):
+    parser.addoption("--megatron-only", action="store_true", default=False,
+                     help="run only the tests that use megatron-core: those that ask for the megatron_cpu fixture "
+                     "or whose name says megatron (megatron_glue.testing)")
+
+
+def uses_megatron(item) -> bool:
+    """Whether a collected test uses megatron-core, as far as collection can tell: it asks for `megatron_cpu`
+    (directly or through another fixture), or its name says so (e.g. test_megatron_rope_equals_eager)."""
+    return "megatron_cpu" in getattr(item, "fixturenames", ()) or "megatron" in item.name.lower()
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--megatron-only"):
+        return
+    deselected = [item for item in items if not uses_megatron(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if uses_megatron(item)]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_glue import checkpointing, device as glue_device, quiet_megatron
+from megatron_glue import checkpointing, device as glue_device, quiet_megatron, versions
 from megatron_glue.training_log import Metrics, iteration_line, peak_memory_mb, print_rank0, validation_lines
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,9 +91,7 @@ def transformer_config(args, where):
         batch_p2p_comm=not interleaved, batch_p2p_sync=False, overlap_p2p_comm=False,
         deallocate_pipeline_outputs=pipelined,
     )
-    from megatron_glue.versions import transformer_config_extras
-
-    fields.update(transformer_config_extras())
+    fields.update(versions.transformer_config_extras())
     with quiet_megatron():
         return TransformerConfig(**fields)
 
@@ -123,8 +121,7 @@ def build_model(args, where, model_provider, state: State):
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        pre, post = versions.pipeline_position(vp_stage)
         with quiet_megatron():
             chunk = model_provider(args, config, pre_process=pre, post_process=post, vp_stage=vp_stage)
         chunk.to(where.device)
@@ -159,7 +156,10 @@ def build_optimizer(args, chunks, config):
         fp16=args.fp16, bf16=args.bf16, params_dtype=DTYPES[args.params_dtype], loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, clip_grad=args.clip_grad,
-        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather)
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        # 0.14 on also tell the optimizer (0.12: the DDP config alone)
+        **({"overlap_param_gather": args.overlap_param_gather}
+           if "overlap_param_gather" in OptimizerConfig.__dataclass_fields__ else {}))
     with quiet_megatron():
         optimizer = get_megatron_optimizer(opt_config, chunks)
     gbs = args.global_batch_size
@@ -263,8 +263,7 @@ def _iterators(args, build, datasets, consumed: tuple[int, int], chunks):
 
     train_ds, valid_ds, test_ds = datasets
     per_chunk = []
-    for chunk in chunks:
-        inner = chunk.module.module if hasattr(chunk.module, "module") else chunk.module
+    for inner in versions.unwrap_model(chunks):
         reads = inner.pre_process or inner.post_process
         if not reads:
             per_chunk.append((None, None, None))

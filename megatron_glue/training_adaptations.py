@@ -24,16 +24,17 @@ from megatron_glue.adaptations import Adaptation, registry
 GROUP = "training"
 
 _CUDA = "device=torch.cuda.current_device()"
-# (old, new) pairs used by several edits
-DEVICE_SQ = ("device='cuda'", _CUDA)
-DEVICE_DQ = ('device="cuda"', _CUDA)
+# (old, new) pairs used by several edits; an `old` that is a tuple lists spellings of one thing (at least one
+# must occur; every one that does is replaced): megatron-core's lines quote 'cuda' differently
+DEVICE = (("device='cuda'", 'device="cuda"'), _CUDA)
 LOW_PRECISION_TYPES = ("param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
                        "param.dtype in (torch.float16, torch.bfloat16)")
 FP32_TYPE = ("param.type() == 'torch.cuda.FloatTensor'", "param.dtype == torch.float32")
 
 
-def source_edit(function, edits: list[tuple[str, str]], where: str):
-    """`function` recompiled from its source with each (old, new) substitution applied; each `old` must occur.
+def source_edit(function, edits: list[tuple[str | tuple[str, ...], str]], where: str):
+    """`function` recompiled from its source with each (old, new) substitution applied; each `old` must occur
+    (a tuple of spellings: one of them at least).
 
     The new function runs in the original's module globals. Zero-argument `super()` needs the class cell that
     only a class body gives, so it is spelled out with the owning class's name."""
@@ -41,11 +42,13 @@ def source_edit(function, edits: list[tuple[str, str]], where: str):
     if set(raw.__code__.co_freevars) - {"__class__"}:  # __class__: zero-argument super(), spelled out below
         raise RuntimeError(f"adaptation of {where}: a closure cannot be recompiled from source")
     source = inspect.getsource(raw)
-    for old, new in edits:  # on the text as the file has it, indentation included
-        if old not in source:
-            raise RuntimeError(f"adaptation of {where}: {old!r} is no longer in its source; this megatron-core "
-                               "release needs the adaptation revised")
-        source = source.replace(old, new)
+    for olds, new in edits:  # on the text as the file has it, indentation included
+        olds = (olds,) if isinstance(olds, str) else olds
+        if not any(old in source for old in olds):
+            raise RuntimeError(f"adaptation of {where}: {' or '.join(map(repr, olds))} is no longer in its source; "
+                               "this megatron-core release needs the adaptation revised")
+        for old in olds:
+            source = source.replace(old, new)
     source = textwrap.dedent(source)
     qualname = raw.__qualname__
     if "." in qualname and "super()" in source:
@@ -83,36 +86,48 @@ def edit(name: str, target: str, reason: str, *edits: tuple[str, str], group: st
 
 edit("optimizer_scalars_on_device", "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer.__init__",
      "found_inf, overflow buffer and the unit scale are made with device='cuda' (optimizer/optimizer.py:473-485)",
-     DEVICE_SQ)
+     DEVICE)
 edit("fp32_optimizer_scale_on_device", "megatron.core.optimizer.optimizer.FP32Optimizer.__init__",
-     "the constant scale is made with device='cuda' (optimizer/optimizer.py:907)", DEVICE_SQ)
+     "the constant scale is made with device='cuda' (optimizer/optimizer.py:907)", DEVICE)
 edit("grad_scaler_on_device", "megatron.core.optimizer.grad_scaler.MegatronGradScaler.__init__",
-     "the loss scale is made with device='cuda' (optimizer/grad_scaler.py:15)", DEVICE_SQ)
+     "the loss scale is made with device='cuda' (optimizer/grad_scaler.py:15)", DEVICE)
 edit("dynamic_grad_scaler_on_device", "megatron.core.optimizer.grad_scaler.DynamicGradScaler.__init__",
-     "min scale, growth and backoff factors are made with device='cuda' (optimizer/grad_scaler.py:88-94)", DEVICE_SQ)
+     "min scale, growth and backoff factors are made with device='cuda' (optimizer/grad_scaler.py:88-94)", DEVICE)
 edit("grad_scaler_loads_to_device", "megatron.core.optimizer.grad_scaler.DynamicGradScaler.load_state_dict",
      "the loaded scale is moved with .cuda(torch.cuda.current_device()) (optimizer/grad_scaler.py:140)",
      (".cuda(torch.cuda.current_device())", ".to(torch.cuda.current_device())"))
 edit("grad_norm_on_device", "megatron.core.optimizer.clip_grads.get_grad_norm_fp32",
-     "the norm and the overflow buffer are made with device='cuda' (optimizer/clip_grads.py:90,103,115)", DEVICE_SQ)
+     "the norm and the overflow buffer are made with device='cuda' (optimizer/clip_grads.py:90,103,115)", DEVICE)
 edit("clip_grads_on_device", "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
      "asserts grads are 'torch.cuda.FloatTensor' and makes its buffer with device='cuda' "
      "(optimizer/clip_grads.py:167,174)",
-     ("param.grad.type() == 'torch.cuda.FloatTensor'", "param.grad.dtype == torch.float32"), DEVICE_SQ)
+     ("param.grad.type() == 'torch.cuda.FloatTensor'", "param.grad.dtype == torch.float32"), DEVICE)
 edit("count_zeros_on_device", "megatron.core.optimizer.clip_grads.count_zeros_fp32",
-     "the zero count is made with device='cuda' (optimizer/clip_grads.py:207)", DEVICE_SQ)
+     "the zero count is made with device='cuda' (optimizer/clip_grads.py:207)", DEVICE)
 edit("l2_norm_on_device", "megatron.core.utils.local_multi_tensor_l2_norm",
-     "the no-Apex/TE l2 norm returns a tensor made with device=\"cuda\" (utils.py:1207)", DEVICE_DQ)
+     "the no-Apex/TE l2 norm returns a tensor made with device=\"cuda\" (utils.py:1207; 0.12: utils.py:916)", DEVICE)
 edit("clip_grads_l2_norm_on_device", "megatron.core.optimizer.clip_grads.l2_norm_impl",
-     "grad clipping holds the same l2 norm under its own name (optimizer/clip_grads.py:42)", DEVICE_DQ)
+     "grad clipping holds the same l2 norm under its own name (optimizer/clip_grads.py:42)", DEVICE)
 edit("no_pipelining_token_count_on_device", "megatron.core.pipeline_parallel.schedules.forward_backward_no_pipelining",
-     "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:596)", DEVICE_DQ)
+     "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:596)", DEVICE)
+TOKEN_COUNT_CUDA = ("torch.tensor(0, dtype=torch.int).cuda()",
+                    "torch.tensor(0, dtype=torch.int, device=torch.cuda.current_device())")
 edit("interleaved_token_count_on_device",
      "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
-     "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:983)", DEVICE_DQ)
+     "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:983)", DEVICE,
+     megatron_versions=">=0.13")
+edit("interleaved_token_count_on_device_012",
+     "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
+     "the token count is made with .cuda() (0.12: pipeline_parallel/schedules.py:765)", TOKEN_COUNT_CUDA,
+     megatron_versions="<0.13")
 edit("1f1b_token_count_on_device",
      "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving",
-     "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:2138)", DEVICE_DQ)
+     "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:2138)", DEVICE,
+     megatron_versions=">=0.13")
+edit("1f1b_token_count_on_device_012",
+     "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving",
+     "the token count is made with .cuda() (0.12: pipeline_parallel/schedules.py:1828)", TOKEN_COUNT_CUDA,
+     megatron_versions="<0.13")
 edit("tied_embedding_on_device",
      "megatron.core.models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer",
      "the tied output weight of the last pipeline stage is moved with .cuda() (models/common/language_module/"
@@ -181,3 +196,59 @@ def _synchronize(cuda_synchronize):
         return None
 
     return synchronize
+
+
+@registry.wraps(
+    "no_fp8_params_no_quantize", "megatron.core.fp8_utils._quantize_param_shard_impl", GROUP,
+    reason="0.12: without Transformer Engine, the distributed optimizer's step raises 'Invalid Transformer Engine "
+    "version for FP8 distributed optimizer' even with no fp8 params to quantize (fp8_utils.py:302, called from "
+    "distrib_optimizer.py:2019); with none there is nothing to do",
+    megatron_versions="<0.13",
+)
+def _no_fp8_params_no_quantize(quantize):
+    @functools.wraps(quantize)
+    def quantize_param_shard_impl(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return quantize(model_params, *args, **kwargs)
+
+    return quantize_param_shard_impl
+
+
+# -- numpy 2 (0.12 line) ------------------------------------------------------------------------------------------
+
+NP_PRODUCT = ("np.product(", "np.prod(")  # numpy 2 removed the alias product of prod
+for _name, _target, _where in (
+    ("flattened_shard_coordinates_numpy2", "megatron.core.dist_checkpointing.mapping.ShardedTensor.local_coordinates",
+     "dist_checkpointing/mapping.py:207"),
+    ("flattened_shard_validation_numpy2",
+     "megatron.core.dist_checkpointing.validation._validate_sharding_for_key_flattened",
+     "dist_checkpointing/validation.py:497"),
+    ("shard_size_numpy2", "megatron.core.dist_checkpointing.exchange_utils._shard_size",
+     "dist_checkpointing/exchange_utils.py:65"),
+):
+    edit(_name, _target, f"0.12: np.product, which numpy 2 removed, sizes flattened shards of the distributed "
+         f"optimizer's checkpoint ({_where})", NP_PRODUCT, megatron_versions="<0.13")
+
+
+@registry.wraps(
+    "checkpoint_writer_serialization_format", "megatron.core.dist_checkpointing.strategies.filesystem_async._write_item",
+    GROUP,
+    reason="0.12: the checkpoint writer calls torch's _write_item without the serialization_format argument torch "
+    "2.13 requires (dist_checkpointing/strategies/filesystem_async.py:320,326); pass torch.save's format, as "
+    "0.16 does (filesystem_async.py:374-376)",
+    megatron_versions="<0.13",
+)
+def _write_item_with_format(write_item):
+    import inspect
+
+    if "serialization_format" not in inspect.signature(write_item).parameters:
+        return write_item  # an older torch: the call is already right
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    @functools.wraps(write_item)
+    def write_item_torch_save(*args, **kwargs):
+        kwargs.setdefault("serialization_format", SerializationFormat.TORCH_SAVE)
+        return write_item(*args, **kwargs)
+
+    return write_item_torch_save

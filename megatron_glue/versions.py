@@ -6,26 +6,72 @@ that the job's code reads the same on both.
 
 from __future__ import annotations
 
-import functools
-from importlib.metadata import version
-
-from packaging.version import Version
-
-
-@functools.lru_cache(maxsize=None)
-def megatron_core() -> Version:
-    return Version(version("megatron-core"))
-
-
-def at_least(release: str) -> bool:
-    return megatron_core() >= Version(release)
+from megatron_glue.adaptations import megatron_core_in
 
 
 def transformer_config_extras() -> dict:
     """TransformerConfig fields that exist only on some lines."""
-    from megatron.core.transformer import TransformerConfig
-
     extras = {}
-    if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__:  # 0.14 on
-        extras["cuda_graph_scope"] = []  # the default "full" earns a deprecation warning (transformer_config.py)
+    if megatron_core_in(">=0.16"):  # its default "full" earns a deprecation warning (transformer_config.py:1705)
+        extras["cuda_graph_scope"] = []
     return extras
+
+
+def _accepts(function, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(function).parameters
+
+
+def pipeline_position(vp_stage: int | None) -> tuple[bool, bool]:
+    """(first stage, last stage) of this rank's virtual stage `vp_stage`. 0.16 asks with vp_stage=; 0.12 reads
+    the virtual rank from parallel state, so it is set first (as Megatron-LM 0.12's get_model does)."""
+    from megatron.core import parallel_state as ps
+
+    if _accepts(ps.is_pipeline_first_stage, "vp_stage"):
+        return (ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+    if vp_stage is not None:
+        ps.set_virtual_pipeline_model_parallel_rank(vp_stage)
+    return ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+
+
+def gpt_model_kwargs(vp_stage: int | None) -> dict:
+    """GPTModel learns its virtual stage from vp_stage= on 0.13 on; before, from parallel state."""
+    from megatron.core.models.gpt import GPTModel
+
+    return {"vp_stage": vp_stage} if vp_stage is not None and _accepts(GPTModel.__init__, "vp_stage") else {}
+
+
+def optimizer_sharded_state_dict(optimizer, model_state: dict, *, loading: bool, metadata: dict):
+    """The optimizer's sharded state dict with the distributed optimizer's sharding chosen: 0.16 reads it from
+    `metadata`; 0.12 takes `sharding_type`, whose reshardable choice is 'fully_sharded_model_space'."""
+    if _accepts(optimizer.sharded_state_dict, "metadata"):
+        return optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=metadata)
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    if any(isinstance(o, DistributedOptimizer) for o in inner):
+        return optimizer.sharded_state_dict(model_state, is_loading=loading, sharding_type="fully_sharded_model_space")
+    return optimizer.sharded_state_dict(model_state, is_loading=loading)
+
+
+def checkpoint_save_kwargs(metadata: dict) -> dict:
+    """dist_checkpointing.save records the sharding metadata with the checkpoint from 0.14 on."""
+    from megatron.core import dist_checkpointing
+
+    return {"content_metadata": dict(metadata)} if _accepts(dist_checkpointing.save, "content_metadata") else {}
+
+
+def unwrap_model(chunks: list) -> list:
+    """The GPTModels inside DDP and Float16Module (megatron.core.utils.unwrap_model, which 0.12 lacks)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    out = []
+    for chunk in chunks:
+        while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+            chunk = chunk.module
+        out.append(chunk)
+    return out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import megatron_glue
-from megatron_glue.adaptations import Adaptation, Registry, registry
+from megatron_glue.adaptations import Adaptation, Registry, megatron_core_in, registry
 
 
 def _original(x):
@@ -179,28 +179,139 @@ def test_missing_target_names_the_dotted_path(fake_modules, target, message):
     assert reg.applied() == {}
 
 
+# -- keyed by megatron-core version -------------------------------------------------------------------------
+
+def _versioned_registry(version):
+    """One fix of fake_lib.f in two entries for two lines, and one adaptation for every version."""
+    reg = Registry(megatron_version=version)
+    reg.replaces("f_new_line", "fake_lib.f", "cpu", reason="r (fake.py:10)", megatron_versions=">=0.13")(
+        lambda x: f"new line {x}")
+    reg.replaces("f_0_12", "fake_lib.f", "cpu", reason="r (fake.py:5)", megatron_versions="<0.13")(
+        lambda x: f"0.12 {x}")
+    reg.wraps("wrap_method", "fake_lib.Owner.method", "cpu", reason="r (fake.py:2)")(
+        lambda method: lambda self: "wrapped " + method(self))
+    return reg
+
+
+@pytest.mark.parametrize("version, applies, other", [
+    ("0.12.1", "f_0_12", "f_new_line"),
+    ("0.16.1", "f_new_line", "f_0_12"),
+    ("0.16.0rc1", "f_new_line", "f_0_12"),  # a prerelease belongs to its line
+])
+def test_apply_groups_applies_the_entry_for_the_installed_line_only(fake_modules, version, applies, other):
+    lib, _, _ = fake_modules
+    reg = _versioned_registry(version)
+    reg.apply_groups(["cpu"])
+    assert list(reg.applied()) == [applies, "wrap_method"]
+    assert lib.f("x") == ("0.12 x" if applies == "f_0_12" else "new line x")
+    assert reg.known() == [applies, "wrap_method"] and reg.known("cpu") == [applies, "wrap_method"]
+    assert reg.known(every_version=True) == ["f_new_line", "f_0_12", "wrap_method"]
+    assert reg.applies(applies) and not reg.applies(other)
+    spec = ">=0.13" if other == "f_new_line" else "<0.13"
+    assert reg.skipped() == {other: f"for megatron-core {spec}; megatron-core {version} is installed"}
+    assert reg.skipped("compile") == {}
+
+
+def test_applying_an_entry_for_another_line_by_name_is_refused(fake_modules):
+    lib, _, _ = fake_modules
+    reg = _versioned_registry("0.12.1")
+    message = "adaptation 'f_new_line' does not apply here: for megatron-core >=0.13; megatron-core 0.12.1 is installed"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        reg.apply("wrap_method", "f_new_line")
+    assert reg.applied() == {} and lib.f is _original  # nothing half-applied
+
+
+def test_a_group_whose_entries_are_all_for_another_line_is_still_known(fake_modules):
+    reg = Registry(megatron_version="0.12.1")
+    reg.replaces("new_only", "fake_lib.f", "compile", reason="r (fake.py:1)", megatron_versions=">=0.13")(_other)
+    reg.apply_groups(["compile"])  # not an unknown group: it has nothing for this line
+    assert reg.groups() == ["compile"] and reg.applied() == {} and reg.known("compile") == []
+    assert list(reg.skipped("compile")) == ["new_only"]
+
+
+def test_without_megatron_core_versioned_entries_are_skipped(fake_modules):
+    reg = _versioned_registry(None)
+    reg.apply_groups(["cpu"])
+    assert list(reg.applied()) == ["wrap_method"]
+    assert reg.skipped() == {"f_new_line": "for megatron-core >=0.13; megatron-core is not installed",
+                             "f_0_12": "for megatron-core <0.13; megatron-core is not installed"}
+
+
+def test_the_version_range_is_checked_where_it_is_declared():
+    from packaging.specifiers import InvalidSpecifier
+
+    with pytest.raises(InvalidSpecifier):
+        Registry().replaces("bad", "fake_lib.f", "cpu", reason="r", megatron_versions="0.13+")(_other)
+    with pytest.raises(InvalidSpecifier):
+        Adaptation("bad", "fake_lib.f", "cpu", "r", build=lambda f: f, megatron_versions="newer")
+
+
+def test_the_default_registry_matches_the_installed_megatron_core():
+    from importlib.metadata import version
+
+    from megatron_glue.adaptations import megatron_core_in, megatron_core_version
+
+    assert Registry().megatron_version == megatron_core_version() == registry.megatron_version == version(
+        "megatron-core")
+    assert megatron_core_in(f"=={megatron_core_version()}") and not megatron_core_in("<0.1")
+
+
 # -- the real registry -------------------------------------------------------------------------------------
 
 def test_every_adaptation_cites_megatron_and_resolves(megatron_cpu):
     from megatron_glue.adaptations import resolve
 
     assert set(registry.groups()) >= {"cpu", "compile", "tp_compile", "sp"}
-    for name in registry.known():
+    for name in registry.known(every_version=True):
         adaptation = registry.get(name)
         # torch.* only where Megatron reaches the attribute through torch (torch.distributed.all_reduce, ...)
         assert adaptation.target.startswith(("megatron.", "torch.")), name
         assert re.search(r"\w+\.py:\d+", adaptation.reason), name
-        resolve(adaptation.target)
+    for name in registry.known():  # those for this megatron-core line resolve on it
+        resolve(registry.get(name).target)
+
+
+# The fixes whose code differs between megatron-core lines: one entry per line, named <fix>_0_12 for 0.12's.
+PER_LINE = {
+    "inference_rng_tracker": ("inference_rng_tracker", "inference_rng_tracker_0_12"),
+    "rope_stays_on_device": ("rope_stays_on_device", "rope_stays_on_device_0_12"),
+}
+
+
+@pytest.mark.parametrize("version", ["0.12.1", "0.16.1"])  # the lines tested (make test-mcore012, make test)
+def test_each_fix_has_exactly_one_entry_for_each_tested_line(version):
+    pinned = Registry(megatron_version=version)
+    for name in registry.known(every_version=True):
+        pinned.add(registry.get(name))
+    for fix, entries in PER_LINE.items():
+        assert len([n for n in entries if pinned.applies(n)]) == 1, (fix, version)
+    # Besides those, only quiet_default_tp_group is for some lines (0.12 has nothing for it to quiet).
+    per_line = {n for entries in PER_LINE.values() for n in entries}
+    assert set(pinned.skipped()) <= per_line | {"quiet_default_tp_group"}
 
 
 def test_adapt_applies_cpu_and_compile_and_leaves_torch_compile_alone(megatron_cpu):
     compile_before = torch.compile
     applied = megatron_glue.adapt()
     assert set(registry.known("cpu") + registry.known("compile")) <= set(applied)
+    assert not set(registry.skipped()) & set(applied)  # nothing for another megatron-core line
     assert megatron_glue.adapt() == applied  # idempotent
     assert torch.compile is compile_before
 
 
+@pytest.mark.skipif(megatron_core_in(">=0.13"), reason="from megatron-core 0.13 the tp_group warning exists and "
+                    "quiet_default_tp_group applies (tested below)")
+def test_quiet_tp_group_is_skipped_where_megatron_has_no_such_function(megatron_cpu):
+    # 0.12 passes no tp_group to its layers and has no get_tensor_model_parallel_group_if_none to warn in.
+    import megatron.core.utils as mu
+
+    assert not hasattr(mu, "get_tensor_model_parallel_group_if_none")
+    assert "quiet_default_tp_group" in registry.skipped("compile")
+    assert "quiet_default_tp_group" not in registry.applied()
+
+
+@pytest.mark.skipif(not megatron_core_in(">=0.13"), reason="megatron-core before 0.13 has no "
+                    "get_tensor_model_parallel_group_if_none (tested above)")
 def test_quiet_tp_group_reaches_every_megatron_module_that_imported_it(megatron_cpu):
     import megatron.core.utils as mu
 
@@ -211,6 +322,8 @@ def test_quiet_tp_group_reaches_every_megatron_module_that_imported_it(megatron_
     assert all(m.get_tensor_model_parallel_group_if_none is quiet for m in holders)
 
 
+@pytest.mark.skipif(not megatron_core_in(">=0.13"), reason="megatron-core before 0.13 has no "
+                    "get_tensor_model_parallel_group_if_none (tested above)")
 def test_quiet_tp_group_returns_the_default_group_without_warning(megatron_cpu):
     import warnings
 

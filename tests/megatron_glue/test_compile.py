@@ -60,6 +60,12 @@ def test_without_the_compile_group_megatron_breaks_the_graph(megatron_cpu, fresh
     batch = synthetic_batch(2, SEQ, VOCAB)
     with adaptations_reverted(*registry.known("compile")):
         explanation = torch._dynamo.explain(model)(**batch)
+    if not registry.known("compile"):
+        # 0.12 passes no tp_group and so has no warning about it (no get_tensor_model_parallel_group_if_none,
+        # 0.12.1: utils.py): nothing of the group applies, and the model is one graph without it.
+        assert "quiet_default_tp_group" in registry.skipped("compile")
+        assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+        return
     assert explanation.graph_break_count > 0 and explanation.graph_count > 1
     # The break sits in Megatron's warning about tp_group=None.
     where = [frame.filename for reason in explanation.break_reasons for frame in reason.user_stack]

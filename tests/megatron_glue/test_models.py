@@ -10,7 +10,8 @@ from megatron_glue.models import (
     synthetic_batch,
     train_step,
 )
-from megatron_glue.testing import adaptations_reverted
+from megatron_glue.adaptations import megatron_core_in, registry
+from megatron_glue.testing import adaptations_reverted, megatrons_own_rng_tracker
 
 VOCAB, SEQ = 128, 32
 CONFIGS = {"gpt": gpt_config, "llama": llama_config}
@@ -82,29 +83,32 @@ def test_dropout_runs_with_the_cpu_rng_tracker(megatron_cpu):
 def test_model_parallel_cuda_manual_seed_works_on_cpu(megatron_cpu):
     from megatron.core import tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)  # Megatron's training entry does this
+    # Megatron's training entry does this; force_reset_rng exists from 0.14 (0.14.0: tensor_parallel/random.py:334)
+    reset = dict(force_reset_rng=True) if megatron_core_in(">=0.14") else {}
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, **reset)
     model = build_gpt_model(gpt_config(hidden_size=64), VOCAB, SEQ)
     assert torch.isfinite(model(**synthetic_batch(2, SEQ, VOCAB))).all()
 
 
 # Each "cpu" adaptation is needed: without it, a forward on CPU fails the way its reason says.
-@pytest.mark.parametrize("name, kind, mask", [
-    ("fresh_global_buffer", "gpt", True),
-    ("causal_mask_on_default_device", "gpt", False),
-    ("rope_stays_on_device", "llama", True),
-    ("inference_rng_tracker", "gpt", True),
-])
-def test_each_cpu_adaptation_is_needed(megatron_cpu, name, kind, mask):
-    from megatron.core.tensor_parallel import random
-
+# A fix whose code differs per megatron-core line has one entry per line; the one for this line is applied.
+@pytest.mark.parametrize("names, kind, mask", [
+    (("fresh_global_buffer",), "gpt", True),
+    (("causal_mask_on_default_device",), "gpt", False),
+    (("rope_stays_on_device", "rope_stays_on_device_0_12"), "llama", True),
+    (("inference_rng_tracker", "inference_rng_tracker_0_12"), "gpt", True),
+], ids=lambda v: v[0] if isinstance(v, tuple) else None)
+def test_each_cpu_adaptation_is_needed(megatron_cpu, names, kind, mask):
+    (name,) = [n for n in names if registry.applies(n)]  # exactly one entry per fix applies to this line
+    assert name in registry.applied()
     model = build_gpt_model(CONFIGS[kind](hidden_size=64), VOCAB, SEQ)
     batch = synthetic_batch(2, SEQ, VOCAB)
     if not mask:
         batch["attention_mask"] = None
     with adaptations_reverted(name):
         # The tracker is state, not an attribute: build Megatron's own again, as a fresh process would.
-        random.initialize_rng_tracker(force_reset=True)
-        expected = "is not added" if name == "inference_rng_tracker" else "Torch not compiled with CUDA"
+        megatrons_own_rng_tracker()
+        expected = "is not added" if name.startswith("inference_rng_tracker") else "Torch not compiled with CUDA"
         with pytest.raises(Exception, match=expected):
             model(**batch)
     assert torch.isfinite(model(**batch)).all()  # and runs once it is back

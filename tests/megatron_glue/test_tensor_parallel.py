@@ -104,16 +104,28 @@ def _eager_case(kind, sp):
 
 
 def _without(names, kind, sp):
-    """Dynamo's explain of a forward with the named adaptations taken off: (graphs, breaks, reasons)."""
+    """Dynamo's explain of a forward with the named adaptations taken off: (graphs, breaks, reasons), each reason
+    with the file:line of the Megatron frame nearest to its break ("" when none)."""
+    from megatron.core.tensor_parallel import layers
+
     from megatron_glue.models import build_gpt_model, synthetic_batch
     from megatron_glue.testing import adaptations_reverted
 
     torch._dynamo.reset()
     model = build_gpt_model(_config(kind, 2, sp), VOCAB, SEQ, seed=0)
     with adaptations_reverted(*names):
+        if "no_cuda_max_connections_warning" in names:
+            # The flag is state: Megatron sets it once it has warned (an earlier run here did), so put it back as
+            # a fresh process has it.
+            layers.linear_with_grad_accumulation_and_async_allreduce.warned = False
         explanation = torch._dynamo.explain(model)(**synthetic_batch(BATCH, SEQ, VOCAB))
     torch._dynamo.reset()
-    return explanation.graph_count, explanation.graph_break_count, [r.reason for r in explanation.break_reasons]
+    reasons = []
+    for reason in explanation.break_reasons:
+        megatron_frames = [f"{f.filename.rsplit('site-packages/', 1)[-1]}:{f.lineno}" for f in reason.user_stack
+                           if "/megatron/core/" in f.filename]
+        reasons.append((reason.reason, megatron_frames[-1] if megatron_frames else ""))
+    return explanation.graph_count, explanation.graph_break_count, reasons
 
 
 def _error_without(name, kind):
@@ -167,6 +179,10 @@ def _tp2_worker(cases):
         seconds[f"{kind}{'+sp' if sp else ''} eager"] = time.perf_counter() - start
     start = time.perf_counter()
     results["without_tp_compile"] = _without(registry.known("tp_compile"), "gpt", False)
+    # One by one too: on 0.12 the warning's break comes first and hides the async collectives' (0.16 shows both).
+    async_collectives = [n for n in registry.known("tp_compile") if n.startswith("capturable_async_")]
+    results["without_async_collectives"] = _without(async_collectives, "gpt", False)
+    results["without_warned_flag"] = _without(["no_cuda_max_connections_warning"], "gpt", False)
     results["sp_errors"] = {name: _error_without(name, "gpt") for name in registry.known("sp")}
     results["sp_errors"]["fresh_global_buffer"] = _error_with_cached_buffer()
     seconds["adaptations taken off"] = time.perf_counter() - start
@@ -230,10 +246,25 @@ def test_compiled_tp2_training_equals_tp1_eager(tp2, tp1, kind, sp):
                     assert error <= 1e-5, f"{where}: grad of {name} off by {error:.2e} relative"
 
 
-def test_without_tp_compile_async_collectives_break_the_graph(tp2):
-    graphs, breaks, reasons = tp2[0]["without_tp_compile"]
+def test_without_tp_compile_megatron_breaks_the_graph(tp2):
+    graphs, breaks, _ = tp2[0]["without_tp_compile"]
     assert breaks > 0 and graphs > 1
-    assert any("async_op=True" in r for r in reasons), reasons
+
+
+def test_without_tp_compile_async_collectives_break_the_graph(tp2):
+    graphs, breaks, reasons = tp2[0]["without_async_collectives"]
+    assert breaks > 0 and graphs > 1
+    # Megatron's linear backward, traced with the forward (tensor_parallel/layers.py:544; 0.12.1: :489).
+    assert any("async_op=True" in r and where.startswith("megatron/core/tensor_parallel/layers.py:")
+               for r, where in reasons), reasons
+
+
+def test_without_the_warned_flag_the_max_connections_warning_breaks_the_graph(tp2):
+    graphs, breaks, reasons = tp2[0]["without_warned_flag"]
+    assert breaks > 0 and graphs > 1
+    # warnings.warn in linear_with_grad_accumulation_and_async_allreduce (tensor_parallel/layers.py:728-741;
+    # 0.12.1: :651-664)
+    assert any(where.startswith("megatron/core/tensor_parallel/layers.py:") for _, where in reasons), reasons
 
 
 @pytest.mark.parametrize("name, expected", [
