@@ -1,5 +1,5 @@
-# make demo | make test | make bench | make fuzz — each sets up its own .venv on a fresh machine; make test-mcore012
-# (the Megatron tests on megatron-core 0.12.1) sets up its own .venv-mcore012.
+# make demo | make test | make test-training | make bench | make fuzz — each sets up its own .venv on a fresh machine;
+# make test-mcore012 (the Megatron tests, training job included, on megatron-core 0.12.1) its own .venv-mcore012.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -12,7 +12,7 @@ VENV012  := .venv-mcore012
 PY012    := $(VENV012)/bin/python
 STAMP012 := $(VENV012)/.installed
 
-.PHONY: demo test test-mcore012 fuzz bench venv venv-mcore012 clean
+.PHONY: demo test test-training test-mcore012 fuzz bench venv venv-mcore012 clean
 
 venv: $(STAMP)
 
@@ -40,11 +40,16 @@ $(STAMP012): pyproject.toml
 		assert v('megatron-core') == '0.12.1', v('megatron-core')" $(VENV012)/.torch-version
 	touch $@
 
+# The seed's Megatron-LM job scaled down: 2 processes, every layer compiled (megatron_glue/demo.py).
 demo: $(STAMP)
-	$(PY) -m npu_compile demo
+	$(PY) -m megatron_glue.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not fuzz"
+	$(PY) -m pytest -q -m "not fuzz and not training"
+
+# The training job over gloo processes: every parallel layout, checkpoints, mixed precision, the seed script.
+test-training: $(STAMP)
+	$(PY) -m pytest -q -m "training and not fuzz" tests/megatron_glue
 
 # The Megatron tests on megatron-core 0.12.1: the Megatron folders whole, and of tests/passes those that build on
 # megatron-core (megatron_glue.testing's --megatron-only).

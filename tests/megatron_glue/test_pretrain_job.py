@@ -154,7 +154,6 @@ def _one_line_failure(run, code: int) -> str:
     return errors[0]
 
 
-@pytest.mark.training
 def test_hccl_without_torch_npu(tmp_path):
     line = _one_line_failure(pretrain(tmp_path, "--train-iters", "2", "--distributed-backend", "hccl"), 2)
     assert line == ("pretrain_gpt: error: --distributed-backend hccl needs torch_npu and an Ascend NPU, but "
@@ -162,7 +161,6 @@ def test_hccl_without_torch_npu(tmp_path):
                     "extra), or on CPU use --distributed-backend gloo")
 
 
-@pytest.mark.training
 def test_missing_data_path(tmp_path):
     flags = [f for f in TINY if f not in ("--mock-data",)]
     prefix = tmp_path / "nothing_text_document"
