@@ -18,6 +18,7 @@ import contextlib
 import warnings
 
 from megatron_glue.adaptations import registry
+from megatron_glue import training_adaptations  # noqa: F401  (registers the "training" group)
 
 
 # What megatron-core 0.16.1 or 0.12.1 (and torch under it) says on import or model build that does not apply

@@ -92,7 +92,6 @@ def adaptation_groups(placement: Placement, tensor_parallel: int) -> tuple[str, 
 def init(args) -> Placement:
     """Process group up, this rank's device current, adaptations applied."""
     import megatron_glue
-    import megatron_glue.training_adaptations  # noqa: F401  (registers the "training" group)
     from megatron_glue import adaptations
 
     where = placement(args)

@@ -96,20 +96,25 @@ def transformer_config(args, where):
         return TransformerConfig(**fields)
 
 
-def compile_model(chunk, args, state: State) -> None:
-    """Each transformer layer, the embedding and the output layer compiled with backend="ascend", in place
-    (parameter names, sharded_state_dict and DDP hooks unchanged). Layers of the same structure share one
-    compiled graph: Dynamo treats their parameters as inputs and guards on structure, not identity."""
+def compile_model(chunk, args) -> None:
+    """Each transformer layer, the embedding and the output layer: its forward compiled with backend="ascend",
+    in place (parameter names, sharded_state_dict and DDP's grad hooks unchanged). Layers of the same structure
+    share one compiled graph: Dynamo takes their parameters as inputs and guards on structure, not identity. The
+    module's own hooks stay outside the graph (megatron_glue.training_adaptations: --overlap-param-gather)."""
+    from megatron_glue.training_adaptations import COMPILED_FORWARD
+
     options = dict(args.npu_compile_options)
-    for layer in chunk.decoder.layers:
-        layer.compile(backend="ascend", options=options)
+    modules = list(chunk.decoder.layers)
     if chunk.pre_process:
-        chunk.embedding.compile(backend="ascend", options=options)
+        modules.append(chunk.embedding)
     if chunk.post_process:
-        chunk.output_layer.compile(backend="ascend", options=options)
+        modules.append(chunk.output_layer)
+    for module in modules:
+        module.forward = torch.compile(module.forward, backend="ascend", options=options)
+        setattr(module, COMPILED_FORWARD, True)
 
 
-def build_model(args, where, model_provider, state: State):
+def build_model(args, where, model_provider):
     """Model chunks for this pipeline stage (one per virtual stage), compiled, wrapped in Float16Module and
     Megatron's DDP; returns (chunks, config)."""
     from megatron.core import parallel_state
@@ -126,7 +131,7 @@ def build_model(args, where, model_provider, state: State):
             chunk = model_provider(args, config, pre_process=pre, post_process=post, vp_stage=vp_stage)
         chunk.to(where.device)
         if args.npu_compile:
-            compile_model(chunk, args, state)
+            compile_model(chunk, args)
         chunks.append(chunk)
     if args.fp16 or args.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
@@ -290,7 +295,7 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
     """Megatron-LM's pretrain(): set up, load, train with periodic evaluation and saves, evaluate, exit."""
     where = initialize(args)
     state = State()
-    chunks, config = build_model(args, where, model_provider, state)
+    chunks, config = build_model(args, where, model_provider)
     optimizer, scheduler = build_optimizer(args, chunks, config)
     if args.load:
         state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \

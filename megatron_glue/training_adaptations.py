@@ -116,7 +116,7 @@ edit("interleaved_token_count_on_device",
      "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
      "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:983)", DEVICE,
      megatron_versions=">=0.13")
-edit("interleaved_token_count_on_device_012",
+edit("interleaved_token_count_on_device_0_12",
      "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
      "the token count is made with .cuda() (0.12: pipeline_parallel/schedules.py:765)", TOKEN_COUNT_CUDA,
      megatron_versions="<0.13")
@@ -124,7 +124,7 @@ edit("1f1b_token_count_on_device",
      "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving",
      "the token count is made with device=\"cuda\" (pipeline_parallel/schedules.py:2138)", DEVICE,
      megatron_versions=">=0.13")
-edit("1f1b_token_count_on_device_012",
+edit("1f1b_token_count_on_device_0_12",
      "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving",
      "the token count is made with .cuda() (0.12: pipeline_parallel/schedules.py:1828)", TOKEN_COUNT_CUDA,
      megatron_versions="<0.13")
@@ -252,3 +252,36 @@ def _write_item_with_format(write_item):
         return write_item(*args, **kwargs)
 
     return write_item_torch_save
+
+
+# -- --overlap-param-gather with compiled layers ------------------------------------------------------------------
+
+COMPILED_FORWARD = "_megatron_glue_compiled_forward"  # set on a module whose forward runs as a compiled graph
+
+
+@registry.wraps(
+    "param_gather_waits_before_compiled_forward",
+    "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel.enable_forward_pre_hook", GROUP,
+    reason="with --overlap-param-gather DDP puts a pre-hook on every submodule that waits for its params' "
+    "all-gather (distributed/distributed_data_parallel.py:362-365, 390-414; 0.12: :337-340, 365-389); inside a "
+    "compiled layer those hooks are async collectives, Work.wait and warnings.warn: graph breaks. The layer's own "
+    "pre-hook, which runs before its compiled forward, waits for the whole layer instead",
+)
+def _param_gather_before_compiled_forward(enable_forward_pre_hook):
+    @functools.wraps(enable_forward_pre_hook)
+    def enable(self):
+        enable_forward_pre_hook(self)
+        handles = self.remove_forward_pre_hook_handles
+        for root in [m for m in self.module.modules() if getattr(m, COMPILED_FORWARD, False)]:
+            for module in root.modules():
+                handles.pop(module).remove()
+            wait = self._make_forward_pre_hook()
+            inside = list(root.modules())
+
+            def wait_for_subtree(module, *unused, wait=wait, inside=inside):
+                for sub in inside:
+                    wait(sub)
+
+            handles[root] = root.register_forward_pre_hook(wait_for_subtree)
+
+    return enable

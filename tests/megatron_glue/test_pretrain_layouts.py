@@ -18,7 +18,7 @@ LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
     "pp2_1f1b": (2, ["--pipeline-model-parallel-size", "2"], 2),
     "pp2_interleaved": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 4),
-    "dp2_distopt_overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce"], 2),
+    "dp2_distopt_overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 2),
     "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2),
 }
 ITERS = ["--train-iters", "5"]

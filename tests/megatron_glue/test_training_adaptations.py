@@ -1,0 +1,70 @@
+"""The "training" adaptations: source edits that must match megatron-core's text, each one needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_glue.training_adaptations as ta
+from megatron_glue import adapt
+from megatron_glue.adaptations import registry
+from megatron_glue.testing import adaptations_reverted
+
+
+class _Base:
+    def __init__(self, x):
+        self.x = x
+
+
+class _Child(_Base):
+    def __init__(self, x):
+        super().__init__(x)
+        self.where = torch.zeros(1, device='meta').device.type
+
+
+def _literal():
+    return torch.zeros(2, device="meta").device.type
+
+
+def test_source_edit_substitutes_and_keeps_super():
+    edited = ta.source_edit(_literal, [(('device="meta"', "device='meta'"), "device='cpu'")], "here")
+    assert _literal() == "meta" and edited() == "cpu"
+    init = ta.source_edit(_Child.__init__, [("device='meta'", "device='cpu'")], "here")
+    child = _Child.__new__(_Child)
+    init(child, 3)  # zero-argument super() spelled out: it still reaches _Base.__init__
+    assert (child.x, child.where) == (3, "cpu")
+
+
+def test_source_edit_that_no_longer_matches_fails_loudly():
+    with pytest.raises(RuntimeError) as info:
+        ta.source_edit(_literal, [("device='cuda'", "device='cpu'")], "tests._literal")
+    assert str(info.value) == ("adaptation of tests._literal: \"device='cuda'\" is no longer in its source; this "
+                               "megatron-core release needs the adaptation revised")
+
+
+@pytest.fixture
+def training_group():
+    """The job's adaptation groups applied for the test, and what it added taken off after."""
+    before = set(registry.applied())
+    yield adapt(("cpu", "compile", "sp", "training"))
+    registry.revert(*[name for name in registry.applied() if name not in before])
+
+
+def test_every_training_adaptation_applies_on_this_line(training_group):
+    applied = training_group
+    assert set(registry.known("training")) <= set(applied)
+    assert registry.known("training")  # and there are some
+
+
+def test_grad_scaler_needs_its_edit(training_group):
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    kwargs = dict(initial_scale=2.0 ** 16, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                  growth_interval=1000, hysteresis=2)
+    scaler = DynamicGradScaler(**kwargs)
+    scaler.update(found_inf=True)
+    scaler.update(found_inf=True)  # hysteresis 2: the second overflow halves the scale
+    assert scaler.scale.item() == 2.0 ** 15 and scaler.scale.device.type == "cpu"
+    with adaptations_reverted("grad_scaler_on_device", "dynamic_grad_scaler_on_device"):
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+            DynamicGradScaler(**kwargs)
