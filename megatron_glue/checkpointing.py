@@ -128,7 +128,7 @@ def _common(args, iteration, consumed) -> dict:
 def _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed, *, loading, with_optim, with_rng):
     state = _common(args, iteration, consumed)
     metadata = dict(DISTOPT_METADATA)
-    for i, chunk in enumerate(versions.unwrap_model(chunks)):
+    for i, chunk in versions.model_chunks(chunks):
         state[_model_key(chunks, i)] = chunk.sharded_state_dict(metadata=metadata)
     if with_optim and optimizer is not None:
         state["optimizer"] = versions.optimizer_sharded_state_dict(optimizer, state, loading=loading,
@@ -185,7 +185,7 @@ def _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed,
     if ps.get_data_parallel_rank() != 0:
         return  # DP replicas hold the same model and optimizer
     state = _common(args, iteration, consumed)
-    for i, chunk in enumerate(versions.unwrap_model(chunks)):
+    for i, chunk in versions.model_chunks(chunks):
         state[_model_key(chunks, i)] = chunk.state_dict_for_save_checkpoint()
     if with_optim and optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
@@ -262,7 +262,7 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
                                   f"PP={saved_args.get('pipeline_model_parallel_size')}; it loads only at that layout "
                                   "(torch_dist checkpoints reshard)")
         state = common
-    for i, chunk in enumerate(versions.unwrap_model(chunks)):
+    for i, chunk in versions.model_chunks(chunks):
         chunk.load_state_dict(state[_model_key(chunks, i)], strict=True)
     if with_optim:
         optimizer.load_state_dict(state["optimizer"])

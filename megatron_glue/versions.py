@@ -75,3 +75,22 @@ def unwrap_model(chunks: list) -> list:
             chunk = chunk.module
         out.append(chunk)
     return out
+
+
+def model_chunks(chunks: list):
+    """(index, GPTModel) for each virtual-pipeline chunk, with parallel state's virtual rank set to it while the
+    caller works on it: 0.12's layers find their global layer numbers there when they build a sharded state dict
+    (as Megatron-LM's checkpointing sets it per chunk); 0.16's know their vp_stage and ignore it."""
+    from megatron.core import parallel_state as ps
+
+    models = unwrap_model(chunks)
+    if len(models) == 1:
+        yield 0, models[0]
+        return
+    before = ps.get_virtual_pipeline_model_parallel_rank()
+    try:
+        for i, model in enumerate(models):
+            ps.set_virtual_pipeline_model_parallel_rank(i)
+            yield i, model
+    finally:
+        ps.set_virtual_pipeline_model_parallel_rank(before)
