@@ -103,7 +103,13 @@ def compile_model(chunk, args) -> None:
     module's own hooks stay outside the graph (megatron_glue.training_adaptations: --overlap-param-gather)."""
     from megatron_glue.training_adaptations import COMPILED_FORWARD
 
+    from npu_compile.config import DUMP_DIR_ENV
+
     options = dict(args.npu_compile_options)
+    dump_dir = options.get("dump_dir") or os.environ.get(DUMP_DIR_ENV)
+    if dump_dir and dist.get_world_size() > 1:
+        # every rank compiles graphs with the same ids: one folder per rank keeps them apart
+        options["dump_dir"] = os.path.join(dump_dir, f"rank{dist.get_rank()}")
     modules = list(chunk.decoder.layers)
     if chunk.pre_process:
         modules.append(chunk.embedding)

@@ -46,10 +46,12 @@ def gpt_model_kwargs(vp_stage: int | None) -> dict:
 def optimizer_sharded_state_dict(optimizer, model_state: dict, *, loading: bool, metadata: dict):
     """The optimizer's sharded state dict with the distributed optimizer's sharding chosen: 0.16 reads it from
     `metadata`; 0.12 takes `sharding_type`, whose reshardable choice is 'fully_sharded_model_space'."""
-    if _accepts(optimizer.sharded_state_dict, "metadata"):
-        return optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=metadata)
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    # asked of the class: ChainedOptimizer, which get_megatron_optimizer returns, takes **kwargs on both lines
+    if _accepts(DistributedOptimizer.sharded_state_dict, "metadata"):
+        return optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=metadata)
 
     inner = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
     if any(isinstance(o, DistributedOptimizer) for o in inner):

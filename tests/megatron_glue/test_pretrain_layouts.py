@@ -75,6 +75,7 @@ def test_layout(name, start, one_process, tmp_path):
     # Every layer went through the backend, in whole graphs: no graph breaks, attention fused.
     end = compiled.rows("end")[0]
     assert end["graph_breaks"] == 0 and end["graphs"] > 0
+    assert sorted(p.name for p in dumps.iterdir()) == [f"rank{r}" for r in range(nproc)]  # one folder a rank
     reports = [json.loads(p.read_text()) for p in dumps.rglob("report.json")]
     assert reports, f"no report.json under {dumps}"
     assert any(r["fusions"].get("attention", 0) > 0 for r in reports), [r["fusions"] for r in reports]
