@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None)
-    g.add_argument("--local-rank", "--local_rank", type=int, default=None, help="set by old launchers; unused")
+    g.add_argument("--local-rank", "--local_rank", type=int, default=None,
+                   help="this process's device index, set by older launchers (torchrun sets $LOCAL_RANK)")
 
     g = p.add_argument_group("validation")
     g.add_argument("--eval-iters", type=int, default=100)

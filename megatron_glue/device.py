@@ -60,7 +60,8 @@ def process_group_timeout(args) -> datetime.timedelta:
 def placement(args) -> Placement:
     """Check the backend against the machine; one-line error naming the fix when they do not fit."""
     backend = args.distributed_backend
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # torchrun sets $LOCAL_RANK; older launchers pass --local-rank instead
+    local_rank = args.local_rank if args.local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "hccl":
         missing = _torch_npu_missing()
         if missing:

@@ -182,3 +182,19 @@ def test_demo_runs_the_seed_flags(tmp_path):
     assert args.save == args.load == str(tmp_path / "ckpt") and args.tokenizer_type == "GPT2BPETokenizer"
     curve = ascii_curve([8.0, 7.0, 6.0, 5.0], width=4, height=4).splitlines()
     assert [row.split("|")[1] for row in curve[:4]] == ["*   ", " *  ", "  * ", "   *"]
+
+
+def test_device_placement_per_backend(monkeypatch):
+    from megatron_glue.device import placement
+
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "90")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    where = placement(parse_args([*TINY, "--train-iters", "1"]))
+    assert (where.backend, where.device.type, where.local_rank, where.timeout.total_seconds()) == ("gloo", "cpu", 1, 90)
+    assert placement(parse_args([*TINY, "--train-iters", "1", "--local-rank", "3"])).local_rank == 3
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT")
+    assert placement(parse_args([*TINY, "--train-iters", "1", "--distributed-timeout-minutes", "2"])).timeout \
+        .total_seconds() == 120
+    with pytest.raises(ArgumentError, match="--distributed-backend nccl needs CUDA, which this machine lacks; on an "
+                                            "Ascend NPU use --distributed-backend hccl, on CPU use gloo"):
+        placement(parse_args([t if t != "gloo" else "nccl" for t in TINY] + ["--train-iters", "1"]))
