@@ -71,7 +71,7 @@ def build_datasets(*, data_path: list[str] | None, split: str, seq_length: int, 
             create_attention_mask=create_attention_mask,
         )
         if blend is not None:
-            _check_splits_have_tokens(blend[0], config.split_matrix, num_samples, split)
+            _check_splits_have_tokens(blend[0], config.split_matrix, split)
         builder = BlendedMegatronDatasetBuilder(
             _MockGPTDataset if mock else GPTDataset, list(num_samples),
             is_built_on_rank if is_built_on_rank is not None else _always, config)
@@ -79,10 +79,11 @@ def build_datasets(*, data_path: list[str] | None, split: str, seq_length: int, 
     return train, valid, test
 
 
-def _check_splits_have_tokens(prefixes: list[str], split_matrix, num_samples, split: str) -> None:
-    """A split asked for samples whose documents hold no tokens makes megatron-core count epochs for ever
-    (gpt_dataset.py `_get_num_epochs`: tokens per epoch 0): refuse it. The document ranges are megatron-core's
-    own (blended_megatron_dataset_builder.py `_build_megatron_dataset_splits`: round(fraction x documents))."""
+def _check_splits_have_tokens(prefixes: list[str], split_matrix, split: str) -> None:
+    """A split whose documents hold no tokens makes megatron-core count epochs for ever (gpt_dataset.py
+    `_get_num_epochs`: tokens per epoch 0), even when no samples are asked of it: refuse it. The document ranges
+    are megatron-core's own (blended_megatron_dataset_builder.py `_build_megatron_dataset_splits`:
+    round(fraction x documents))."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     names = ("train", "validation", "test")
@@ -90,15 +91,14 @@ def _check_splits_have_tokens(prefixes: list[str], split_matrix, num_samples, sp
         indexed = IndexedDataset(prefix)  # held: its lengths are a view of the index's memory map
         lengths = indexed.sequence_lengths
         for i, bounds in enumerate(split_matrix):
-            if bounds is None or not num_samples[i]:
+            if bounds is None:
                 continue
             begin, end = (int(round(b * float(len(lengths)))) for b in bounds)
             if int(lengths[begin:end].sum()) == 0:
                 raise DataError(
                     f"--split {split!r} gives the {names[i]} split {end - begin} of the {len(lengths)} documents "
-                    f"of {prefix}, with no tokens, but {num_samples[i]} {names[i]} samples are needed; give that "
-                    f"split more weight (e.g. --split 90,5,5), use more data, or ask for none"
-                    f"{' (--eval-iters 0)' if i else ''}")
+                    f"of {prefix}, with no tokens, and megatron-core cannot build a split without tokens; give "
+                    f"that split more weight (e.g. --split 90,5,5) or use more data")
 
 
 def build_loader(dataset, *, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,

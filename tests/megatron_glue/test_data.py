@@ -16,7 +16,7 @@ from megatron_glue.data import build_datasets, build_loader
 from megatron_glue.demo_data import train_bpe
 from megatron_glue.distributed import run_on_ranks, worker_store
 from megatron_glue.preprocess import preprocess
-from megatron_glue.tokenizer import build_tokenizer
+from megatron_glue.tokenizer import DataError, build_tokenizer
 
 SEQ = 16
 _rng = random.Random(0)
@@ -205,3 +205,15 @@ def test_two_ranks_rank0_builds_the_cache_and_each_reads_its_slice(gloo, data, t
     whole = _batches(_build(data, tmp_path, [data.letters])[0], 3, micro_batch_size=4)  # DP=1, this process
     for step in range(3):
         assert torch.equal(torch.cat([tokens0[step], tokens1[step]]), whole[step]["tokens"])
+
+
+def test_split_without_tokens_is_refused(gloo, data, tmp_path):
+    """Megatron-LM's default split on few documents leaves the test split none: megatron-core would count epochs for
+    ever (gpt_dataset.py _get_num_epochs), even asked for no samples; the error says so with the numbers."""
+    for num_samples in ((8, 8, 8), (8, 8, 0)):
+        with pytest.raises(DataError) as info:
+            _build(data, tmp_path, [data.letters], split="969, 30, 1", num_samples=num_samples)
+        assert str(info.value) == (
+            f"--split '969, 30, 1' gives the test split 0 of the {len(LETTERS)} documents of {data.letters}, with "
+            "no tokens, and megatron-core cannot build a split without tokens; give that split more weight (e.g. "
+            "--split 90,5,5) or use more data")
