@@ -327,7 +327,8 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
         _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics, "on validation set")
         _evaluate_and_print(args, forward_step, test_it, chunks, state, metrics, "on test set", split=2)
     state.graph_counts = _count_graphs()
-    metrics.record("end", iteration=state.iteration, **state.graph_counts)
+    metrics.record("end", iteration=state.iteration, skipped_iterations=state.skipped_iterations,
+                   **state.graph_counts)
     plot = metrics.close()
     if plot:
         print_rank0(f" loss curve: {plot}")

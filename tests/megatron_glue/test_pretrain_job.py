@@ -96,6 +96,7 @@ def test_fp16_absurd_loss_scale_skips_then_trains(tmp_path):
     assert len(trained) >= 8 and sum(trained[-3:]) < sum(trained[:3])
     logged = [int(s) for *_, s in ITERATION_LINE.findall(run.output)]
     assert sum(logged) == len(skipped) and logged[0] > 0
+    assert run.rows("end")[0]["skipped_iterations"] == len(skipped)
 
 
 # -- bad input ------------------------------------------------------------------------------------------------------
