@@ -341,6 +341,12 @@ def validate(args: argparse.Namespace) -> None:
 
     mindspeed = [rule for flag, rules in MINDSPEED_FUSIONS.items() if getattr(args, flag) for rule in rules]
     args.npu_compile_options = compile_options(args.npu_compile_options, mindspeed, args.use_ascend_mc2)
+    from npu_compile import config as npu_config
+
+    try:  # here, before any model is built or traced (torch.compile checks them only at the first graph)
+        npu_config.validate(args.npu_compile_options)
+    except npu_config.OptionError as e:
+        fail(f"--npu-compile-options: {e}")
 
 
 def compile_options(options: dict, switched_on: list[str], mc2: bool) -> dict:

@@ -192,11 +192,11 @@ class _Compilation:
 def ascend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None, mode: str | None = None):
     """``torch.compile(model, backend="ascend", options={...})``: compile one Dynamo graph for Ascend."""
     if mode not in (None, "default"):
-        raise ValueError(
+        raise config.OptionError(
             f"the ascend backend takes no torch.compile mode (got {mode!r}); pass options={{...}} with keys "
             f"{', '.join(config.KEYS)}"
         )
-    opts = config.resolve(options)
+    opts = config.resolve(options)  # first: a wrong option is the error the user reads, raised as itself
     if opts.target == "npu-sim":  # the npu ops exist before the aten stages: the overlap stage's MC2 rewrite emits them
         from npu_compile.lowering import npu_sim_kernels
 

@@ -3,7 +3,15 @@
 ``torch.compile(model, backend="ascend", options={...})`` hands its dict to :func:`resolve`; every key not given
 there falls back to :data:`defaults`, which users may change for a whole program (``npu_compile.config.defaults``)
 or for a block (``with npu_compile.config.patch(target="npu-sim"): ...``). A wrong key or value raises
-``ValueError`` naming the key and what would be right; nothing else in the package validates options.
+:class:`OptionError` (a ``ValueError``) naming the key and what would be right; nothing else in the package
+validates options.
+
+When they are checked: torch hands a custom backend its ``options`` only when it compiles the first graph, after
+Dynamo has captured it — no earlier hook exists in torch 2.13 (``torch.compile`` stores them without calling the
+backend). So the backend checks them first thing in that call, and the error is raised as itself, not wrapped in
+Dynamo's ``BackendCompilerFailed``: its message is the last line of the traceback. Callers that know the options
+before any tracing check them there: :func:`validate` up front, ``npu_compile.explain``, and the training job
+(``--npu-compile-options`` is checked with the other flags).
 """
 
 from __future__ import annotations
@@ -15,11 +23,29 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, Union
 
+from torch._dynamo.exc import ShortenTraceback
+
 TARGETS = ("auto", "npu", "npu-sim", "reference")
 GRAPH_MODES = ("ge", "aclgraph", "eager")
 DUMP_DIR_ENV = "NPU_COMPILE_DUMP_DIR"
 
 Fusions = Union[Literal["all"], tuple[str, ...], Mapping[str, bool]]
+
+
+class OptionError(ShortenTraceback, ValueError):
+    """A wrong option key or value. Dynamo re-raises a ``ShortenTraceback`` from a backend as it is (other exceptions
+    it wraps in ``BackendCompilerFailed`` with a bug-report text), so this message is what the user reads."""
+
+    def __init__(self, message: str):
+        super().__init__(message, first_useful_frame=None)
+
+
+class TargetUnavailable(ShortenTraceback, RuntimeError):
+    """``target="npu"`` on a machine where torch_npu or its device cannot be used; raised as itself, like
+    :class:`OptionError`."""
+
+    def __init__(self, message: str):
+        super().__init__(message, first_useful_frame=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +84,13 @@ def _known_rules() -> tuple[str, ...]:
 
 def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise ValueError(f"npu_compile option {key!r} got {value!r}; valid values are {', '.join(map(repr, choices))}")
+        raise OptionError(f"npu_compile option {key!r} got {value!r}; valid values are {', '.join(map(repr, choices))}")
     return value
 
 
 def _check_bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"npu_compile option {key!r} got {value!r}; it takes True or False")
+        raise OptionError(f"npu_compile option {key!r} got {value!r}; it takes True or False")
     return value
 
 
@@ -74,7 +100,7 @@ def _check_fusions(value: Any) -> Fusions:
     def check_names(names: Any) -> None:
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(
+            raise OptionError(
                 f"npu_compile option 'fusions' names unknown rule(s) {', '.join(map(repr, unknown))}; "
                 f"known rules are {', '.join(map(repr, known)) or '(none registered)'}"
             )
@@ -85,19 +111,19 @@ def _check_fusions(value: Any) -> Fusions:
         check_names(value)
         bad = [k for k, v in value.items() if not isinstance(v, bool)]
         if bad:
-            raise ValueError(f"npu_compile option 'fusions' maps {bad[0]!r} to {value[bad[0]]!r}; use True or False")
+            raise OptionError(f"npu_compile option 'fusions' maps {bad[0]!r} to {value[bad[0]]!r}; use True or False")
         return dict(value)
     if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in value):
         check_names(value)
         return tuple(value)
-    raise ValueError(
+    raise OptionError(
         f"npu_compile option 'fusions' got {value!r}; it takes \"all\", a list of rule names, or {{rule name: bool}}"
     )
 
 
 def _check_budget(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"npu_compile option 'memory_budget' got {value!r}; it takes a float in [0, 1]")
+        raise OptionError(f"npu_compile option 'memory_budget' got {value!r}; it takes a float in [0, 1]")
     return float(value)
 
 
@@ -105,7 +131,7 @@ def _check_dump_dir(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)) or not str(value):
-        raise ValueError(f"npu_compile option 'dump_dir' got {value!r}; it takes a path (str or os.PathLike) or None")
+        raise OptionError(f"npu_compile option 'dump_dir' got {value!r}; it takes a path (str or os.PathLike) or None")
     return os.fspath(value)
 
 
@@ -126,7 +152,7 @@ def validate(options: Mapping[str, Any] | None, base: Options | None = None) -> 
     options = dict(options or {})
     unknown = sorted(set(options) - set(KEYS))
     if unknown:
-        raise ValueError(
+        raise OptionError(
             f"unknown npu_compile option(s) {', '.join(map(repr, unknown))}; valid options are {', '.join(KEYS)}"
         )
     checked = {k: _CHECKS[k](v) for k, v in options.items()}
@@ -158,7 +184,7 @@ def resolve_target(target: str) -> str:
     if target == "npu":
         err = _torch_npu_error()
         if err is not None:
-            raise RuntimeError(
+            raise TargetUnavailable(
                 f"npu_compile option target='npu' needs torch_npu with an Ascend device, which is not usable here "
                 f"({type(err).__name__}: {err}). Install it on a machine with Ascend CANN: "
                 f"pip install 'npu_compile[npu]' (torch-npu==2.13.0). To run the same lowered NPU graph on the CPU, "

@@ -1,13 +1,15 @@
-"""``npu_compile.explain(model, *args, **options)``: what the ascend backend does to a model, as an object.
+"""``npu_compile.explain(model, *args, options={...}, **kwargs)``: what the ascend backend does to a model, as an object.
 
-It compiles ``model`` afresh, runs it once on ``args`` (and, when the output needs grad, compiles the backward
-without running it), and returns every graph's report plus Dynamo's graph and break counts.
+It compiles ``model`` afresh, runs it once on ``args`` and ``kwargs`` (and, when the output needs grad, compiles
+the backward without running it), and returns every graph's report plus Dynamo's graph and break counts. The
+backend's options go in ``options=``, as in ``torch.compile``; every other argument is the model's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -54,13 +56,16 @@ class Explanation:
         return json.dumps(self.to_json(), indent=2)
 
 
-def explain(model: torch.nn.Module | Any, *args: Any, **options: Any) -> Explanation:
-    """Compile ``model`` with ``backend="ascend"`` and ``options``, run it on ``args``, and explain the result."""
+def explain(model: torch.nn.Module | Any, *args: Any, options: Mapping[str, Any] | None = None,
+            **kwargs: Any) -> Explanation:
+    """Compile ``model`` with ``backend="ascend"`` and ``options``, run it on ``args`` / ``kwargs``, and explain the
+    result. ``kwargs`` are the model's own keyword arguments (``explain(gpt, **batch)``), passed through untouched."""
+    options = dict(options or {})
     config.validate(options)  # fail on a bad option before any tracing
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=ascend, options=options)
     # Compile the backward at the forward's call, so its report is complete without running it.
     with collect() as reports, functorch_config.patch(force_non_lazy_backward_lowering=True):
-        compiled(*args)
+        compiled(*args, **kwargs)
     torch._dynamo.reset()
     return Explanation(list(reports))

@@ -152,7 +152,7 @@ def test_verify_compares_first_call(tmp_path):
 
 def test_memory_budget_zero_saves_less():
     def saved(budget):
-        (r,) = npu_compile.explain(Block(64), torch.randn(4, 32, 64), memory_budget=budget).graphs
+        (r,) = npu_compile.explain(Block(64), torch.randn(4, 32, 64), options={"memory_budget": budget}).graphs
         return r.memory["saved_activation_bytes"]
 
     assert saved(0.0) < saved(1.0)

@@ -52,10 +52,16 @@ def test_unknown_fusion_rule_lists_known_rules():
         config.validate({"fusions": {"no_such_rule": False}})
 
 
-def test_bad_option_fails_at_compile_call():
+def test_bad_option_fails_at_compile_call_as_itself():
     m = torch.nn.Linear(4, 4)
-    with pytest.raises(Exception, match=re.escape("unknown npu_compile option(s) 'budget'")):
+    with pytest.raises(config.OptionError) as e:
         torch.compile(m, backend="ascend", options={"budget": 0.5})(torch.randn(2, 4))
+    # not wrapped in Dynamo's BackendCompilerFailed: the message is ours, first
+    assert type(e.value) is config.OptionError and isinstance(e.value, ValueError)
+    assert str(e.value).startswith("unknown npu_compile option(s) 'budget'; valid options are target, graph_mode,")
+    assert "backend='ascend' raised" not in str(e.value)
+    with pytest.raises(config.TargetUnavailable, match="^npu_compile option target='npu' needs torch_npu"):
+        torch.compile(m, backend="ascend", options={"target": "npu"})(torch.randn(2, 4))
 
 
 def test_auto_target_is_reference_without_torch_npu():

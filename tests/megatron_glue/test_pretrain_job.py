@@ -145,6 +145,10 @@ def test_mindspeed_switches_name_fusions():
     assert parse_args([*TINY, "--train-iters", "5", "--use-flash-attn"]).npu_compile_options == {}  # all on already
     assert _parse_error([*TINY, "--train-iters", "5", "--npu-compile-options", "[1]"]).endswith(
         "argument --npu-compile-options: needs a JSON object like '{\"dump_dir\": \"dumps\"}', got '[1]'")
+    # the backend's own check, with the other flags, before any model is built
+    assert _parse_error([*TINY, "--train-iters", "5", "--npu-compile-options", '{"budget": 0.5}']) == (
+        "pretrain_gpt: error: --npu-compile-options: unknown npu_compile option(s) 'budget'; valid options are "
+        "target, graph_mode, fusions, memory_budget, overlap, dump_dir, verify, fast_gelu")
 
 
 def _one_line_failure(run, code: int) -> str:

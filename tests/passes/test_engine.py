@@ -69,7 +69,7 @@ def test_worked_example_in_inference(silu_rule):
 
 
 def test_switched_off_rule_reports_site_unfused(silu_rule):
-    (r,) = npu_compile.explain(Mlp(), torch.randn(4, 16), fusions={"handwritten_silu": False}).graphs
+    (r,) = npu_compile.explain(Mlp(), torch.randn(4, 16), options={"fusions": {"handwritten_silu": False}}).graphs
     assert "handwritten_silu" not in r.fusions
     assert [u for u in r.unfused if u["rule"] == "handwritten_silu"] == [
         {"op": "aten.sigmoid.default", "node": "sigmoid", "rule": "handwritten_silu",
