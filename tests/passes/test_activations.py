@@ -156,7 +156,7 @@ def test_swiglu_equals_eager_fuzz(case, against_eager):
 # ==== sites left unfused, and why =============================================================================
 
 def unfused(fn, *args, **options):
-    (report,) = npu_compile.explain(fn, *args, **{"fusions": list(RULES), **options}).graphs
+    (report,) = npu_compile.explain(fn, *args, options={"fusions": list(RULES), **options}).graphs
     return report.fusions, [(u["op"], u["reason"]) for u in report.unfused]
 
 

@@ -254,7 +254,7 @@ def test_megatron_trains_with_hidden_dropout_within_a_band_of_eager(make_config,
 # ==== sites left unfused, and why =============================================================================
 
 def explain(fn, *args, **options):
-    (report,) = npu_compile.explain(fn, *args, **{"fusions": list(RULES), **options}).graphs
+    (report,) = npu_compile.explain(fn, *args, options={"fusions": list(RULES), **options}).graphs
     return report.fusions, [(u["op"], u["reason"]) for u in report.unfused if u["rule"] in RULES]
 
 
@@ -289,7 +289,7 @@ def test_bias_the_op_cannot_take_stays_an_add_in_front():
     x, residual = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
     with torch.no_grad():
         (report,) = npu_compile.explain(bias_dropout_add(True, True), x, residual, 0.1, torch.randn(8),
-                                        fusions=list(RULES)).graphs
+                                        options={"fusions": list(RULES)}).graphs
     assert report.fusions == {"bias_dropout_add": 1} and report.unfused == []
     assert report.lowered_ops["aten.add"] == 1  # x + bias, in fp32
 

@@ -177,7 +177,7 @@ def test_norm_rules_equal_eager_fuzz(case, against_eager):
 # ==== sites left unfused, and why =============================================================================
 
 def explain(fn, *args, **options):
-    (report,) = npu_compile.explain(fn, *args, **{"fusions": list(RULES), **options}).graphs
+    (report,) = npu_compile.explain(fn, *args, options={"fusions": list(RULES), **options}).graphs
     return report.fusions, [(u["op"], u["rule"], u["reason"]) for u in report.unfused]
 
 
