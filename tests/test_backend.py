@@ -142,6 +142,23 @@ def test_explain_reports_backward_without_running_it():
     assert json.loads(str(exp))["graphs"][0]["graph_id"] == r.graph_id
 
 
+def test_explain_passes_the_models_keyword_arguments_through():
+    class Keywords(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+
+        def forward(self, input_ids, attention_mask=None, target=None):
+            h = self.emb(input_ids)
+            return h * attention_mask[..., None] if target is None else h
+
+    batch = {"input_ids": torch.randint(0, 16, (2, 5)), "attention_mask": torch.ones(2, 5)}
+    exp = npu_compile.explain(Keywords(), **batch, options={"fusions": []})  # `target` would be an option's name
+    assert exp.graph_count == 1 and exp.graphs[0].options["fusions"] == []
+    with pytest.raises(ValueError, match=r"^unknown npu_compile option\(s\) 'budget'"):
+        npu_compile.explain(Keywords(), **batch, options={"budget": 1.0})
+
+
 def test_verify_compares_first_call(tmp_path):
     m = Block()
     cm = torch.compile(m, backend="ascend", options={"verify": True, "dump_dir": str(tmp_path)})
