@@ -105,6 +105,7 @@ class _Compilation:
         self.before = training_buffers(fw.graph, bw.graph)
         self.report.memory["peak_bytes_before"] = liveness(*self.before).peak
         self.partitioned_bw = bw
+        log.info("%s", self.dump.summary("joint"))
         return fw, bw
 
     def compiler(self, kind: str) -> Callable:
@@ -165,10 +166,14 @@ class _Compilation:
             if png is not None:
                 self.dump.write("memory.png", png)
         self.dump.report(r.to_json())
-        log.info(
-            "graph %s (%s): %s compiled, fusions %s, peak %.2f MiB, %d collectives",
-            r.graph_id, r.target, kind, r.fusions or "none", live.peak / 2**20, r.comm["collectives"],
-        )
+        log.info("%s", self.dump.summary(kind))
+        if kind != "forward":  # the graph is complete: its one line
+            fused = {rule: n for rule, n in r.fusions.items() if n}
+            log.info(
+                "graph %s (%s): %s compiled, fusions %s, %d unfused, peak %.2f MiB, %d collectives",
+                r.graph_id, r.target, "+".join(r.graphs), fused or "none", len(r.unfused), live.peak / 2**20,
+                r.comm["collectives"],
+            )
 
     def _record_comm(self) -> None:
         """report.json ``comm`` from the simulated timelines, summed over the graphs compiled so far, and, when

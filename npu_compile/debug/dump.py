@@ -1,8 +1,12 @@
 """Where a compiled graph leaves its traces: the dump dir, tlparse artifacts and the ``npu_compile`` logger.
 
-Layout (DESIGN.md): ``<dump_dir>/<graph-id>/{joint,forward,backward,inference}/NN_<stage>.py`` plus one
-``report.json`` per graph id. A dump that cannot be written is logged once and skipped: debugging aids never
-stop a compile.
+Layout: ``<dump_dir>/<graph-id>/{joint,forward,backward,inference}/NN_<stage>.py`` plus one ``report.json`` per
+graph id. A dump that cannot be written is logged once and skipped: debugging aids never stop a compile.
+
+tlparse artifacts are named ``npu_compile_<graph-id>_<kind>_NN_<stage>`` and carry the full code (shapes,
+strides, devices). The logger: INFO is one line per compiled graph (see ``backend``) plus one per graph kind
+summarizing its stages (node counts and time); DEBUG adds each stage's graph, compact (no stride / device
+annotations) and only when the stage changed it.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,10 @@ class GraphDump:
         self.root = Path(dump_dir) / graph_id if dump_dir else None
         self._counters: dict[str, int] = {}
         self._failed = False
+        # kind -> [(stage, node count, seconds since the previous stage of that kind)], and the last logged code
+        self.stages: dict[str, list[tuple[str, int, float]]] = {}
+        self._clock: dict[str, float] = {}
+        self._logged: dict[str, str] = {}
 
     def write(self, relpath: str, data: str | bytes) -> Path | None:
         """Write ``data`` to ``relpath`` under this graph's folder; a failure is logged once, never raised."""
@@ -51,16 +60,31 @@ class GraphDump:
 
     def stage(self, kind: str, stage: str, gm: torch.fx.GraphModule) -> None:
         """Record ``gm`` after ``stage`` of the ``kind`` graph (joint / forward / backward / inference)."""
+        now = time.perf_counter()
         n = self._counters.get(kind, 0)
         self._counters[kind] = n + 1
-        code = graph_code(gm)
-        trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": f"npu_compile_{kind}_{n:02d}_{stage}", "encoding": "string"},
-            payload_fn=lambda: code,
-        )
-        log.debug("graph %s %s after %s:\n%s", self.graph_id, kind, stage, code)
-        self.write(f"{kind}/{n:02d}_{stage}.py", code)
+        nodes = sum(1 for node in gm.graph.nodes if node.op not in ("placeholder", "output"))
+        self.stages.setdefault(kind, []).append((stage, nodes, now - self._clock.get(kind, now)))
+        name = f"npu_compile_{self.graph_id}_{kind}_{n:02d}_{stage}"
+        # the payload is rendered inside the call, and only when a trace is being written
+        trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
+                         payload_fn=lambda: graph_code(gm))
+        if self.root is not None:
+            self.write(f"{kind}/{n:02d}_{stage}.py", graph_code(gm))
+        if log.isEnabledFor(logging.DEBUG):
+            compact = gm.print_readable(print_output=False)
+            if compact == self._logged.get(kind):
+                log.debug("graph %s %s after %s: unchanged", self.graph_id, kind, stage)
+            else:
+                log.debug("graph %s %s after %s:\n%s", self.graph_id, kind, stage, compact)
+                self._logged[kind] = compact
+        self._clock[kind] = time.perf_counter()
+
+    def summary(self, kind: str) -> str:
+        """One line: the ``kind`` graph's stages in order with their node counts and times."""
+        parts = [f"{stage} {nodes}" + (f" ({dt * 1e3:.0f} ms)" if dt >= 5e-4 else "")
+                 for stage, nodes, dt in self.stages.get(kind, [])]
+        return f"graph {self.graph_id} {kind} stages (nodes): " + " → ".join(parts)
 
     def report(self, content: dict[str, Any]) -> Path | None:
         return self.write("report.json", json.dumps(content, indent=2, sort_keys=False) + "\n")
