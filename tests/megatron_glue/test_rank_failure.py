@@ -172,3 +172,18 @@ def test_watchdog_seconds(monkeypatch):
     assert watchdog_seconds() == 7.0 and watchdog_seconds(0) == 0.0  # the argument wins
     with pytest.raises(ValueError, match=r"^rank_watchdog_s=-3 must be a finite number"):
         watchdog_seconds(-3)
+
+
+def test_the_training_job_takes_the_watchdogs_seconds_from_the_environment(monkeypatch):
+    from megatron_glue.arguments import ArgumentError, parse_args
+    from megatron_glue.device import placement
+    from pretrain_runs import TINY
+
+    args = parse_args([*TINY, "--train-iters", "1"])
+    monkeypatch.setenv("NPU_COMPILE_RANK_WATCHDOG_S", "12.5")
+    assert placement(args).rank_watchdog_s == 12.5
+    monkeypatch.setenv("NPU_COMPILE_RANK_WATCHDOG_S", "1m")
+    with pytest.raises(ArgumentError) as error:
+        placement(args)
+    assert error.value.message == ("pretrain_gpt: error: NPU_COMPILE_RANK_WATCHDOG_S='1m' is not a number of "
+                                   "seconds; give e.g. 30, or 0 to turn the rank watchdog off")
