@@ -69,7 +69,8 @@ def _compiled_tp2_step(how, store):
 
 
 def _eager_all_reduce(how, store):
-    """The same, without Megatron: rank 1 goes between two all-reduces of a plain gloo group."""
+    """The same, without Megatron: rank 1 goes between two all-reduces of a plain gloo group ("leave": rank 1
+    ends normally and rank 0 works on alone, with no collective, for twice the watchdog's seconds)."""
     import torch
     import torch.distributed as dist
 
@@ -81,9 +82,15 @@ def _eager_all_reduce(how, store):
     print("STEP1 {}", flush=True)
     if rank == 1:
         print("GOING", os.getpid(), time.time(), flush=True)
+        if how == "leave":
+            return  # the interpreter ends as a program does, without destroying the process group
         if how == "exit":
             os._exit(1)
         os.kill(os.getpid(), signal.SIGSTOP)
+    if how == "leave":
+        time.sleep(2 * WATCHDOG_S)
+        print("rank 0 finished alone", flush=True)
+        return
     dist.all_reduce(x)
     print("rank 0 all-reduced without rank 1", flush=True)
 
@@ -147,6 +154,13 @@ def test_a_stopped_rank_ends_the_other_within_the_watchdogs_seconds():
                      rf"\(stopped, hung, or its host is unreachable\) \(found by rank 0\); ending rank 0 rather "
                      rf"than wait for it in a collective \(NPU_COMPILE_RANK_WATCHDOG_S={WATCHDOG_S}\)", err), err
     assert "all-reduced without rank 1" not in out
+
+
+@pytest.mark.slow
+def test_a_rank_that_ends_normally_is_not_reported():
+    code, out, err, pid, seconds = _run_pair(_eager_all_reduce, "leave", bound=2 * WATCHDOG_S + SLACK_S)
+    assert code == 0 and "rank 0 finished alone" in out, err[-3000:]
+    assert "RankLostError" not in err
 
 
 @pytest.mark.parametrize("value, message", [
