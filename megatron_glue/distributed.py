@@ -2,9 +2,9 @@
 them is gone, a launcher for tests, and the tensor-parallel grad work that Megatron's DDP would otherwise do.
 
 A worker calls `init_distributed(tp)` (gloo; rank and world size from the arguments or torchrun's
-environment); a program that sets up the process group itself calls `watch_ranks()` after it. Tests start workers with `run_on_ranks(fn, ...)`: one fresh Python process per rank, a FileStore
-rendezvous (no port to pick), each rank's return value handed back, and every process killed on the first
-failure or at the timeout.
+environment); a program that sets up the process group itself calls `watch_ranks()` after it. Tests start
+workers with `run_on_ranks(fn, ...)`: one fresh Python process per rank, a FileStore rendezvous (no port to
+pick), each rank's return value handed back, and every process killed on the first failure or at the timeout.
 """
 
 from __future__ import annotations
@@ -329,7 +329,10 @@ def watch_ranks(seconds: float | None = None, store: dist.Store | None = None) -
             _uncaught = True
             lost = None
             if _watchdog is not None and not issubclass(kind, KeyboardInterrupt):
-                lost = _watchdog.find_lost(wait=min(_GRACE_S, _watchdog.seconds))
+                # A collective's error (gloo's are RuntimeErrors) may come before the peer is seen gone: wait a
+                # little for it; any other error is looked at once.
+                wait = min(_GRACE_S, _watchdog.seconds) if issubclass(kind, RuntimeError) else 0.0
+                lost = _watchdog.find_lost(wait=wait)
             if lost is None:
                 return previous(kind, error, tb)
             named = RankLostError(lost)
@@ -345,11 +348,6 @@ def watch_ranks(seconds: float | None = None, store: dist.Store | None = None) -
 def _leave_at_exit() -> None:
     if _watchdog is not None and not _uncaught:
         _watchdog.leave()
-
-
-def lost_rank() -> str | None:
-    """The message of the rank found gone by this process's watchdog (or reported by another's), else None."""
-    return None if _watchdog is None else _watchdog.find_lost(wait=0)
 
 
 # -- what Megatron's DDP / finalize_model_grads would do, for a model without that wrapper ----------------
