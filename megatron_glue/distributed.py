@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron_glue import adapt, quiet_megatron
 
 
-def init_distributed(tp: int, rank: int | None = None, world_size: int | None = None,
+def init_distributed(tp: int, *, rank: int | None = None, world_size: int | None = None,
                      store: dist.Store | None = None, groups: Sequence[str] | None = None,
                      timeout: datetime.timedelta | float | None = None, rank_watchdog_s: float | None = None,
                      **model_parallel: Any) -> None:
@@ -251,7 +251,7 @@ class RankWatchdog:
     def _end(self, lost: str) -> None:
         self.lost = lost
         message = (f"[rank {self.rank}] {RankLostError.__name__}: {lost}; ending rank {self.rank} rather than "
-                   f"wait for it in a collective ({WATCHDOG_ENV}={self.seconds:g})")
+                   f"wait for it in a collective (the rank watchdog's {self.seconds:g} s, ${WATCHDOG_ENV})")
         print(message, file=sys.stderr, flush=True)
         if self._stop.wait(_GRACE_S):
             return  # stopped meanwhile: the main thread ended by itself

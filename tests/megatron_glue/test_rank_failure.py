@@ -68,9 +68,31 @@ def _compiled_tp2_step(how, store):
     print("rank 0 ran its backward without rank 1", flush=True)
 
 
+def _init_distributed_all_reduce(how, store):
+    """megatron_glue's own set-up, the watchdog's seconds as its argument (the environment says 0: off); rank 1
+    goes between two all-reduces over Megatron's TP group."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_glue.distributed import init_distributed
+
+    rank = int(os.environ["RANK"])
+    init_distributed(2, rank=rank, world_size=2, store=dist.FileStore(store, 2), rank_watchdog_s=WATCHDOG_S)
+    from megatron.core import parallel_state
+
+    x = torch.ones(8)
+    dist.all_reduce(x, group=parallel_state.get_tensor_model_parallel_group())
+    print("STEP1 {}", flush=True)
+    if rank == 1:
+        print("GOING", os.getpid(), time.time(), flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(x, group=parallel_state.get_tensor_model_parallel_group())
+    print("rank 0 all-reduced without rank 1", flush=True)
+
+
 def _eager_all_reduce(how, store):
-    """The same, without Megatron: rank 1 goes between two all-reduces of a plain gloo group ("leave": rank 1
-    ends normally and rank 0 works on alone, with no collective, for twice the watchdog's seconds)."""
+    """Without Megatron: rank 1 goes between two all-reduces of a plain gloo group ("leave": rank 1 ends
+    normally and rank 0 works on alone, with no collective, for twice the watchdog's seconds)."""
     import torch
     import torch.distributed as dist
 
@@ -97,13 +119,13 @@ def _eager_all_reduce(how, store):
 
 # -- the tests ------------------------------------------------------------------------------------------------
 
-def _run_pair(job, how, watchdog=WATCHDOG_S, bound=None, start_timeout=300):
+def _run_pair(job, how, watchdog=WATCHDOG_S, bound=None, start_timeout=300, env_watchdog=None):
     """Start the 2 ranks of `job`; return (rank 0's exit code, its stdout, its stderr, rank 1's pid, seconds
     from rank 1 going to rank 0 ending). Rank 0 gets `bound` seconds after rank 1 went; both are killed after."""
     bound = watchdog + SLACK_S if bound is None else bound
     with tempfile.TemporaryDirectory(prefix="rank_failure_") as tmp:
         env = dict(os.environ, WORLD_SIZE="2", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-                   NPU_COMPILE_RANK_WATCHDOG_S=str(watchdog),
+                   NPU_COMPILE_RANK_WATCHDOG_S=str(watchdog if env_watchdog is None else env_watchdog),
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         code = ("import sys; from megatron_glue.distributed import _find; "
                 "_find('test_rank_failure', sys.argv[2], sys.argv[1])(sys.argv[3], sys.argv[4])")
@@ -148,11 +170,13 @@ def test_a_compiled_tp2_step_ends_when_a_rank_exits_mid_step():
 def test_a_stopped_rank_ends_the_other_within_the_watchdogs_seconds():
     # A stopped (or hung, or cut-off) rank keeps its sockets open: gloo alone would wait out the process
     # group's timeout (30 minutes here). Its heartbeat stops: the watchdog ends rank 0 after WATCHDOG_S.
-    code, out, err, pid, seconds = _run_pair(_eager_all_reduce, "stop")
+    # Set up by init_distributed, whose rank_watchdog_s wins over the environment's 0.
+    code, out, err, pid, seconds = _run_pair(_init_distributed_all_reduce, "stop", env_watchdog=0)
     assert code != 0 and WATCHDOG_S <= seconds <= WATCHDOG_S + SLACK_S, (code, seconds)
     assert re.search(rf"\[rank 0\] RankLostError: rank 1 \(pid {pid}\) is gone: no heartbeat for \d+\.\d s "
                      rf"\(stopped, hung, or its host is unreachable\) \(found by rank 0\); ending rank 0 rather "
-                     rf"than wait for it in a collective \(NPU_COMPILE_RANK_WATCHDOG_S={WATCHDOG_S}\)", err), err
+                     rf"than wait for it in a collective \(the rank watchdog's {WATCHDOG_S} s, "
+                     rf"\$NPU_COMPILE_RANK_WATCHDOG_S\)", err), err
     assert "all-reduced without rank 1" not in out
 
 
