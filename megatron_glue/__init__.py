@@ -1,11 +1,11 @@
 """Makes megatron-core capturable by torch.compile and runnable off CUDA (CPU for tests, Ascend NPU for real).
 
-One line for users:
+One line for users, at any tensor-parallel size, with or without sequence parallelism, before or after the
+process group and Megatron's parallel state are set up:
 
-    import megatron_glue; megatron_glue.adapt()          # groups "cpu" and "compile"
+    import megatron_glue; megatron_glue.adapt()          # the groups `adaptations.groups_for()` names
 
-Tensor parallelism adds groups "tp_compile" (and "sp" for sequence parallelism); `distributed.init_distributed`
-applies what a worker at a given TP size needs.
+`distributed.init_distributed` and the training job (`device.init`) apply the same groups.
 
 `adaptations` holds every change we make to Megatron, with its reason, keyed by megatron-core version where the
 lines differ (tested on 0.12.1 and 0.16.1; `registry.skipped()` lists those not for the installed one); `models`
@@ -41,8 +41,15 @@ def quiet_megatron():
         yield
 
 
-def adapt(groups=("cpu", "compile")) -> dict:
-    """Apply the named groups of adaptations (idempotent); returns what is applied, name -> reason."""
+def adapt(groups=None) -> dict:
+    """Apply the named groups of adaptations (idempotent); returns what is applied, name -> reason.
+
+    groups None: what this machine needs for megatron-core at any parallel layout (`adaptations.groups_for()`:
+    "cpu" off CUDA/NPU, "compile", "tp_compile", "sp")."""
+    from megatron_glue.adaptations import groups_for
+
+    if groups is None:
+        groups = groups_for()
     with quiet_megatron():  # applying imports the Megatron modules it changes
         registry.apply_groups(groups)
     return registry.applied()

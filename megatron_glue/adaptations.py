@@ -5,7 +5,8 @@ object built from the original: a plain replacement ignores the original, a wrap
 the new object on the owner and on every `sys.modules` entry that holds the original by identity (modules that
 did `from x import f` keep their own reference), once; reverting puts the originals back. Groups say when an
 adaptation is wanted: "cpu" (no CUDA device), "compile" (Dynamo capture), "tp_compile" (capture at tensor
-parallel size > 1), "sp" (sequence parallelism without TE/Apex or CUDA); later "npu".
+parallel size > 1), "sp" (sequence parallelism without TE/Apex or CUDA), "training" (training_adaptations.py).
+`groups_for(device)` is the one place that says which groups a process applies.
 
 Megatron differs between releases. An adaptation that is needed (or possible) only on some megatron-core versions
 says which with `megatron_versions`, a PEP 440 specifier set matched against the installed distribution's
@@ -267,6 +268,36 @@ registry = Registry()
 
 
 # ======================================================================================================
+# Which groups a process needs: the one place that decides (adapt(), init_distributed, the training job).
+# ======================================================================================================
+
+def machine_device() -> torch.device:
+    """The device Megatron's CUDA-minded code should reach on this machine, without an index (the current one):
+    npu when torch_npu is imported and sees an NPU, cuda when CUDA is available, else cpu."""
+    npu = getattr(torch, "npu", None)
+    if "torch_npu" in sys.modules and npu is not None and npu.is_available():
+        return torch.device("npu")
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def groups_for(device: str | torch.device | None = None, training: bool = False) -> tuple[str, ...]:
+    """The adaptation groups megatron-core needs on `device` (default `machine_device()`); `training`: also the
+    training machinery's (group "training", megatron_glue.training_adaptations).
+
+    "compile", "tp_compile" and "sp" are always in: each stands aside where it is not needed (the collectives
+    are the originals outside Dynamo and are not called at TP=1, the norm is Megatron's own without
+    sequence_parallel, the current_device stand-in answers the machine's device), so the groups do not depend on
+    the parallel layout, and parallel state may be set up before or after they are applied, by any means.
+    "cpu" is in on a CPU (or meta) device only: elsewhere Megatron's CUDA calls have a device to run on (on an
+    NPU through torch_npu's transfer_to_npu).
+    """
+    device = machine_device() if device is None else device
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    groups = ("cpu",) if kind in ("cpu", "meta") else ()
+    return groups + ("compile", "tp_compile", "sp") + (("training",) if training else ())
+
+
+# ======================================================================================================
 # group "cpu": megatron-core hard-codes CUDA in places a CPU (or not-yet-adapted device) run reaches.
 # Cited lines are 0.16.1's, with 0.12.1's where they differ ("0.12.1: file:line").
 # ======================================================================================================
@@ -509,15 +540,16 @@ def _sequence_parallel_torch_norm(wrapped_new):
     return staticmethod(__new__)
 
 
-# What torch.cuda.current_device() answers under the "sp" group; see set_current_device.
-_current_device = torch.device("cpu")
+# What torch.cuda.current_device() answers under the "sp" group; see set_current_device. None: machine_device().
+_current_device: torch.device | None = None
 
 
-def set_current_device(device: str | torch.device) -> None:
-    """Where Megatron's torch.cuda.current_device() buffers go under the "sp" group (default cpu; "meta" for a
-    shapes-only capture). Set it before compiling: Dynamo folds the call into the graph as a constant."""
+def set_current_device(device: str | torch.device | None) -> None:
+    """Where Megatron's torch.cuda.current_device() buffers go under the "sp" group (default, or None:
+    `machine_device()`; "meta" for a shapes-only capture). Set it before compiling: Dynamo folds the call into
+    the graph as a constant."""
     global _current_device
-    _current_device = torch.device(device)
+    _current_device = None if device is None else torch.device(device)
 
 
 @registry.wraps(
@@ -529,7 +561,7 @@ def set_current_device(device: str | torch.device) -> None:
 def _current_device_stand_in(cuda_current_device):
     @torch.compiler.assume_constant_result  # Dynamo folds the call to its result, as it does torch.cuda's own
     def current_device():
-        return _current_device
+        return machine_device() if _current_device is None else _current_device
 
     # Dynamo's trace rules name torch functions by dotted path (torch/_dynamo/trace_rules.py:257): once its rule
     # map is built after this replacement, "torch.cuda.current_device" is a torch op to put in the graph, and

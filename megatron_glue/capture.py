@@ -85,7 +85,7 @@ def capture_layer_here(tp: int = 8, sp: bool = True, hidden: int = 4096, heads: 
         raise RuntimeError(f"capture_layer_here needs a fake process group of {tp} ranks or none, not "
                            f"{dist.get_backend()} x {dist.get_world_size()}; use capture_layer_fake_pg")
     # Megatron's gloo side groups cannot be built on the fake backend; nothing here needs them.
-    init_distributed(tp, sp, create_gloo_process_groups=False)
+    init_distributed(tp, create_gloo_process_groups=False)
     set_current_device("meta")  # Megatron's torch.cuda.current_device() buffers, like everything else
     seconds["set-up"] = time.perf_counter() - start
 

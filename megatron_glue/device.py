@@ -8,7 +8,9 @@
 `init(args)` joins the process group, picks this rank's device and applies the adaptation groups the job needs.
 The process group's timeout is Megatron-LM's `--distributed-timeout-minutes`; `HCCL_CONNECT_TIMEOUT` (seconds,
 Ascend's variable for building links), when set, bounds it instead, so a rank that never arrives is reported
-within the time the user set for HCCL, on any backend.
+within the time the user set for HCCL, on any backend. Within it, a rank that is gone (its process exited, or
+its heartbeat stopped for $NPU_COMPILE_RANK_WATCHDOG_S seconds, default 60; 0: off) ends the others with
+"rank R (pid P) is gone: ..." (`megatron_glue.distributed.watch_ranks`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_glue.arguments import ArgumentError
+from megatron_glue.distributed import watch_ranks, watchdog_seconds
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Placement:
     world_size: int
     local_rank: int
     timeout: datetime.timedelta
+    rank_watchdog_s: float = 0.0  # see megatron_glue.distributed.watch_ranks; 0: off
 
 
 def _torch_npu_missing() -> str | None:
@@ -77,17 +81,12 @@ def placement(args) -> Placement:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    try:
+        watchdog = watchdog_seconds()
+    except ValueError as e:
+        raise ArgumentError(f"pretrain_gpt: error: {e}") from None
     return Placement(backend, device, int(os.environ.get("RANK", "0")), args.world_size, local_rank,
-                     process_group_timeout(args))
-
-
-def adaptation_groups(placement: Placement, tensor_parallel: int) -> tuple[str, ...]:
-    """What megatron_glue changes in Megatron for this placement (see megatron_glue.adaptations)."""
-    groups = ("compile",) + (("tp_compile",) if tensor_parallel > 1 else ())
-    if placement.device.type == "cpu":
-        groups = ("cpu",) + groups
-    # "sp" holds the torch.cuda.current_device() stand-in that the "training" edits call.
-    return groups + ("sp", "training")
+                     process_group_timeout(args), watchdog)
 
 
 def init(args) -> Placement:
@@ -104,7 +103,8 @@ def init(args) -> Placement:
     elif where.backend == "nccl":
         torch.cuda.set_device(where.device)
     adaptations.set_current_device(where.device)
-    megatron_glue.adapt(adaptation_groups(where, args.tensor_model_parallel_size))
+    # What megatron_glue changes in Megatron for this device (see megatron_glue.adaptations.groups_for).
+    megatron_glue.adapt(adaptations.groups_for(where.device, training=True))
     if not dist.is_initialized():
         # The CPU collective is gloo whatever the accelerator's backend is: Megatron's gloo groups use it.
         backend = "gloo" if where.device.type == "cpu" else where.backend
@@ -112,4 +112,5 @@ def init(args) -> Placement:
         store = dist.HashStore() if where.world_size == 1 and "MASTER_ADDR" not in os.environ else None
         dist.init_process_group(backend, rank=where.rank, world_size=where.world_size, timeout=where.timeout,
                                 store=store)
+    watch_ranks(where.rank_watchdog_s)  # a rank that is gone ends the others, not the timeout
     return where

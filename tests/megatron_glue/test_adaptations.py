@@ -295,13 +295,41 @@ def test_each_fix_has_exactly_one_entry_for_each_tested_line(version):
     assert set(pinned.skipped()) <= per_line | ONE_LINE_ONLY
 
 
-def test_adapt_applies_cpu_and_compile_and_leaves_torch_compile_alone(megatron_cpu):
+def test_adapt_applies_what_any_parallel_layout_needs_and_leaves_torch_compile_alone(megatron_cpu):
     compile_before = torch.compile
-    applied = megatron_glue.adapt()
-    assert set(registry.known("cpu") + registry.known("compile")) <= set(applied)
-    assert not set(registry.skipped()) & set(applied)  # nothing for another megatron-core line
-    assert megatron_glue.adapt() == applied  # idempotent
-    assert torch.compile is compile_before
+    before = set(registry.applied())
+    try:
+        applied = megatron_glue.adapt()
+        # on this CPU machine: whatever TP and SP need too, so that adapt() alone is enough at any TP size
+        assert set(registry.known("cpu") + registry.known("compile") + registry.known("tp_compile")
+                   + registry.known("sp")) <= set(applied)
+        assert not set(registry.known("training")) & (set(applied) - before)
+        assert not set(registry.skipped()) & set(applied)  # nothing for another megatron-core line
+        assert megatron_glue.adapt() == applied  # idempotent
+        assert torch.compile is compile_before
+    finally:  # the session's other tests keep the fixture's groups only
+        registry.revert(*[n for n in registry.applied() if n not in before])
+
+
+@pytest.mark.parametrize("device, training, expected", [
+    ("cpu", False, ("cpu", "compile", "tp_compile", "sp")),
+    (torch.device("cpu"), True, ("cpu", "compile", "tp_compile", "sp", "training")),
+    ("meta", False, ("cpu", "compile", "tp_compile", "sp")),
+    ("npu:3", True, ("compile", "tp_compile", "sp", "training")),  # torch_npu's transfer_to_npu serves CUDA calls
+    ("cuda", False, ("compile", "tp_compile", "sp")),
+])
+def test_groups_for_a_device_are_the_same_at_every_parallel_layout(device, training, expected):
+    from megatron_glue.adaptations import groups_for
+
+    assert groups_for(device, training=training) == expected
+    assert set(expected) <= set(registry.groups())
+
+
+def test_groups_for_this_machine():
+    from megatron_glue.adaptations import groups_for, machine_device
+
+    assert machine_device() == torch.device("cuda" if torch.cuda.is_available() else "cpu")  # no torch_npu here
+    assert groups_for() == groups_for(machine_device())
 
 
 @pytest.mark.skipif(megatron_core_in(">=0.13"), reason="from megatron-core 0.13 the tp_group warning exists and "

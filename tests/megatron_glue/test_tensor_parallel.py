@@ -1,6 +1,10 @@
 """megatron-core at tensor-parallel size 2, with and without sequence parallelism, on 2 gloo processes, compiled
-with backend="ascend": one graph and no break per rank, collectives in it as `_c10d_functional` ops, and
-training equal to TP=1 eager.
+with backend="ascend": one graph and no break per rank, the fusions of one process, collectives in it as
+`_c10d_functional` ops, and training equal to TP=1 eager.
+
+The ranks are set up as a Megatron user sets them up under torchrun, with nothing of megatron_glue but
+`adapt()`, called last: `init_process_group("gloo")` from the environment, `initialize_model_parallel(2)`,
+`megatron_glue.adapt()`, `model_parallel_cuda_manual_seed`.
 
 All cases run inside one launch of 2 processes (a launch costs tens of seconds of start-up on 2 cores); the
 tests below only read its results. The TP=1 reference runs in this pytest process.
@@ -9,6 +13,7 @@ tests below only read its results. The TP=1 reference runs in this pytest proces
 import collections
 import pathlib
 import re
+import socket
 import tempfile
 import time
 
@@ -44,6 +49,14 @@ EXPECTED_CAPTURED = {
                     {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5}),
     ("llama", True): ({"all_reduce": 3, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 5},
                       {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5}),
+}
+# The fusions of each model at TP=2, with or without SP: every norm, activation and (Llama) rotary site of the
+# 2 layers, as in one process. GPT's attention is left unfused at TP=2: each rank holds one query group of the
+# two (num_query_groups=2), and the attention rule matches no GPT attention with a single group; report.json
+# says so for both softmaxes (checked below).
+EXPECTED_FUSIONS = {
+    "gpt": {"add_layer_norm": 4, "bias_gelu": 2},
+    "llama": {"attention": 2, "add_rms_norm": 4, "rms_norm": 1, "swiglu": 2, "rotary": 4},
 }
 
 
@@ -164,11 +177,21 @@ def _error_with_cached_buffer():
 def _tp2_worker(cases):
     import warnings
 
+    import torch.distributed as dist
+
+    import megatron_glue
+    from megatron_glue import quiet_megatron
     from megatron_glue.adaptations import registry
-    from megatron_glue.distributed import init_distributed
 
     warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
-    init_distributed(tp=2, sp=True)  # the "sp" group changes nothing for models without SP
+    # A Megatron user's set-up under torchrun ($RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT), adapt() last.
+    dist.init_process_group("gloo")
+    with quiet_megatron():
+        from megatron.core import parallel_state, tensor_parallel
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    megatron_glue.adapt()
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     results, seconds = {}, {}
     for kind, sp in cases:
         start = time.perf_counter()
@@ -196,7 +219,12 @@ def _tp2_worker(cases):
 def tp2():
     """Both ranks' results for every case; one launch for the whole module."""
     start = time.perf_counter()
-    results = run_on_ranks(_tp2_worker, CASES, world_size=2, timeout=600)
+    with socket.socket() as s, pytest.MonkeyPatch.context() as env:
+        s.bind(("127.0.0.1", 0))  # a free port for rank 0's TCPStore, as torchrun would pick it
+        env.setenv("MASTER_ADDR", "127.0.0.1")
+        env.setenv("MASTER_PORT", str(s.getsockname()[1]))
+        s.close()
+        results = run_on_ranks(_tp2_worker, CASES, world_size=2, timeout=600)
     print(f"\n2 ranks: {time.perf_counter() - start:.0f} s in all; rank 0:",
           ", ".join(f"{k} {v:.1f} s" for k, v in results[0]["seconds"].items()))
     return results
@@ -211,12 +239,15 @@ def tp1(megatron_cpu):
 
 
 @pytest.mark.parametrize("kind, sp", CASES)
-def test_compiled_tp2_is_one_graph_with_functional_collectives(tp2, kind, sp):
+def test_compiled_tp2_is_one_graph_with_its_fusions_and_functional_collectives(tp2, kind, sp):
     for rank, results in enumerate(tp2):
         compiled = results[kind, sp]["compiled"]
         assert compiled["unique_graphs"] == 1 and compiled["dynamo_breaks"] == 0, f"rank {rank}"
         (report,) = compiled["reports"]
         assert report["graph_breaks"] == 0 and report["graphs"] == ["forward", "backward"], f"rank {rank}"
+        assert {k: v for k, v in report["fusions"].items() if v} == EXPECTED_FUSIONS[kind], f"rank {rank}"
+        unfused = [(u["op"], u["rule"]) for u in report["unfused"]]
+        assert unfused == ([("aten._softmax.default", "attention")] * 2 if kind == "gpt" else []), unfused
         assert compiled["captured"] == EXPECTED_CAPTURED[kind, sp], f"rank {rank}"
         # After the backend's stages (overlap scheduling may bucket some together): still functional collectives
         # of the captured kinds, each with its wait_tensor in the graph.
