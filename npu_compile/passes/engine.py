@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import operator
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -82,6 +83,7 @@ def trace_inference(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callabl
 def normalize(graph: torch.fx.Graph, mode: str) -> None:
     """Bring a model graph into the form patterns are traced in (research: leaving out a step, or reordering
     them, loses matches: a dead ``new_empty_strided`` left by functionalization blocks view folding)."""
+    canonical_sizes(graph)
     remove_noop_ops(graph)
     if mode == TRAINING:
         early_patterns.apply(graph)
@@ -108,6 +110,112 @@ def fold_view_round_trips(graph: torch.fx.Graph) -> None:
         if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                 and a.stride() == b.stride() and a.dtype == b.dtype):
             node.replace_all_uses_with(start)
+
+
+_SIZE_READS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+               torch.ops.aten.sym_storage_offset.default)
+
+
+def canonical_sizes(graph: torch.fx.Graph) -> None:
+    """Give every symbolic size of a graph with dynamic shapes one node, computed from the graph's inputs.
+
+    A traced pattern takes the sizes it needs as inputs (torch's register_replacement traces it with the match's
+    SymInts as placeholders), so where a model graph holds several nodes for one size (Dynamo passes ``s0`` once
+    per place it was read: ``primals_2``, ``primals_5``, ...) one pattern input meets two nodes and the match
+    fails; and a size read off an intermediate tensor (functionalization's ``sym_stride(baddbmm, 0)`` for the
+    strides of a copied-back view) is one more user of that tensor, outside any pattern, which stops a match
+    from taking the tensor. Here every SymInt-valued node is replaced by the first node of the same expression,
+    and a size read off a non-input tensor by that expression built from the inputs' symbols. A static graph has
+    no SymInt nodes and is left as it is."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    def symint(n: torch.fx.Node) -> torch.SymInt | None:
+        val = n.meta.get("val")
+        return val if isinstance(val, torch.SymInt) else None
+
+    nodes = list(graph.nodes)
+    if not any(symint(n) is not None for n in nodes):
+        return
+    by_expr: dict[Any, torch.fx.Node] = {}  # sympy expression -> the node that computes it
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    for n in placeholders:
+        if (v := symint(n)) is not None:
+            by_expr.setdefault(v.node.expr, n)
+    for n in placeholders:  # symbols only an input tensor's size holds: read them off that input, once
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol and size.node.expr not in by_expr:
+                    by_expr[size.node.expr] = (n, d)  # made into a sym_size node if it is ever needed
+    anchor = next((n for n in nodes if n.op != "placeholder"), None)
+
+    def source(sym: Any, like: torch.SymInt) -> torch.fx.Node | None:
+        found = by_expr.get(sym)
+        if isinstance(found, tuple):
+            tensor, dim = found
+            with graph.inserting_before(anchor):
+                made = graph.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
+            made.meta["val"] = tensor.meta["val"].shape[dim]
+            by_expr[sym] = found = made
+        return found
+
+    def build(expr: Any, like: torch.SymInt, before: torch.fx.Node) -> torch.fx.Node | int | None:
+        """A node (or int) computing ``expr`` from the input symbols, inserted before ``before``; None if the
+        expression holds an operation this does not spell."""
+        if expr.is_Integer:
+            return int(expr)
+        if expr in by_expr:
+            return source(expr, like)
+        if expr.is_Symbol:
+            return None
+        import sympy
+        from torch.utils._sympy.functions import FloorDiv
+
+        if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) > 1:
+            op, parts = operator.mul, [expr.base] * int(expr.exp)
+        elif isinstance(expr, sympy.Mul):
+            op, parts = operator.mul, list(expr.args)
+        elif isinstance(expr, sympy.Add):
+            op, parts = operator.add, list(expr.args)
+        elif isinstance(expr, FloorDiv):
+            op, parts = operator.floordiv, list(expr.args)
+        else:
+            return None
+        built = [build(a, like, before) for a in parts]
+        if any(b is None for b in built):
+            return None
+        value = built[0]
+        for b in built[1:]:
+            value = _sym_call(graph, op, value, b, before)
+        if isinstance(value, torch.fx.Node):
+            by_expr[expr] = value
+        return value
+
+    for n in nodes:
+        v = symint(n)
+        if v is None or n.op == "placeholder":
+            continue
+        expr = v.node.expr
+        if expr in by_expr:
+            same = source(expr, v)
+            if same is not n:
+                n.replace_all_uses_with(same)
+            continue
+        if n.target in _SIZE_READS and n.args[0].op != "placeholder" and free_symbols(v) <= set(by_expr):
+            made = build(expr, v, n)
+            if isinstance(made, torch.fx.Node):
+                n.replace_all_uses_with(made)
+                continue
+        by_expr[expr] = n
+    graph.eliminate_dead_code()
+
+
+def _sym_call(graph: torch.fx.Graph, op: Callable, a: Any, b: Any, before: torch.fx.Node) -> torch.fx.Node:
+    with graph.inserting_before(before):
+        node = graph.call_function(op, (a, b))
+    value = lambda x: x.meta["val"] if isinstance(x, torch.fx.Node) else x  # noqa: E731
+    node.meta["val"] = op(value(a), value(b))
+    return node
 
 
 # -- rules ------------------------------------------------------------------------------------------------------
@@ -219,7 +327,59 @@ def _pass(name: str, mode: str, graph: torch.fx.Graph) -> PatternMatcherPass:
                 )
                 if registered:
                     _ignore_literal_lists(registered)
+    for entries in p.patterns.values():
+        for entry in entries:
+            if not getattr(entry.extra_check, "sizes_as_values", False):
+                entry.extra_check = _sizes_as_values(entry.extra_check)
     return p
+
+
+def _sizes_as_values(check: Callable[[Match], bool]) -> Callable[[Match], bool]:
+    """torch's exact check of a match (register_replacement's check_fn, which retraces the pattern at the match's
+    shapes) with every SymInt node the graph passes as an argument shown to it as a plain value.
+
+    At symbolic shapes that retraced pattern takes the sizes as inputs, and a size such as ``s0`` feeds dozens of
+    views. A pattern with several outputs finds its second and later outputs by walking users from nodes matched
+    already, and torch's walk shares one visited set across its levels: each view that reads ``s0`` is visited
+    first as a candidate one level too low, then skipped where it belongs, so the match fails ("no anchor found")
+    or not depending on the order of users. As values, sizes are still compared (one pattern input, one size
+    node), but give no path to walk. The graph is restored before anything is replaced."""
+
+    def exact(match: Match) -> bool:
+        node = match.output_nodes()[0]
+        graph = node.graph if node is not None else None
+        if graph is None:
+            return check(match)
+        marks: dict[torch.fx.Node, _Size] = {}
+        saved: dict[torch.fx.Node, tuple] = {}
+        for n in graph.nodes:
+            if isinstance(n.meta.get("val"), torch.SymInt) and n.users:
+                marks[n] = _Size(n)
+        for n in marks:
+            for user in n.users:
+                saved.setdefault(user, (user.args, user.kwargs))
+        try:
+            for user, (args, kwargs) in saved.items():
+                user.args, user.kwargs = torch.fx.map_arg((args, kwargs), lambda a: marks.get(a, a))
+            return check(match)
+        finally:
+            for user, (args, kwargs) in saved.items():
+                user.args, user.kwargs = args, kwargs
+
+    exact.sizes_as_values = True
+    return exact
+
+
+class _Size:
+    """A SymInt node seen as a value during an exact check (compared by identity, like the node)."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: torch.fx.Node):
+        self.node = node
+
+    def __repr__(self) -> str:
+        return f"size({self.node.name})"
 
 
 def _ignore_literal_lists(pattern: PatternExpr) -> None:
