@@ -316,8 +316,14 @@ def _npu_fusion_attention_fake(query, key, value, head_num, input_layout, pse=No
     b, n, sq = _attention_batch_heads_seq(query, head_num, input_layout)
     sk = key.shape[2] if input_layout == "BNSD" else key.shape[0] if input_layout == "SBH" else key.shape[1]
     stat = query.new_empty((b, n, sq, 8), dtype=torch.float32)
+    numels = b * n * sq * sk
+    if isinstance(numels, torch.SymInt):
+        # An int output cannot carry a symbolic size without a guard on it (which would fix the length);
+        # torch_npu's own meta kernel returns 0 here at any size (op_plugin/meta/_meta_registrations.py,
+        # npu_fusion_attention_forward). Lowering computes numels itself (npu.py, emit_attention_backward).
+        numels = 0
     return (query.new_empty(_value_out_shape(query, key, value, head_num, input_layout)), stat,
-            torch.empty_like(stat), query.new_empty((0,)), seed, offset, b * n * sq * sk)
+            torch.empty_like(stat), query.new_empty((0,)), seed, offset, numels)
 
 
 def _npu_fusion_attention_grad_fake(query, key, value, dy, head_num, input_layout, **kwargs):

@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import operator
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -120,102 +119,39 @@ def canonical_sizes(graph: torch.fx.Graph) -> None:
     """Give every symbolic size of a graph with dynamic shapes one node, computed from the graph's inputs.
 
     A traced pattern takes the sizes it needs as inputs (torch's register_replacement traces it with the match's
-    SymInts as placeholders), so where a model graph holds several nodes for one size (Dynamo passes ``s0`` once
-    per place it was read: ``primals_2``, ``primals_5``, ...) one pattern input meets two nodes and the match
-    fails; and a size read off an intermediate tensor (functionalization's ``sym_stride(baddbmm, 0)`` for the
-    strides of a copied-back view) is one more user of that tensor, outside any pattern, which stops a match
-    from taking the tensor. Here every SymInt-valued node is replaced by the first node of the same expression,
-    and a size read off a non-input tensor by that expression built from the inputs' symbols. A static graph has
-    no SymInt nodes and is left as it is."""
+    SymInts as placeholders), so where a model graph holds several nodes for one size, one pattern input meets
+    two nodes and the match fails; and a size read off an intermediate tensor (functionalization's
+    ``sym_stride(baddbmm, 0)`` for the strides of a copied-back view) is one more user of that tensor, outside
+    any pattern, which stops a match from taking the tensor. Here every SymInt-valued node is replaced by the
+    first node of the same expression, and a size read off a non-input tensor by that expression built from the
+    inputs' symbols. A static graph has no SymInt nodes and is left as it is."""
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
-    def symint(n: torch.fx.Node) -> torch.SymInt | None:
-        val = n.meta.get("val")
-        return val if isinstance(val, torch.SymInt) else None
+    from npu_compile.sizes import SizeNodes
 
     nodes = list(graph.nodes)
-    if not any(symint(n) is not None for n in nodes):
+    if not any(isinstance(n.meta.get("val"), torch.SymInt) for n in nodes):
         return
-    by_expr: dict[Any, torch.fx.Node] = {}  # sympy expression -> the node that computes it
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    for n in placeholders:
-        if (v := symint(n)) is not None:
-            by_expr.setdefault(v.node.expr, n)
-    for n in placeholders:  # symbols only an input tensor's size holds: read them off that input, once
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            for d, size in enumerate(val.shape):
-                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol and size.node.expr not in by_expr:
-                    by_expr[size.node.expr] = (n, d)  # made into a sym_size node if it is ever needed
-    anchor = next((n for n in nodes if n.op != "placeholder"), None)
-
-    def source(sym: Any, like: torch.SymInt) -> torch.fx.Node | None:
-        found = by_expr.get(sym)
-        if isinstance(found, tuple):
-            tensor, dim = found
-            with graph.inserting_before(anchor):
-                made = graph.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
-            made.meta["val"] = tensor.meta["val"].shape[dim]
-            by_expr[sym] = found = made
-        return found
-
-    def build(expr: Any, like: torch.SymInt, before: torch.fx.Node) -> torch.fx.Node | int | None:
-        """A node (or int) computing ``expr`` from the input symbols, inserted before ``before``; None if the
-        expression holds an operation this does not spell."""
-        if expr.is_Integer:
-            return int(expr)
-        if expr in by_expr:
-            return source(expr, like)
-        if expr.is_Symbol:
-            return None
-        import sympy
-        from torch.utils._sympy.functions import FloorDiv
-
-        if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) > 1:
-            op, parts = operator.mul, [expr.base] * int(expr.exp)
-        elif isinstance(expr, sympy.Mul):
-            op, parts = operator.mul, list(expr.args)
-        elif isinstance(expr, sympy.Add):
-            op, parts = operator.add, list(expr.args)
-        elif isinstance(expr, FloorDiv):
-            op, parts = operator.floordiv, list(expr.args)
-        else:
-            return None
-        built = [build(a, like, before) for a in parts]
-        if any(b is None for b in built):
-            return None
-        value = built[0]
-        for b in built[1:]:
-            value = _sym_call(graph, op, value, b, before)
-        if isinstance(value, torch.fx.Node):
-            by_expr[expr] = value
-        return value
-
+    sizes = SizeNodes(graph)
+    known = sizes.symbols()
     for n in nodes:
-        v = symint(n)
-        if v is None or n.op == "placeholder":
+        v = n.meta.get("val")
+        if not isinstance(v, torch.SymInt) or n.op == "placeholder":
             continue
         expr = v.node.expr
-        if expr in by_expr:
-            same = source(expr, v)
+        found = sizes.by_expr.get(expr)
+        if found is not None:
+            same = sizes.get(v)
             if same is not n:
                 n.replace_all_uses_with(same)
             continue
-        if n.target in _SIZE_READS and n.args[0].op != "placeholder" and free_symbols(v) <= set(by_expr):
-            made = build(expr, v, n)
+        if n.target in _SIZE_READS and n.args[0].op != "placeholder" and free_symbols(v) <= known:
+            made = sizes.get(v)
             if isinstance(made, torch.fx.Node):
                 n.replace_all_uses_with(made)
                 continue
-        by_expr[expr] = n
+        sizes.by_expr[expr] = n
     graph.eliminate_dead_code()
-
-
-def _sym_call(graph: torch.fx.Graph, op: Callable, a: Any, b: Any, before: torch.fx.Node) -> torch.fx.Node:
-    with graph.inserting_before(before):
-        node = graph.call_function(op, (a, b))
-    value = lambda x: x.meta["val"] if isinstance(x, torch.fx.Node) else x  # noqa: E731
-    node.meta["val"] = op(value(a), value(b))
-    return node
 
 
 # -- rules ------------------------------------------------------------------------------------------------------
