@@ -58,7 +58,7 @@ from torch.fx.node import map_arg
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile, the ops lowered from)
 from npu_compile.executor import boxed_executor
-from npu_compile.sizes import SizeNodes, is_static
+from npu_compile.sizes import SizeNodes, hint, is_static
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
@@ -147,6 +147,11 @@ class Emitter:
             return None
         if target is operator.getitem:
             return target(*fake_args)
+        if getattr(target, "namespace", None) == "npu":
+            # torch_npu's schemas type sizes such as numels as int, not SymInt: a SymInt there would be
+            # specialized (a guard fixing the length); no output shape depends on them, so the hint stands in
+            fake_args, fake_kwargs = (tuple(_hinted(a) for a in fake_args),
+                                      {k: _hinted(v) for k, v in fake_kwargs.items()})
         with self.fake_mode:
             return target(*fake_args, **fake_kwargs)
 
@@ -198,6 +203,10 @@ class Emitter:
         for n in reversed(self.emitted):
             if not n.users and n.graph is self.gm.graph:
                 self.gm.graph.erase_node(n)
+
+
+def _hinted(value: Any) -> Any:
+    return hint(value) if isinstance(value, torch.SymInt) else value
 
 
 Outputs = Sequence[Node | None]  # one per fused-op output; None: an empty [0] placeholder (a grad not asked for)
