@@ -21,6 +21,7 @@ Where the documentation is silent, the choice made here is written beside the ke
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import sys
@@ -53,12 +54,29 @@ def register() -> None:
     for name, schema in {**EMULATED, **MC2}.items():
         lib.define(schema, tags=TAGS.get(name, ()))
     for name in EMULATED:
-        lib.impl(name, _KERNELS[name], "CPU")
+        lib.impl(name, _dense_outputs(_KERNELS[name]), "CPU")
         torch.library.register_fake(f"npu::{name}", _FAKES[name], lib=lib)
     for name in MC2:  # MC2: emulated over the c10d process group named by hcom (see _mc2_group)
         lib.impl(name, _MC2_KERNELS[name], "CPU")
         torch.library.register_fake(f"npu::{name}", _MC2_FAKES[name], lib=lib)
     _library = lib
+
+
+def _dense_outputs(kernel):
+    """``kernel`` with its tensor outputs made contiguous, as the device writes them and as the fakes say. An
+    elementwise emulation keeps its input's strides: a transposed gradient would come out transposed, and a view
+    that the graph was traced with (the fake's contiguous strides) fails on it at run time."""
+
+    @functools.wraps(kernel)
+    def dense(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        if isinstance(out, Tensor):
+            return out.contiguous()
+        if isinstance(out, tuple):
+            return tuple(o.contiguous() if isinstance(o, Tensor) else o for o in out)
+        return out
+
+    return dense
 
 
 def _check(ok: bool, message: str) -> None:
