@@ -95,6 +95,20 @@ def test_megatron_gpt_at_ten_lengths_compiles_twice_and_keeps_every_fusion(megat
         assert not any(op.startswith("npu_compile.") for op in ops), ops  # every fused op lowered
 
 
+def test_megatron_inference_at_ten_lengths_keeps_every_fusion(megatron_cpu):
+    """Inference graphs (eval, no grad) take the forward-only patterns: the same holds for them."""
+    eager, compiled_model = megatron_models("llama")
+    eager.eval(), compiled_model.eval()
+    compiled = torch.compile(compiled_model, backend="ascend", options={"target": "npu-sim"})
+    worst = 0.0
+    with collect() as reports, torch.no_grad():
+        for batch in megatron_batches():
+            worst = max(worst, relative_error(compiled(**batch), eager(**batch)))
+    assert_fusions_kept(reports, compiles=2)
+    assert all(r.graphs == ["inference"] for r in reports)
+    assert worst <= TOLERANCE, worst
+
+
 # -- a hand-written block, its sequence dim marked dynamic -----------------------------------------------------
 
 
