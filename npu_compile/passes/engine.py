@@ -106,9 +106,16 @@ def fold_view_round_trips(graph: torch.fx.Graph) -> None:
         while isinstance(start, torch.fx.Node) and start.target == unsafe_view:
             start = start.args[0]
         a, b = (start.meta.get("val") if isinstance(start, torch.fx.Node) else None), node.meta.get("val")
-        if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.stride() == b.stride() and a.dtype == b.dtype):
+        if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and _same_sizes(a.shape, b.shape) and _same_sizes(a.stride(), b.stride())):
             node.replace_all_uses_with(start)
+
+
+def _same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two size tuples are provably equal: symbolic sizes are compared without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return len(a) == len(b) and statically_known_true(sym_eq(tuple(a), tuple(b)))
 
 
 _SIZE_READS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
