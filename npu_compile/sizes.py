@@ -59,7 +59,9 @@ class SizeNodes:
                 for d, size in enumerate(val.shape):
                     if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                         self.by_expr.setdefault(size.node.expr, (n, d))
-        self.anchor = next((n for n in graph.nodes if n.op != "placeholder"), None)
+        # made nodes go after the placeholders, each after the one made before (it may read it); never before
+        # a node a pass may erase later
+        self.last = placeholders[-1] if placeholders else None
 
     def symbols(self) -> set:
         return {e for e in self.by_expr if getattr(e, "is_Symbol", False)}
@@ -71,12 +73,15 @@ class SizeNodes:
         return self._build(value.node.expr)
 
     def _insert(self, target: Any, args: tuple, val: Any) -> torch.fx.Node:
-        if self.anchor is None:
-            node = self.graph.call_function(target, args)
+        first = next(iter(self.graph.nodes), None)
+        if self.last is not None:
+            where = self.graph.inserting_after(self.last)
         else:
-            with self.graph.inserting_before(self.anchor):
-                node = self.graph.call_function(target, args)
+            where = self.graph.inserting_before(first)
+        with where:
+            node = self.graph.call_function(target, args)
         node.meta["val"] = val
+        self.last = node
         return node
 
     def _build(self, expr: Any) -> int | torch.fx.Node | None:

@@ -139,25 +139,22 @@ def canonical_sizes(graph: torch.fx.Graph) -> None:
     nodes = list(graph.nodes)
     if not any(isinstance(n.meta.get("val"), torch.SymInt) for n in nodes):
         return
-    sizes = SizeNodes(graph)
+    sizes = SizeNodes(graph)  # nodes it makes go at the top, so they serve every later node
     known = sizes.symbols()
+    seen: dict[Any, torch.fx.Node] = {}  # expression -> the first node of the graph computing it
     for n in nodes:
         v = n.meta.get("val")
         if not isinstance(v, torch.SymInt) or n.op == "placeholder":
             continue
         expr = v.node.expr
-        found = sizes.by_expr.get(expr)
-        if found is not None:
-            same = sizes.get(v)
+        same = sizes.get(v) if expr in sizes.by_expr else seen.get(expr)
+        if same is None and n.target in _SIZE_READS and n.args[0].op != "placeholder" and free_symbols(v) <= known:
+            same = sizes.get(v)  # built from the inputs' symbols
+        if isinstance(same, torch.fx.Node):
             if same is not n:
                 n.replace_all_uses_with(same)
             continue
-        if n.target in _SIZE_READS and n.args[0].op != "placeholder" and free_symbols(v) <= known:
-            made = sizes.get(v)
-            if isinstance(made, torch.fx.Node):
-                n.replace_all_uses_with(made)
-                continue
-        sizes.by_expr[expr] = n
+        seen[expr] = n
     graph.eliminate_dead_code()
 
 
