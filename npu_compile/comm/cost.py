@@ -117,8 +117,11 @@ _UNMARKED_VIEWS = {aten._unsafe_view.default}
 
 
 def is_free(node: torch.fx.Node) -> bool:
-    """Nodes that launch no kernel: graph plumbing, views, ``getitem``, ``wait_tensor``, bare allocations."""
+    """Nodes that launch no kernel: graph plumbing, views, ``getitem``, ``wait_tensor``, bare allocations, and
+    the host arithmetic of symbolic sizes (``sym_size``, ``s0 * 2``)."""
     if node.op != "call_function":
+        return True
+    if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return True
     if node.target is operator.getitem or nodes.is_wait(node) or node.target in _ALLOCATIONS | _UNMARKED_VIEWS:
         return True

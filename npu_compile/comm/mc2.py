@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from npu_compile.sizes import SizeNodes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -288,6 +289,7 @@ class _Rewriter:
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
         self.state: _State = gm.meta.setdefault(_META_STATE, _State())
         self.fused: list[str] = []
+        self.sizes = SizeNodes(gm.graph)  # symbolic sizes in emitted arguments become nodes (dynamic shapes)
 
     def decline(self, op: str, why: str, site: Node) -> None:
         self.state.declined.setdefault(site.name, {"op": f"npu.{op}", "reason": f"npu: MC2 declined: {why}"})
@@ -315,6 +317,7 @@ class _Rewriter:
         return hcom
 
     def emit(self, before: Node, like: Node, target: Callable, *args: Any, **kwargs: Any) -> Node:
+        args, kwargs = self.sizes.materialize(args), self.sizes.materialize(kwargs)
         return _emit(self.gm, before, like, self.fake_mode, target, *args, **kwargs)
 
     # ---- all-gather → mm --------------------------------------------------------------------------------------

@@ -53,10 +53,12 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_or
 from torch.fx.node import map_arg
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile, the ops lowered from)
 from npu_compile.executor import boxed_executor
+from npu_compile.sizes import SizeNodes, hint, is_static
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
@@ -103,14 +105,20 @@ class Call:
 
 
 class Emitter:
-    """Inserts the replacement of one node in front of it, giving each new node its FakeTensor value."""
+    """Inserts the replacement of one node in front of it, giving each new node its FakeTensor value.
 
-    def __init__(self, gm: GraphModule, node: Node, fake_mode: Any):
+    Sizes may be SymInts (a graph with dynamic shapes): each one in the arguments becomes a node computing it
+    from the graph's inputs (``sizes``, shared by the graph's emitters), so emitters write sizes as they read
+    them off FakeTensors."""
+
+    def __init__(self, gm: GraphModule, node: Node, fake_mode: Any, sizes: SizeNodes | None = None):
         self.gm, self.node, self.fake_mode = gm, node, fake_mode
+        self.sizes = sizes if sizes is not None else SizeNodes(gm.graph)
         self.emitted: list[Node] = []
         self.host_values: dict[Node, int] = {}  # stand-ins, for shape propagation only, of ints read on the host
 
     def __call__(self, target: Callable, *args: Any, **kwargs: Any) -> Node:
+        args, kwargs = self.sizes.materialize(args), self.sizes.materialize(kwargs)
         with self.gm.graph.inserting_before(self.node):
             new = self.gm.graph.call_function(target, args, kwargs)
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr"):
@@ -139,6 +147,11 @@ class Emitter:
             return None
         if target is operator.getitem:
             return target(*fake_args)
+        if getattr(target, "namespace", None) == "npu":
+            # torch_npu's schemas type sizes such as numels as int, not SymInt: a SymInt there would be
+            # specialized (a guard fixing the length); no output shape depends on them, so the hint stands in
+            fake_args, fake_kwargs = (tuple(_hinted(a) for a in fake_args),
+                                      {k: _hinted(v) for k, v in fake_kwargs.items()})
         with self.fake_mode:
             return target(*fake_args, **fake_kwargs)
 
@@ -190,6 +203,10 @@ class Emitter:
         for n in reversed(self.emitted):
             if not n.users and n.graph is self.gm.graph:
                 self.gm.graph.erase_node(n)
+
+
+def _hinted(value: Any) -> Any:
+    return hint(value) if isinstance(value, torch.SymInt) else value
 
 
 Outputs = Sequence[Node | None]  # one per fused-op output; None: an empty [0] placeholder (a grad not asked for)
@@ -246,7 +263,7 @@ def check_attention(c: Call) -> str | None:
         return f"npu_fusion_attention needs head dims Dk >= Dv, Dk <= 768; got Dk={dims.d}, Dv={dims.dv}"
     if dims.nq > 256:
         return f"npu_fusion_attention takes at most 256 query heads, got {dims.nq}"
-    if max(dims.sq, dims.sk) > 1 << 20:
+    if dims.sq > 1 << 20 or dims.sk > 1 << 20:  # symbolic: a guard, the graph serves lengths up to 1M
         return f"npu_fusion_attention takes sequences up to 1M, got {dims.sq}, {dims.sk}"
     fill = c["fill"]
     if fill is not None and fill > FILL_AS_REMOVAL:
@@ -270,7 +287,8 @@ def _heads_flat(em: Emitter, t: Node, layout: str) -> Node:
         return t
     val = t.meta["val"]
     x, y, n, d = val.shape
-    if not (n == 1 or d == 1 or val.stride(2) == d * val.stride(3)):
+    # a view needs the n and d dims to merge; with symbolic strides, only where that is provable (no guard)
+    if not statically_known_true(sym_or(n == 1, d == 1, val.stride(2) == d * val.stride(3))):
         t = em(aten.clone.default, t, memory_format=torch.contiguous_format)
     return em(aten.view.default, t, [x, y, n * d])
 
@@ -321,7 +339,12 @@ def _attention_arguments(em: Emitter, c: Call, dims: _Dims, scale: float) -> dic
     elif mask is not None:
         atten_mask = _device_mask(em, mask, dims)
         if causal:
-            triangle = em.constant(f"npu_causal_mask_{dims.sq}x{dims.sk}", _causal_triangle(dims.sq, dims.sk), device)
+            if is_static(dims.sq) and is_static(dims.sk):
+                triangle = em.constant(f"npu_causal_mask_{dims.sq}x{dims.sk}", _causal_triangle(int(dims.sq), int(dims.sk)),
+                                       device)
+            else:  # sizes known only at run time: the triangle is made there
+                ones = em(aten.ones.default, [dims.sq, dims.sk], dtype=torch.bool, device=device)
+                triangle = em(aten.triu.default, ones, 1)
             atten_mask = em(aten.bitwise_or.Tensor, atten_mask, triangle)
         kw.update(atten_mask=atten_mask, sparse_mode=0, pre_tockens=MAX_TOKENS,
                   next_tockens=0 if causal else MAX_TOKENS, inner_precise=2)
@@ -625,6 +648,7 @@ def lower_fused_ops(gm: GraphModule, opts: Any) -> list[dict[str, str]]:
     from torch._guards import detect_fake_mode
 
     fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
+    sizes = SizeNodes(gm.graph)
     unfused: list[dict[str, str]] = []
     for node in list(gm.graph.nodes):
         mapping = TABLE.get(node.target) if node.op == "call_function" else None
@@ -637,7 +661,7 @@ def lower_fused_ops(gm: GraphModule, opts: Any) -> list[dict[str, str]]:
             continue
         if note := mapping.note(call):
             unfused.append({"op": _op_name(node.target), "reason": f"npu: {note}"})
-        em = Emitter(gm, node, fake_mode)
+        em = Emitter(gm, node, fake_mode, sizes)
         _replace(em, node, mapping.emit(em, call, opts))
     return unfused
 

@@ -21,6 +21,7 @@ Where the documentation is silent, the choice made here is written beside the ke
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import sys
@@ -53,12 +54,29 @@ def register() -> None:
     for name, schema in {**EMULATED, **MC2}.items():
         lib.define(schema, tags=TAGS.get(name, ()))
     for name in EMULATED:
-        lib.impl(name, _KERNELS[name], "CPU")
+        lib.impl(name, _dense_outputs(_KERNELS[name]), "CPU")
         torch.library.register_fake(f"npu::{name}", _FAKES[name], lib=lib)
     for name in MC2:  # MC2: emulated over the c10d process group named by hcom (see _mc2_group)
         lib.impl(name, _MC2_KERNELS[name], "CPU")
         torch.library.register_fake(f"npu::{name}", _MC2_FAKES[name], lib=lib)
     _library = lib
+
+
+def _dense_outputs(kernel):
+    """``kernel`` with its tensor outputs made contiguous, as the device writes them and as the fakes say. An
+    elementwise emulation keeps its input's strides: a transposed gradient would come out transposed, and a view
+    that the graph was traced with (the fake's contiguous strides) fails on it at run time."""
+
+    @functools.wraps(kernel)
+    def dense(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        if isinstance(out, Tensor):
+            return out.contiguous()
+        if isinstance(out, tuple):
+            return tuple(o.contiguous() if isinstance(o, Tensor) else o for o in out)
+        return out
+
+    return dense
 
 
 def _check(ok: bool, message: str) -> None:
@@ -316,8 +334,14 @@ def _npu_fusion_attention_fake(query, key, value, head_num, input_layout, pse=No
     b, n, sq = _attention_batch_heads_seq(query, head_num, input_layout)
     sk = key.shape[2] if input_layout == "BNSD" else key.shape[0] if input_layout == "SBH" else key.shape[1]
     stat = query.new_empty((b, n, sq, 8), dtype=torch.float32)
+    numels = b * n * sq * sk
+    if isinstance(numels, torch.SymInt):
+        # An int output cannot carry a symbolic size without a guard on it (which would fix the length);
+        # torch_npu's own meta kernel returns 0 here at any size (op_plugin/meta/_meta_registrations.py,
+        # npu_fusion_attention_forward). Lowering computes numels itself (npu.py, emit_attention_backward).
+        numels = 0
     return (query.new_empty(_value_out_shape(query, key, value, head_num, input_layout)), stat,
-            torch.empty_like(stat), query.new_empty((0,)), seed, offset, b * n * sq * sk)
+            torch.empty_like(stat), query.new_empty((0,)), seed, offset, numels)
 
 
 def _npu_fusion_attention_grad_fake(query, key, value, dy, head_num, input_layout, **kwargs):

@@ -82,6 +82,7 @@ def trace_inference(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callabl
 def normalize(graph: torch.fx.Graph, mode: str) -> None:
     """Bring a model graph into the form patterns are traced in (research: leaving out a step, or reordering
     them, loses matches: a dead ``new_empty_strided`` left by functionalization blocks view folding)."""
+    canonical_sizes(graph)
     remove_noop_ops(graph)
     if mode == TRAINING:
         early_patterns.apply(graph)
@@ -105,9 +106,56 @@ def fold_view_round_trips(graph: torch.fx.Graph) -> None:
         while isinstance(start, torch.fx.Node) and start.target == unsafe_view:
             start = start.args[0]
         a, b = (start.meta.get("val") if isinstance(start, torch.fx.Node) else None), node.meta.get("val")
-        if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.stride() == b.stride() and a.dtype == b.dtype):
+        if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and _same_sizes(a.shape, b.shape) and _same_sizes(a.stride(), b.stride())):
             node.replace_all_uses_with(start)
+
+
+def _same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two size tuples are provably equal: symbolic sizes are compared without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return len(a) == len(b) and statically_known_true(sym_eq(tuple(a), tuple(b)))
+
+
+_SIZE_READS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+               torch.ops.aten.sym_storage_offset.default)
+
+
+def canonical_sizes(graph: torch.fx.Graph) -> None:
+    """Give every symbolic size of a graph with dynamic shapes one node, computed from the graph's inputs.
+
+    A traced pattern takes the sizes it needs as inputs (torch's register_replacement traces it with the match's
+    SymInts as placeholders), so where a model graph holds several nodes for one size, one pattern input meets
+    two nodes and the match fails; and a size read off an intermediate tensor (functionalization's
+    ``sym_stride(baddbmm, 0)`` for the strides of a copied-back view) is one more user of that tensor, outside
+    any pattern, which stops a match from taking the tensor. Here every SymInt-valued node is replaced by the
+    first node of the same expression, and a size read off a non-input tensor by that expression built from the
+    inputs' symbols. A static graph has no SymInt nodes and is left as it is."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    from npu_compile.sizes import SizeNodes
+
+    nodes = list(graph.nodes)
+    if not any(isinstance(n.meta.get("val"), torch.SymInt) for n in nodes):
+        return
+    sizes = SizeNodes(graph)  # nodes it makes go at the top, so they serve every later node
+    known = sizes.symbols()
+    seen: dict[Any, torch.fx.Node] = {}  # expression -> the first node of the graph computing it
+    for n in nodes:
+        v = n.meta.get("val")
+        if not isinstance(v, torch.SymInt) or n.op == "placeholder":
+            continue
+        expr = v.node.expr
+        same = sizes.get(v) if expr in sizes.by_expr else seen.get(expr)
+        if same is None and n.target in _SIZE_READS and n.args[0].op != "placeholder" and free_symbols(v) <= known:
+            same = sizes.get(v)  # built from the inputs' symbols
+        if isinstance(same, torch.fx.Node):
+            if same is not n:
+                n.replace_all_uses_with(same)
+            continue
+        seen[expr] = n
+    graph.eliminate_dead_code()
 
 
 # -- rules ------------------------------------------------------------------------------------------------------
@@ -219,7 +267,59 @@ def _pass(name: str, mode: str, graph: torch.fx.Graph) -> PatternMatcherPass:
                 )
                 if registered:
                     _ignore_literal_lists(registered)
+    for entries in p.patterns.values():
+        for entry in entries:
+            if not getattr(entry.extra_check, "sizes_as_values", False):
+                entry.extra_check = _sizes_as_values(entry.extra_check)
     return p
+
+
+def _sizes_as_values(check: Callable[[Match], bool]) -> Callable[[Match], bool]:
+    """torch's exact check of a match (register_replacement's check_fn, which retraces the pattern at the match's
+    shapes) with every SymInt node the graph passes as an argument shown to it as a plain value.
+
+    At symbolic shapes that retraced pattern takes the sizes as inputs, and a size such as ``s0`` feeds dozens of
+    views. A pattern with several outputs finds its second and later outputs by walking users from nodes matched
+    already, and torch's walk shares one visited set across its levels: each view that reads ``s0`` is visited
+    first as a candidate one level too low, then skipped where it belongs, so the match fails ("no anchor found")
+    or not depending on the order of users. As values, sizes are still compared (one pattern input, one size
+    node), but give no path to walk. The graph is restored before anything is replaced."""
+
+    def exact(match: Match) -> bool:
+        node = match.output_nodes()[0]
+        graph = node.graph if node is not None else None
+        if graph is None:
+            return check(match)
+        marks: dict[torch.fx.Node, _Size] = {}
+        saved: dict[torch.fx.Node, tuple] = {}
+        for n in graph.nodes:
+            if isinstance(n.meta.get("val"), torch.SymInt) and n.users:
+                marks[n] = _Size(n)
+        for n in marks:
+            for user in n.users:
+                saved.setdefault(user, (user.args, user.kwargs))
+        try:
+            for user, (args, kwargs) in saved.items():
+                user.args, user.kwargs = torch.fx.map_arg((args, kwargs), lambda a: marks.get(a, a))
+            return check(match)
+        finally:
+            for user, (args, kwargs) in saved.items():
+                user.args, user.kwargs = args, kwargs
+
+    exact.sizes_as_values = True
+    return exact
+
+
+class _Size:
+    """A SymInt node seen as a value during an exact check (compared by identity, like the node)."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: torch.fx.Node):
+        self.node = node
+
+    def __repr__(self) -> str:
+        return f"size({self.node.name})"
 
 
 def _ignore_literal_lists(pattern: PatternExpr) -> None:

@@ -107,19 +107,24 @@ class _TensorParallelMLP(torch.nn.Module):
         return funcol.reduce_scatter_tensor(torch.nn.functional.linear(h, self.fc2), "sum", 0, self.group)
 
 
-def compiled_case(rank, group, overlap):
+def compiled_case(rank, group, overlap, dynamic=False):
     """Without the overlap stage, lowering fuses every site; with it (the default), the stage's cost model leaves
-    these tiny sites plain (each chunk of an MC2 op pays the link latency again) and says so once per site."""
+    these tiny sites plain (each chunk of an MC2 op pays the link latency again) and says so once per site.
+    ``dynamic``: the sequence dim is marked dynamic, and the one graph runs a second length too."""
     from npu_compile.debug.report import collect
 
     m = _TensorParallelMLP(group)
-    x = torch.randn(4, 2, 256, generator=torch.Generator().manual_seed(10 + rank)).to(BF16)
     torch._dynamo.reset()
     with collect() as reports:
         cm = torch.compile(m, backend="ascend", options={"target": "npu-sim", "overlap": overlap}, fullgraph=True)
-        xc = x.clone().requires_grad_()
-        got = cm(xc)
-        got.float().square().sum().backward()
+        for s in ((6, 4) if dynamic else (4,)):
+            x = torch.randn(s, 2, 256, generator=torch.Generator().manual_seed(10 + rank)).to(BF16)
+            m.zero_grad()
+            xc = x.clone().requires_grad_()
+            if dynamic:
+                torch._dynamo.mark_dynamic(xc, 0)
+            got = cm(xc)
+            got.float().square().sum().backward()
     got_grads = [xc.grad] + [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
     xe = x.clone().requires_grad_()
@@ -206,6 +211,7 @@ def worker(rank, store_path):
         graph_cases(rank, group)
         chosen_case(rank, group)
         compiled_case(rank, group, overlap=False)
+        compiled_case(rank, group, overlap=False, dynamic=True)
         compiled_case(rank, group, overlap=True)
     finally:
         dist.destroy_process_group()

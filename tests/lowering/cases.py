@@ -162,15 +162,21 @@ def _copy(inputs: list) -> list:
 
 
 @functools.cache
-def run(name: str) -> Run:
+def run(name: str, dynamic: bool = False) -> Run:
+    """The case compiled for npu-sim and run forward and backward; ``dynamic``: every size symbolic
+    (``torch.compile(dynamic=True)``), the last graph compiled being the case's."""
     case = CASES[name]
     torch.manual_seed(0)
     inputs = case.inputs()
     expected = _forward_backward(case.eager or case.fn, _copy(inputs))
     torch._dynamo.reset()
     with collect() as reports, lowered_graphs() as graphs:
-        compiled = torch.compile(case.fn, backend="ascend", options={"target": "npu-sim", **case.options})
+        compiled = torch.compile(case.fn, backend="ascend", dynamic=True if dynamic else None,
+                                 options={"target": "npu-sim", **case.options})
         outputs, grads = _forward_backward(compiled, inputs)
+    if dynamic:
+        # Dynamo may first compile a frame with no tensor ops (its report lowers nothing); the case's is last
+        reports = [r for r in reports if r.lowered_ops][-1:]
     (report,) = reports
     return Run(report, graphs, outputs, grads, *expected)
 

@@ -37,3 +37,23 @@ def test_the_binding_check_is_not_vacuous():
     assert binding_problems("npu_rms_norm", (1, 2), {"eps": 1e-6})  # wrong types and an unknown keyword
     assert binding_problems("npu_fusion_attention_grad", (), {})  # required arguments missing
     assert binding_problems("npu_gelu", (None, "tanh"), {})  # approximate is keyword-only
+
+
+# One case per lowering, at symbolic sizes: the calls still bind (a size is then a SymInt node), and the graph
+# lowers to the same torch_npu ops as at static sizes.
+DYNAMIC_CASES = ("attention_sbnd_causal_gqa", "attention_bnsd_mask_causal_bias", "rms_norm", "add_rms_norm",
+                 "add_layer_norm", "bias_gelu_erf", "bias_gelu_fast_opt_in", "swiglu",
+                 "rotary_interleave_partial_cos_grad")
+
+
+def test_every_call_binds_at_symbolic_sizes():
+    runs = {name: run(name, dynamic=True) for name in DYNAMIC_CASES}
+    graphs = [gm for r in runs.values() for gm in r.graphs]
+    assert any(isinstance(n.meta.get("val"), torch.SymInt) for gm in graphs for n in gm.graph.nodes)
+    assert_calls_bind(*graphs)
+    for name, r in runs.items():
+        lowered = {op for op in r.report.lowered_ops if op.startswith("npu.")}
+        assert lowered == set(CASES[name].lowered_to), (name, lowered)
+        for got, want in zip([*r.outputs, *r.grads], [*r.expected_outputs, *r.expected_grads]):
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=CASES[name].tolerance, atol=CASES[name].tolerance)

@@ -294,3 +294,27 @@ def test_nothing_registers_at_import():
                             env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": ""})
     assert result.stdout.strip() == "False", result.stderr[-2000:]
 
+
+
+def test_outputs_have_the_fakes_strides_for_strided_inputs():
+    """The device writes dense outputs and the fakes say so; an emulation that kept a transposed input's strides
+    broke a later view in the lowered graph at run time ("view size is not compatible ...")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(4, 2, 3, 16).transpose(0, 1)  # [2, 4, 3, 16], not contiguous
+    grad = torch.randn(4, 2, 3, 16).transpose(0, 1)
+    cos, sin = torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
+    calls = [
+        (npu.npu_rotary_mul_backward, (grad, x, cos, sin)),
+        (npu.npu_rotary_mul, (x, cos, sin)),
+        (npu.npu_gelu, (x,)),
+        (npu.npu_rms_norm, (x, torch.ones(16))),
+    ]
+    mode = FakeTensorMode()
+    for op, args in calls:
+        real = op(*args)
+        with mode:
+            fake = op(*(mode.from_tensor(a) for a in args))
+        real, fake = (r if isinstance(r, tuple) else (r,) for r in (real, fake))
+        for r, f in zip(real, fake):
+            assert r.shape == f.shape and r.stride() == f.stride(), (op, r.stride(), f.stride())

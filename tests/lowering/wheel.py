@@ -88,10 +88,13 @@ def _fits(value: Any, schema_type: torch._C.JitType) -> bool:
     if isinstance(value, torch.fx.Node):
         if type_str == "Tensor":
             return isinstance(value.meta.get("val"), torch.Tensor)
-        # a host int read in the graph (the dropout seed) has no FakeTensor
-        return type_str == "int" and value.target is torch.ops.aten._local_scalar_dense.default
-    if type_str == "List[int]":
-        return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        # a host int read in the graph (the dropout seed) has no FakeTensor; a symbolic size is a SymInt node
+        return type_str in ("int", "SymInt") and (value.target is torch.ops.aten._local_scalar_dense.default
+                                                  or isinstance(value.meta.get("val"), torch.SymInt))
+    if type_str in ("List[int]", "List[SymInt]"):
+        return isinstance(value, (list, tuple)) and all(
+            _fits(v, torch._C.IntType.get()) if isinstance(v, torch.fx.Node) else
+            isinstance(v, int) and not isinstance(v, bool) for v in value)
     expected = {"int": int, "float": (float, int), "bool": bool, "str": str, "ScalarType": torch.dtype}.get(type_str)
     if expected is None or (expected is int and isinstance(value, bool)):
         return False
