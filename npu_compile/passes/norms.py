@@ -28,25 +28,34 @@ With dropout before the residual add (hidden_dropout > 0), the add rules decline
 it fuses alone (``rms_norm``; a LayerNorm stays native_layer_norm). The sum is saved either way, so the split
 costs one read of the sum and saves the mask and a kernel.
 
+Mixed precision: every form also fires in bf16 and fp16 as they occur in training: ``F.rms_norm`` (and
+LayerNorm) with an fp32 weight on bf16/fp16 x (Megatron's torch norms keep fp32 weights when the model is built
+with ``params_dtype=torch.bfloat16``; eager casts x up, normalizes in fp32 and rounds y once to x's dtype, as the
+fused ops do), and an fp32 residual stream, ``residual.float() + x`` (the sum is fp32, the norm runs on it, and
+the bf16 summand's gradient is cast back as autograd casts it). Those variants are traced only for graphs that
+hold such a norm or such an add.
+
 Every match must produce what the fused op produces: the norm over exactly the weight's trailing dims, the
-output in x's dtype (no promotion by a weight of another dtype), x and residual of one shape and dtype, and
-contiguous outputs.
+output in x's dtype (no promotion by a weight of another dtype), x and residual of one shape and of one dtype
+or a bf16/fp16 and an fp32 one, and contiguous outputs.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 import torch.nn.functional as F
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
+from npu_compile.ops.norms import sum_dtype
 from npu_compile.passes.engine import Rule, contiguous_outputs, register_rule
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
 
-DTYPES = (torch.float32, torch.bfloat16)
+F32, BF16 = torch.float32, torch.bfloat16
 # The eps the patterns are traced with, so the model's eps is read from the match: exact in fp32 (torch.rms_norm
 # rounds eps to fp32, so a value that is not would not be found again) and unlike any other constant there.
 EPS = 2.0**-20
@@ -78,16 +87,17 @@ def rms_norm_fp32_weight_last(x, weight, eps):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-# Each form with the dtypes whose graphs differ: torch.rms_norm casts to fp32 for bf16; the hand-written forms
-# without casts trace alike for every dtype; the fp32 forms' casts exist only for a low-precision x (and bf16
-# stands for fp16 too, the first match ignoring dtypes). The eps add tells the forms apart cheaply: torch.rms_norm
-# adds a Scalar, a hand-written "+ eps" a Tensor.
+# Each form with the (x, weight) dtypes whose graphs differ: torch.rms_norm casts to fp32 for bf16, and with an
+# fp32 weight casts only x (and only the gradient of x back); the hand-written forms without casts trace alike
+# for every dtype; the fp32 forms' casts exist only for a low-precision x (and bf16 stands for fp16 too, the
+# first match ignoring dtypes). The eps add tells the forms apart cheaply: torch.rms_norm adds a Scalar, a
+# hand-written "+ eps" a Tensor.
 RMS_NORMS = (
-    (torch_rms_norm, DTYPES, aten.add.Scalar),
-    (rms_norm_weight_last, (torch.float32,), aten.add.Tensor),
-    (rms_norm_weight_first, (torch.float32,), aten.add.Tensor),
-    (rms_norm_fp32_weight_first, (torch.bfloat16,), aten.add.Tensor),
-    (rms_norm_fp32_weight_last, (torch.bfloat16,), aten.add.Tensor),
+    (torch_rms_norm, ((F32, F32), (BF16, BF16), (BF16, F32)), aten.add.Scalar),
+    (rms_norm_weight_last, ((F32, F32),), aten.add.Tensor),
+    (rms_norm_weight_first, ((F32, F32),), aten.add.Tensor),
+    (rms_norm_fp32_weight_first, ((BF16, BF16),), aten.add.Tensor),
+    (rms_norm_fp32_weight_last, ((BF16, BF16),), aten.add.Tensor),
 )
 
 
@@ -175,30 +185,45 @@ def _t(*shape, dtype=torch.float32, grad=True):
 
 def _rms_examples(dtypes):
     def examples():
-        for dtype in dtypes:
+        for dtype, weight_dtype in dtypes:
             for weight_grad in (True, False):
-                yield [_t(2, 8, dtype=dtype), _t(8, dtype=dtype, grad=weight_grad)]
+                yield [_t(2, 8, dtype=dtype), _t(8, dtype=weight_dtype, grad=weight_grad)]
 
     return examples
 
 
-def _add_rms_examples(dtypes):
+# An fp32 residual stream: a bf16 summand and an fp32 one, in either order (``residual.float() + x`` binds the
+# pattern's x to the fp32 residual). The sum is fp32, so only forms traced with an fp32 x take it.
+MIXED_SUMMANDS = ((BF16, F32), (F32, BF16))
+
+
+def _add_rms_examples(dtypes, mixed=False):
     def examples():
         for x, weight in _rms_examples(dtypes)():
-            yield [x, _t(2, 8, dtype=x.dtype), weight]
+            for x_dtype, residual_dtype in (MIXED_SUMMANDS if mixed else ((x.dtype, x.dtype),)):
+                yield [_t(2, 8, dtype=x_dtype), _t(2, 8, dtype=residual_dtype), weight]
 
     return examples
 
 
-def _add_layer_norm_examples():
-    # native_layer_norm takes every dtype as it is: one dtype traces them all.
-    for affine_grad in (True, False):
-        yield [_t(2, 8), _t(2, 8), _t(8, grad=affine_grad), _t(8, grad=affine_grad)]
+def _add_layer_norm_examples(mixed=False):
+    # native_layer_norm takes every dtype as it is (an fp32 weight on bf16 x too): one dtype traces them all.
+    def examples():
+        for x_dtype, residual_dtype in (MIXED_SUMMANDS if mixed else ((F32, F32),)):
+            for affine_grad in (True, False):
+                yield [_t(2, 8, dtype=x_dtype), _t(2, 8, dtype=residual_dtype), _t(8, grad=affine_grad),
+                       _t(8, grad=affine_grad)]
+
+    return examples
 
 
-def _add_layer_norm_no_bias_examples():
-    for weight_grad in (True, False):
-        yield [_t(2, 8), _t(2, 8), _t(8, grad=weight_grad)]
+def _add_layer_norm_no_bias_examples(mixed=False):
+    def examples():
+        for x_dtype, residual_dtype in (MIXED_SUMMANDS if mixed else ((F32, F32),)):
+            for weight_grad in (True, False):
+                yield [_t(2, 8, dtype=x_dtype), _t(2, 8, dtype=residual_dtype), _t(8, grad=weight_grad)]
+
+    return examples
 
 
 # ==== checks: the match computes what the fused op computes =================================================
@@ -219,6 +244,9 @@ def _normalized_dims(x, weight) -> str | None:
 
 def _same_dtype_out(match, x) -> str | None:
     y = match.output_nodes()[0].meta["val"]  # the forward output comes first in every pattern
+    residual = _val(match, "residual")
+    if residual is not None:  # the norm of a sum runs in the sum's dtype
+        x = x.new_empty((), dtype=sum_dtype(x.dtype, residual.dtype) or x.dtype)
     if y.dtype != x.dtype:
         return f"the output is {y.dtype}, promoted from the input's {x.dtype} by the weight; the fused norm keeps x's dtype"
     return None
@@ -236,9 +264,10 @@ def _rms_dims(match, x, weight) -> str | None:
 
 def _residual(match) -> str | None:
     x, residual = _val(match, "x"), _val(match, "residual")
-    if x.shape != residual.shape or x.dtype != residual.dtype:
+    if x.shape != residual.shape or sum_dtype(x.dtype, residual.dtype) is None:
         return (f"x {tuple(x.shape)} {x.dtype} + residual {tuple(residual.shape)} {residual.dtype}: the fused add "
-                "needs one shape and dtype (no broadcast, no promotion)")
+                "needs one shape and one dtype, or a bf16/fp16 and an fp32 summand (no broadcast, no other "
+                "promotion)")
     if _dropped(match.kwargs["x"]) or _dropped(match.kwargs["residual"]):
         return AFTER_DROPOUT
     return None
@@ -331,40 +360,71 @@ def _has_rms_norm(eps_add):
     return wanted
 
 
+def _mixed_add(graph) -> bool:
+    """The graph adds a bf16/fp16 tensor to an fp32 one (an fp32 residual stream)."""
+    for node in graph.find_nodes(op="call_function", target=aten.add.Tensor):
+        vals = [a.meta.get("val") for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+        if (len(vals) == 2 and all(isinstance(v, torch.Tensor) for v in vals) and vals[0].dtype != vals[1].dtype
+                and sum_dtype(vals[0].dtype, vals[1].dtype) is not None):
+            return True
+    return False
+
+
+def _both(*wants):
+    return lambda graph: all(want(graph) for want in wants)
+
+
+def _in_fp32_stream(pattern):
+    """``pattern`` as a rule of its own (the registry keeps one rule per pattern function), for the fp32
+    residual stream's traces."""
+
+    @functools.wraps(pattern)  # register_replacement reads the argument names from the signature
+    def fp32_stream(*args):
+        return pattern(*args)
+
+    return fp32_stream
+
+
 # ==== the rules, in the order they apply ====================================================================
 
-for _norm, _dtypes, _eps_add in RMS_NORMS:
-    for _pattern, _replacement in ((residual_add_then(_norm), fused_add_rms_norm),
-                                   (residual_add_into(_norm), fused_add_rms_norm_last)):
-        register_rule(Rule(
-            name="add_rms_norm",
-            pattern=_pattern,
-            replacement=_replacement,
-            example_inputs=_add_rms_examples(_dtypes),
-            scalars={"eps": EPS},
-            extra_check=_add_rms_check,
-            anchors=(aten.add.Tensor,),
-            site=_add_rms_norm_site,
-            wanted=_has_rms_norm(_eps_add),
-        ))
+for _mixed in (False, True):  # one dtype for both summands first; the fp32 residual stream after
+    for _norm, _dtypes, _eps_add in RMS_NORMS:
+        _fp32_norm = tuple(pair for pair in _dtypes if pair[0] == F32)
+        if _mixed and not _fp32_norm:
+            continue
+        for _pattern, _replacement in ((residual_add_then(_norm), fused_add_rms_norm),
+                                       (residual_add_into(_norm), fused_add_rms_norm_last)):
+            register_rule(Rule(
+                name="add_rms_norm",
+                pattern=_pattern,
+                replacement=_replacement,
+                example_inputs=_add_rms_examples(_fp32_norm if _mixed else _dtypes, mixed=_mixed),
+                scalars={"eps": EPS},
+                extra_check=_add_rms_check,
+                anchors=(aten.add.Tensor,),
+                site=_add_rms_norm_site,
+                wanted=_both(_has_rms_norm(_eps_add), _mixed_add) if _mixed else _has_rms_norm(_eps_add),
+            ))
 
-for _pattern, _replacement, _examples in (
-    (add_layer_norm, fused_add_layer_norm, _add_layer_norm_examples),
-    (add_layer_norm_last, fused_add_layer_norm_last, _add_layer_norm_examples),
-    (add_layer_norm_no_bias, fused_add_layer_norm_no_bias, _add_layer_norm_no_bias_examples),
-    (add_layer_norm_no_bias_last, fused_add_layer_norm_no_bias_last, _add_layer_norm_no_bias_examples),
-):
-    register_rule(Rule(
-        name="add_layer_norm",
-        pattern=_pattern,
-        replacement=_replacement,
-        example_inputs=_examples,
-        scalars={"eps": EPS},
-        extra_check=_add_layer_norm_check,
-        anchors=(aten.native_layer_norm.default,),
-        site=_add_layer_norm_site,
-        wanted=_has(aten.native_layer_norm.default),
-    ))
+for _mixed in (False, True):
+    _layer_norm = _has(aten.native_layer_norm.default)
+    for _pattern, _replacement, _examples in (
+        (add_layer_norm, fused_add_layer_norm, _add_layer_norm_examples),
+        (add_layer_norm_last, fused_add_layer_norm_last, _add_layer_norm_examples),
+        (add_layer_norm_no_bias, fused_add_layer_norm_no_bias, _add_layer_norm_no_bias_examples),
+        (add_layer_norm_no_bias_last, fused_add_layer_norm_no_bias_last, _add_layer_norm_no_bias_examples),
+    ):
+        register_rule(Rule(
+            name="add_layer_norm",
+            pattern=_in_fp32_stream(_pattern) if _mixed else _pattern,
+            replacement=_replacement,
+            example_inputs=_examples(_mixed),
+            scalars={"eps": EPS},
+            extra_check=_add_layer_norm_check,
+            anchors=(aten.native_layer_norm.default,),
+            site=_add_layer_norm_site,
+            wanted=_both(_layer_norm, _mixed_add) if _mixed else _layer_norm,
+        ))
 
 for _norm, _dtypes, _eps_add in RMS_NORMS:
     register_rule(Rule(

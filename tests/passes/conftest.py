@@ -18,8 +18,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 # fp32: the project's 1e-5 against eager. Lower precisions: eager rounds after every op and the fused ops once
 # from fp32, so the compiled result is held to the float64 result instead: no further from it than eager is,
-# plus two ulps (bf16: 2^-8 each) of the tensor's scale.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8}
+# plus two ulps (bf16: 2^-8 each, fp16: 2^-11) of the tensor's scale.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8, torch.float16: 2 * 2.0**-11}
 
 
 class Comparison:
