@@ -166,23 +166,17 @@ def _(grad_y, grad_sum, total, weight, rstd):
     return total.new_empty(total.shape), weight.new_empty(weight.shape)
 
 
-def _summand_grads(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
-    """The sum's gradient for x and for residual, each in its summand's dtype (one tensor when they agree)."""
-    return tuple(grad if dtype == grad.dtype else grad.to(dtype) for dtype in ctx.summand_dtypes)
-
-
 def _add_rms_setup_context(ctx, inputs, output):
-    x, residual, weight, _ = inputs
+    _, _, weight, _ = inputs
     _, rstd, total = output
     ctx.save_for_backward(total, weight, rstd)
-    ctx.summand_dtypes = (x.dtype, residual.dtype)
     ctx.mark_non_differentiable(rstd)
 
 
 def _add_rms_grad(ctx, grad_y, _grad_rstd, grad_sum):
     total, weight, rstd = ctx.saved_tensors
     grad_total, grad_weight = torch.ops.npu_compile.add_rms_norm_backward(grad_y, grad_sum, total, weight, rstd)
-    return *_summand_grads(ctx, grad_total), grad_weight, None
+    return grad_total, grad_total, grad_weight, None  # autograd casts a narrower summand's back to its dtype
 
 
 add_rms_norm.register_autograd(_add_rms_grad, setup_context=_add_rms_setup_context)
@@ -244,10 +238,9 @@ def _(grad_y, grad_sum, total, mean, rstd, weight, bias_grad=False):
 
 
 def _add_ln_setup_context(ctx, inputs, output):
-    x, residual, weight, bias, _ = inputs
+    _, _, weight, bias, _ = inputs
     _, mean, rstd, total = output
     ctx.save_for_backward(total, mean, rstd, weight)
-    ctx.summand_dtypes = (x.dtype, residual.dtype)
     ctx.has_bias = bias is not None
     ctx.mark_non_differentiable(mean, rstd)
 
@@ -257,7 +250,7 @@ def _add_ln_grad(ctx, grad_y, _grad_mean, _grad_rstd, grad_sum):
     bias_grad = ctx.has_bias and ctx.needs_input_grad[3]
     grad_x, grad_weight, grad_bias = torch.ops.npu_compile.add_layer_norm_backward(
         grad_y, grad_sum, total, mean, rstd, weight, bias_grad)
-    return *_summand_grads(ctx, grad_x), grad_weight, grad_bias if bias_grad else None, None
+    return grad_x, grad_x, grad_weight, grad_bias if bias_grad else None, None
 
 
 add_layer_norm.register_autograd(_add_ln_grad, setup_context=_add_ln_setup_context)

@@ -32,8 +32,8 @@ Mixed precision: every form also fires in bf16 and fp16 as they occur in trainin
 LayerNorm) with an fp32 weight on bf16/fp16 x (Megatron's torch norms keep fp32 weights when the model is built
 with ``params_dtype=torch.bfloat16``; eager casts x up, normalizes in fp32 and rounds y once to x's dtype, as the
 fused ops do), and an fp32 residual stream, ``residual.float() + x`` (the sum is fp32, the norm runs on it, and
-the bf16 summand's gradient is cast back as autograd casts it). Those variants are traced only for graphs that
-hold such a norm or such an add.
+autograd casts the bf16 summand's gradient back, outside the matched ops, so that add traces as a one-dtype
+add does). The fp32-weight variant is traced only for graphs that hold such a norm.
 
 Every match must produce what the fused op produces: the norm over exactly the weight's trailing dims, the
 output in x's dtype (no promotion by a weight of another dtype), x and residual of one shape and of one dtype
@@ -192,38 +192,39 @@ def _rms_examples(dtypes):
     return examples
 
 
-# An fp32 residual stream: a bf16 summand and an fp32 one, in either order (``residual.float() + x`` binds the
-# pattern's x to the fp32 residual). The sum is fp32, so only forms traced with an fp32 x take it.
-MIXED_SUMMANDS = ((BF16, F32), (F32, BF16))
+# A bf16/fp16 summand and an fp32 one (an fp32 residual stream) trace to the same graph as one dtype: the add
+# promotes, and the cast of the narrower summand's gradient is autograd's, outside the matched ops. But then the
+# two summands' gradients are one node of the pattern, which the replacement's first gradient (x's) replaces,
+# so x must be the wider summand: ``h + residual`` with a bf16 h binds x to h in the traced order and is
+# declined, and the same pattern traced with its summands swapped (``residual + x``) takes it.
+def summands_swapped(pattern):
+    """``pattern`` adding its summands the other way round: the graph's ``a + b`` binds x to b."""
+
+    @functools.wraps(pattern)  # register_replacement reads the argument names from the signature
+    def swapped(x, residual, *rest):
+        return pattern(residual, x, *rest)
+
+    swapped.__name__ = f"{pattern.__name__}_swapped"
+    return swapped
 
 
-def _add_rms_examples(dtypes, mixed=False):
+def _add_rms_examples(dtypes):
     def examples():
         for x, weight in _rms_examples(dtypes)():
-            for x_dtype, residual_dtype in (MIXED_SUMMANDS if mixed else ((x.dtype, x.dtype),)):
-                yield [_t(2, 8, dtype=x_dtype), _t(2, 8, dtype=residual_dtype), weight]
+            yield [x, _t(2, 8, dtype=x.dtype), weight]
 
     return examples
 
 
-def _add_layer_norm_examples(mixed=False):
+def _add_layer_norm_examples():
     # native_layer_norm takes every dtype as it is (an fp32 weight on bf16 x too): one dtype traces them all.
-    def examples():
-        for x_dtype, residual_dtype in (MIXED_SUMMANDS if mixed else ((F32, F32),)):
-            for affine_grad in (True, False):
-                yield [_t(2, 8, dtype=x_dtype), _t(2, 8, dtype=residual_dtype), _t(8, grad=affine_grad),
-                       _t(8, grad=affine_grad)]
-
-    return examples
+    for affine_grad in (True, False):
+        yield [_t(2, 8), _t(2, 8), _t(8, grad=affine_grad), _t(8, grad=affine_grad)]
 
 
-def _add_layer_norm_no_bias_examples(mixed=False):
-    def examples():
-        for x_dtype, residual_dtype in (MIXED_SUMMANDS if mixed else ((F32, F32),)):
-            for weight_grad in (True, False):
-                yield [_t(2, 8, dtype=x_dtype), _t(2, 8, dtype=residual_dtype), _t(8, grad=weight_grad)]
-
-    return examples
+def _add_layer_norm_no_bias_examples():
+    for weight_grad in (True, False):
+        yield [_t(2, 8), _t(2, 8), _t(8, grad=weight_grad)]
 
 
 # ==== checks: the match computes what the fused op computes =================================================
@@ -270,6 +271,9 @@ def _residual(match) -> str | None:
                 "promotion)")
     if _dropped(match.kwargs["x"]) or _dropped(match.kwargs["residual"]):
         return AFTER_DROPOUT
+    if x.dtype != sum_dtype(x.dtype, residual.dtype):
+        return (f"x {x.dtype} is the narrower summand of x + residual {residual.dtype}: the add rules traced "
+                "with the summands swapped take it")
     return None
 
 
@@ -361,7 +365,7 @@ def _has_rms_norm(eps_add):
 
 
 def _mixed_add(graph) -> bool:
-    """The graph adds a bf16/fp16 tensor to an fp32 one (an fp32 residual stream)."""
+    """The graph adds a bf16/fp16 tensor and an fp32 one (an fp32 residual stream)."""
     for node in graph.find_nodes(op="call_function", target=aten.add.Tensor):
         vals = [a.meta.get("val") for a in node.args[:2] if isinstance(a, torch.fx.Node)]
         if (len(vals) == 2 and all(isinstance(v, torch.Tensor) for v in vals) and vals[0].dtype != vals[1].dtype
@@ -374,56 +378,46 @@ def _both(*wants):
     return lambda graph: all(want(graph) for want in wants)
 
 
-def _in_fp32_stream(pattern):
-    """``pattern`` as a rule of its own (the registry keeps one rule per pattern function), for the fp32
-    residual stream's traces."""
-
-    @functools.wraps(pattern)  # register_replacement reads the argument names from the signature
-    def fp32_stream(*args):
-        return pattern(*args)
-
-    return fp32_stream
-
-
 # ==== the rules, in the order they apply ====================================================================
 
-for _mixed in (False, True):  # one dtype for both summands first; the fp32 residual stream after
+# Each add rule twice: as traced, then with its summands swapped for an fp32 residual stream whose narrower
+# summand comes first (traced only for graphs with such an add).
+for _swapped in (False, True):
     for _norm, _dtypes, _eps_add in RMS_NORMS:
-        _fp32_norm = tuple(pair for pair in _dtypes if pair[0] == F32)
-        if _mixed and not _fp32_norm:
-            continue
+        if _swapped and not any(x_dtype == F32 for x_dtype, _ in _dtypes):
+            continue  # a sum with an fp32 summand is fp32: only the forms traced in fp32 normalize it
         for _pattern, _replacement in ((residual_add_then(_norm), fused_add_rms_norm),
                                        (residual_add_into(_norm), fused_add_rms_norm_last)):
             register_rule(Rule(
                 name="add_rms_norm",
-                pattern=_pattern,
+                pattern=summands_swapped(_pattern) if _swapped else _pattern,
                 replacement=_replacement,
-                example_inputs=_add_rms_examples(_fp32_norm if _mixed else _dtypes, mixed=_mixed),
+                example_inputs=_add_rms_examples(_dtypes),
                 scalars={"eps": EPS},
                 extra_check=_add_rms_check,
                 anchors=(aten.add.Tensor,),
                 site=_add_rms_norm_site,
-                wanted=_both(_has_rms_norm(_eps_add), _mixed_add) if _mixed else _has_rms_norm(_eps_add),
+                wanted=_both(_has_rms_norm(_eps_add), _mixed_add) if _swapped else _has_rms_norm(_eps_add),
             ))
 
-for _mixed in (False, True):
-    _layer_norm = _has(aten.native_layer_norm.default)
+for _swapped in (False, True):
     for _pattern, _replacement, _examples in (
         (add_layer_norm, fused_add_layer_norm, _add_layer_norm_examples),
         (add_layer_norm_last, fused_add_layer_norm_last, _add_layer_norm_examples),
         (add_layer_norm_no_bias, fused_add_layer_norm_no_bias, _add_layer_norm_no_bias_examples),
         (add_layer_norm_no_bias_last, fused_add_layer_norm_no_bias_last, _add_layer_norm_no_bias_examples),
     ):
+        _layer_norm = _has(aten.native_layer_norm.default)
         register_rule(Rule(
             name="add_layer_norm",
-            pattern=_in_fp32_stream(_pattern) if _mixed else _pattern,
+            pattern=summands_swapped(_pattern) if _swapped else _pattern,
             replacement=_replacement,
-            example_inputs=_examples(_mixed),
+            example_inputs=_examples,
             scalars={"eps": EPS},
             extra_check=_add_layer_norm_check,
             anchors=(aten.native_layer_norm.default,),
             site=_add_layer_norm_site,
-            wanted=_both(_layer_norm, _mixed_add) if _mixed else _layer_norm,
+            wanted=_both(_layer_norm, _mixed_add) if _swapped else _layer_norm,
         ))
 
 for _norm, _dtypes, _eps_add in RMS_NORMS:

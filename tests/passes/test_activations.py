@@ -4,7 +4,7 @@ and inference, and the compiled results equal eager; declined and switched-off s
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import npu_compile
@@ -83,13 +83,21 @@ def bias_gelu_fn(form):
 
 def check_bias_gelu(case, against_eager):
     form, x, bias, no_grad = case
-    run = against_eager(bias_gelu_fn(form), x, bias, rules=RULES, no_grad=no_grad)
+    # fp32 against float64: eager's fp32 GeLU is itself off by ~4e-5 relative where x + bias is about -3 to -6
+    run = against_eager(bias_gelu_fn(form), x, bias, rules=RULES, no_grad=no_grad, fp32_against_float64=True)
     assert run.fusions["bias_gelu"] == 1, run.report.unfused
     assert "npu_compile.bias_gelu" in run.report.lowered_ops
 
 
+# Found by Hypothesis: x + bias in [-5.8, -2.7], where eager's fp32 GeLU is 4.2e-5 from float64 and the fused
+# kernel 6.7e-6; held to eager alone, the compiled result was 4.6e-5 off.
+GELU_LEFT_TAIL = ("gelu", torch.linspace(-5.8, -2.7, 16).reshape(2, 8).requires_grad_(),
+                  torch.zeros(8).requires_grad_(), False)
+
+
 @settings(max_examples=100, deadline=None)
 @given(case=bias_gelu_cases())
+@example(case=GELU_LEFT_TAIL)
 def test_bias_gelu_equals_eager(case, against_eager):
     check_bias_gelu(case, against_eager)
 
@@ -128,7 +136,7 @@ def swiglu_fn(form):
 
 def check_swiglu(case, against_eager):
     form, inputs, no_grad = case
-    run = against_eager(swiglu_fn(form), *inputs, rules=RULES, no_grad=no_grad)
+    run = against_eager(swiglu_fn(form), *inputs, rules=RULES, no_grad=no_grad, fp32_against_float64=True)
     assert run.fusions["swiglu"] == 1, run.report.unfused
     assert "npu_compile.swiglu" in run.report.lowered_ops
 
