@@ -200,7 +200,8 @@ def bias_gelu_site(node: torch.fx.Node) -> bool:
     if node.target == aten.gelu.default:
         add = node.args[0]
         return _call_to(add, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in add.args)
-    return _mentions(node.args[0], SQRT_2_OVER_PI, depth=3)
+    # within 1e-4: a truncated √(2/π) (0.79788) is a tanh GeLU too, whose constant the check then names
+    return _mentions(node.args[0], SQRT_2_OVER_PI, depth=3, tolerance=1e-4)
 
 
 for _pattern, _replacement, _wanted in (
@@ -375,11 +376,13 @@ def _call_to(node, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 
 
-def _mentions(node, value: float, depth: int) -> bool:
-    """Whether the constant ``value`` is an argument of ``node`` or of its inputs up to ``depth`` levels up."""
+def _mentions(node, value: float, depth: int, tolerance: float = 1e-6) -> bool:
+    """Whether the constant ``value`` (to ``tolerance``) is an argument of ``node`` or of its inputs up to
+    ``depth`` levels up."""
     if not isinstance(node, torch.fx.Node) or depth == 0:
         return False
-    return any((isinstance(a, float) and abs(a - value) < 1e-6) or _mentions(a, value, depth - 1) for a in node.args)
+    return any((isinstance(a, float) and abs(a - value) < tolerance) or _mentions(a, value, depth - 1, tolerance)
+               for a in node.args)
 
 
 def _split_above(node, hops: int = 3):

@@ -1,6 +1,8 @@
 """Activation rules: bias_gelu and swiglu fire on megatron-core's MLPs and on the forms models write, training
 and inference, and the compiled results equal eager; declined and switched-off sites are reported with reasons."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,7 +65,7 @@ def bias_gelu_cases(draw):
     """(form, x, bias, no_grad): x of rank 1-3, a bias over its last dim ([h] or keepdims), either or both
     needing grad, fp32 or bf16; run for training or under no_grad (the inference graph)."""
     dtype = draw(st.sampled_from(DTYPES))
-    form = draw(st.sampled_from(["gelu", "gelu_tanh", "megatron"]))
+    form = draw(st.sampled_from(["gelu", "gelu_tanh", "megatron", *NEW_GELUS, *(f"{f} no bias" for f in NEW_GELUS)]))
     shape = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
     x_grad, bias_grad = draw(st.sampled_from([(True, True), (True, False), (False, True)]))
     bias_shape = [1] * (len(shape) - 1) * draw(st.booleans()) + shape[-1:]
@@ -73,7 +75,20 @@ def bias_gelu_cases(draw):
     return form, x, bias, draw(st.booleans())
 
 
+# The tanh GeLU written out, as HF's NewGELUActivation, GPT-2's gelu_new and others spell it.
+NEW_GELUS = {
+    "hf_new_gelu": lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))),
+    "gpt2_gelu_new": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+    "cube": lambda x: 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * (x * x * x)))),
+    "cube_left": lambda x: 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))),
+}
+
+
 def bias_gelu_fn(form):
+    if form.endswith(" no bias"):
+        return NEW_GELUS[form.removesuffix(" no bias")]
+    if form in NEW_GELUS:
+        return lambda x, bias: NEW_GELUS[form](x + bias)
     if form == "megatron":
         bias_gelu_impl = megatron_fusions()[0]
         return lambda x, bias: bias_gelu_impl(x, bias)  # Dynamo takes GeLUFunction.apply when called, not compiled
@@ -83,8 +98,11 @@ def bias_gelu_fn(form):
 
 def check_bias_gelu(case, against_eager):
     form, x, bias, no_grad = case
+    inputs = (x,) if form.endswith(" no bias") else (x, bias)
+    if not (no_grad or any(t.requires_grad for t in inputs)):
+        x.requires_grad_()
     # fp32 against float64: eager's fp32 GeLU is itself off by ~4e-5 relative where x + bias is about -3 to -6
-    run = against_eager(bias_gelu_fn(form), x, bias, rules=RULES, no_grad=no_grad, fp32_against_float64=True)
+    run = against_eager(bias_gelu_fn(form), *inputs, rules=RULES, no_grad=no_grad, fp32_against_float64=True)
     assert run.fusions["bias_gelu"] == 1, run.report.unfused
     assert "npu_compile.bias_gelu" in run.report.lowered_ops
 
@@ -217,6 +235,18 @@ def test_glu_offset_other_than_zero_is_declined_with_the_reason():
     assert fusions["swiglu"] == 0
     assert sites == [("aten.silu.default",
                       "glu_linear_offset 0.5 is not 0: npu_swiglu computes silu(a)·b with nothing added to b")]
+
+
+def test_tanh_gelu_written_out_with_other_constants_is_left_alone():
+    # 0.79 is no √(2/π): another function, not a site; a constant off in the 5th digit is a site, declined
+    fusions, sites = unfused(lambda x: 0.5 * x * (1 + torch.tanh(0.79 * (x + 0.044715 * x ** 3))),
+                             torch.randn(4, 8, requires_grad=True))
+    assert fusions["bias_gelu"] == 0 and sites == []
+    fusions, sites = unfused(lambda x: 0.5 * x * (1 + torch.tanh(0.79788 * (x + 0.044715 * x ** 3))),
+                             torch.randn(4, 8, requires_grad=True))
+    assert fusions["bias_gelu"] == 0
+    assert sites == [("aten.tanh.default", "the tanh GeLU's constant 0.79788 is not 0.7978845608 (to 1e-6): the "
+                      "fused tanh GeLU computes 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))")]
 
 
 def test_lone_gelu_and_silu_are_not_sites():
