@@ -17,6 +17,9 @@ Rules and the forms they take (each as megatron-core 0.16.1 traces it under Dyna
     alone or on ``x + bias``, k and c read from the match (``math.sqrt(2 / math.pi)``, a truncated
     0.7978845608, ...) and taken when they are √(2/π) and 0.044715 to 1e-6 relative: the fused op's tanh form
     (``approximate="tanh"``), forward and backward.
+  - ``F.gelu(nn.Linear(bias=True)(x))``: the linear's bias sits inside its ``addmm(bias, x2d, wᵀ)`` (then a
+    view back to x's rank), where no add is left for the rule above. The match splits it: ``mm(x2d, wᵀ)``
+    and the fused op's bias + GeLU, forward and backward (the bias gradient is the fused backward's).
   - A lone ``gelu(x)`` stays as it is, by choice: npu_gelu is the kernel aten.gelu already runs on the NPU, so
     a bias-less replacement would only rename it. It is not reported as a missed site.
 - ``swiglu``
@@ -42,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
-from npu_compile.passes.engine import Rule, bias_problem, in_layout_of, layout_check, register_rule
+from npu_compile.passes.engine import Rule, bias_problem, contiguous_outputs, in_layout_of, layout_check, register_rule
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
@@ -131,6 +134,41 @@ def bias_gelu_check(match):
     return bias_problem(x, bias) or in_x_layout(match)
 
 
+# ---- nn.Linear(bias=True) → GeLU: the bias inside addmm -----------------------------------------------
+
+
+def linear_gelu(x, weight, bias):
+    return F.gelu(F.linear(x, weight, bias))
+
+
+def linear_gelu_tanh(x, weight, bias):
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+def fused_linear_gelu(x, weight, bias):
+    return fused.bias_gelu(F.linear(x, weight), bias, "none")
+
+
+def fused_linear_gelu_tanh(x, weight, bias):
+    return fused.bias_gelu(F.linear(x, weight), bias, "tanh")
+
+
+def linear_gelu_examples():
+    """x of rank 2 (addmm alone) and 3 (addmm between views); x with or without grad (a first layer's input
+    has none), weight and bias trained or frozen."""
+    for shape in ((4, 8), (2, 4, 8)):
+        for x_grad, params_grad in ((True, True), (False, True), (True, False)):
+            yield [torch.empty(shape, requires_grad=x_grad), torch.empty(16, 8, requires_grad=params_grad),
+                   torch.empty(16, requires_grad=params_grad)]
+
+
+def linear_gelu_check(match):
+    x, bias = match.kwargs["x"].meta["val"], match.kwargs["bias"].meta["val"]
+    if bias.dtype != x.dtype:
+        return f"bias dtype {bias.dtype} differs from the input's {x.dtype} (addmm promotes; the fused op does not)"
+    return contiguous_outputs(match)
+
+
 # ---- the tanh GeLU written out ---------------------------------------------------------------------------
 # The constants the written-out forms are traced with, so that a model's k and c are read from the match;
 # unlike any other constant in the patterns.
@@ -196,9 +234,14 @@ def tanh_gelu_check(match):
 
 
 def bias_gelu_site(node: torch.fx.Node) -> bool:
-    """gelu(x + b), or the tanh of a tanh GeLU spelled with √(2/π); a gelu with no add in front is no site."""
+    """gelu(x + b) or gelu(addmm(b, ...)) (through a view), or the tanh of a tanh GeLU spelled with √(2/π);
+    a gelu with no bias in front is no site."""
     if node.target == aten.gelu.default:
         add = node.args[0]
+        if _call_to(add, aten.view.default) or _call_to(add, aten._unsafe_view.default):
+            add = add.args[0]
+        if _call_to(add, aten.addmm.default):
+            return True
         return _call_to(add, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in add.args)
     # within 1e-4: a truncated √(2/π) (0.79788) is a tanh GeLU too, whose constant the check then names
     return _mentions(node.args[0], SQRT_2_OVER_PI, depth=3, tolerance=1e-4)
@@ -218,6 +261,18 @@ for _pattern, _replacement, _wanted in (
         anchors=(aten.gelu.default, aten.tanh.default),
         site=bias_gelu_site,
         wanted=_wanted,
+    ))
+
+for _pattern, _replacement in ((linear_gelu, fused_linear_gelu), (linear_gelu_tanh, fused_linear_gelu_tanh)):
+    register_rule(Rule(
+        name="bias_gelu",
+        pattern=_pattern,
+        replacement=_replacement,
+        example_inputs=linear_gelu_examples,
+        extra_check=linear_gelu_check,
+        anchors=(aten.gelu.default, aten.tanh.default),
+        site=bias_gelu_site,
+        wanted=_calls(aten.gelu.default, aten.addmm.default),
     ))
 
 # the written-out forms: with a bias first (it claims the add), then on x alone

@@ -120,6 +120,25 @@ def test_bias_gelu_equals_eager(case, against_eager):
     check_bias_gelu(case, against_eager)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 8), (3, 5, 8)], ids=["addmm", "addmm-in-views"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("grads", ["all", "frozen-params", "input-without-grad", "no_grad"])
+def test_linear_with_bias_then_gelu_splits_the_addmm(dtype, shape, approximate, grads, against_eager):
+    """nn.Linear(bias=True) → GeLU: the bias sits inside addmm; the match leaves mm and takes bias + GeLU."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(dtype).requires_grad_(grads != "input-without-grad")
+    weight = (0.5 * torch.randn(16, 8, generator=gen)).to(dtype).requires_grad_(grads != "frozen-params")
+    bias = torch.randn(16, generator=gen).to(dtype).requires_grad_(grads != "frozen-params")
+    run = against_eager(lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approximate) * 2, x, weight, bias,
+                        rules=RULES, no_grad=grads == "no_grad", fp32_against_float64=True)
+    assert run.fusions["bias_gelu"] == 1 and run.report.unfused == []
+    ops = run.report.lowered_ops
+    assert "aten.addmm" not in ops and "aten.gelu" not in ops and "aten.gelu_backward" not in ops
+    assert ops["aten.mm"] == (1 if grads == "no_grad" else 1 + (grads != "input-without-grad") + (grads != "frozen-params"))
+    assert ops.get("npu_compile.bias_gelu_backward", 0) == (grads != "no_grad")
+
+
 @st.composite
 def swiglu_cases(draw):
     """(form, inputs, no_grad): x of rank 1-3 (Megatron's bias_swiglu_impl: 2-3) with an even last dim."""
