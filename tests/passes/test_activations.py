@@ -271,3 +271,29 @@ def test_tanh_gelu_written_out_with_other_constants_is_left_alone():
 def test_lone_gelu_and_silu_are_not_sites():
     fusions, sites = unfused(lambda x: F.gelu(F.silu(x)), torch.randn(4, 8, requires_grad=True))
     assert fusions == {"bias_gelu": 0, "swiglu": 0} and sites == []
+
+
+# ==== symbolic shapes: a dynamic sequence dim fuses as a static one ===========================================
+
+DYNAMIC_CASES = {  # name: (fn, input shapes with the sequence dim as "s", the rule)
+    "bias_gelu": (lambda x, b: F.gelu(x + b), [("s", 2, 16), (16,)], "bias_gelu"),
+    "bias_gelu megatron": (lambda x, b: megatron_fusions()[0](x, b), [("s", 2, 16), (16,)], "bias_gelu"),
+    "bias_gelu linear": (lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh"),
+                         [("s", 2, 8), (16, 8), (16,)], "bias_gelu"),
+    "bias_gelu written out": (lambda x: NEW_GELUS["hf_new_gelu"](x), [("s", 2, 16)], "bias_gelu"),
+    "swiglu": (lambda x: swiglu_fn("chunk")(x), [("s", 2, 16)], "swiglu"),
+    "swiglu megatron": (lambda x, b: swiglu_fn("megatron_bias")(x, b), [("s", 16), (16,)], "swiglu"),
+}
+
+
+@pytest.mark.parametrize("name", DYNAMIC_CASES)
+def test_activation_rules_fire_on_a_dynamic_sequence_dim(name, static_then_dynamic):
+    fn, shapes, rule = DYNAMIC_CASES[name]
+    gen = torch.Generator().manual_seed(0)
+
+    def make(n):
+        return [torch.randn([n if d == "s" else d for d in shape], generator=gen, requires_grad=True) for shape in shapes]
+
+    dynamic = {i: shape.index("s") for i, shape in enumerate(shapes) if "s" in shape}
+    static, symbolic = static_then_dynamic(fn, make, dynamic=dynamic, rules=RULES)
+    assert static == symbolic == {rule: 1}

@@ -378,3 +378,34 @@ def test_megatron_models_in_bf16_and_fp16_fuse_as_in_fp32(kind, dtype, how, mega
         errors = {n: (rel_error(compiled, exact), rel_error(eager, exact)) for n, (eager, compiled, exact) in values.items()}
         bad = {n: f"{c:.2e} vs eager's {e:.2e}" for n, (c, e) in errors.items() if c > e + BAND[dtype]}
         assert not bad, f"step {step}, relative errors against fp32: {bad}"
+
+
+# ==== symbolic shapes: a dynamic sequence dim fuses as a static one ===========================================
+
+def _pre_norm(norm):
+    def block(x, r, *affine):
+        s = x + r
+        return norm(s, *affine) * 2 + s
+    return block
+
+
+DYNAMIC_CASES = {  # name: (fn, input shapes with the sequence dim as "s", the rule)
+    "add_rms_norm": (_pre_norm(lambda s, w: F.rms_norm(s, (16,), w, 1e-6)), [("s", 2, 16), ("s", 2, 16), (16,)]),
+    "add_layer_norm": (_pre_norm(lambda s, w, b: F.layer_norm(s, (16,), w, b)),
+                       [("s", 2, 16), ("s", 2, 16), (16,), (16,)]),
+    "rms_norm": (lambda x, w: llama_rms_norm(x, w, 1e-6) + x, [("s", 2, 16), (16,)]),
+    "rms_norm 2-D weight": (lambda x, w: F.rms_norm(x, (4, 16), w, 1e-5) * 2, [(2, "s", 4, 16), (4, 16)]),
+}
+
+
+@pytest.mark.parametrize("name", DYNAMIC_CASES)
+def test_norm_rules_fire_on_a_dynamic_sequence_dim(name, static_then_dynamic):
+    fn, shapes = DYNAMIC_CASES[name]
+    gen = torch.Generator().manual_seed(0)
+
+    def make(n):
+        return [torch.randn([n if d == "s" else d for d in shape], generator=gen, requires_grad=True) for shape in shapes]
+
+    dynamic = {i: shape.index("s") for i, shape in enumerate(shapes) if "s" in shape}
+    static, symbolic = static_then_dynamic(fn, make, dynamic=dynamic, rules=RULES)
+    assert static == symbolic == {name.split()[0]: 1}
