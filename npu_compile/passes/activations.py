@@ -19,7 +19,9 @@ Rules and the forms they take (each as megatron-core 0.16.1 traces it under Dyna
     (``approximate="tanh"``), forward and backward.
   - ``F.gelu(nn.Linear(bias=True)(x))``: the linear's bias sits inside its ``addmm(bias, x2d, wᵀ)`` (then a
     view back to x's rank), where no add is left for the rule above. The match splits it: ``mm(x2d, wᵀ)``
-    and the fused op's bias + GeLU, forward and backward (the bias gradient is the fused backward's).
+    and the fused op's bias + GeLU, forward and backward (the bias gradient is the fused backward's). In
+    bf16/fp16 this moves a rounding: addmm adds the bias to its fp32 accumulator and rounds once, the split
+    rounds the product, then the sum (as an unfused ``mm + bias`` does): x + bias may differ by one ulp.
   - A lone ``gelu(x)`` stays as it is, by choice: npu_gelu is the kernel aten.gelu already runs on the NPU, so
     a bias-less replacement would only rename it. It is not reported as a missed site.
 - ``swiglu``

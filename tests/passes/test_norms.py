@@ -409,3 +409,27 @@ def test_norm_rules_fire_on_a_dynamic_sequence_dim(name, static_then_dynamic):
     dynamic = {i: shape.index("s") for i, shape in enumerate(shapes) if "s" in shape}
     static, symbolic = static_then_dynamic(fn, make, dynamic=dynamic, rules=RULES)
     assert static == symbolic == {name.split()[0]: 1}
+
+
+def autocast_block(norm):
+    """A linear, the residual add and the norm under CPU autocast: the linear runs in bf16, the add promotes to
+    the fp32 residual (an fp32 residual stream), the norm runs in fp32."""
+    def block(x, r, w, *affine):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s = F.linear(x, w) + r
+            return norm(s, *affine) * 2 + s
+    return block
+
+
+@pytest.mark.parametrize("name, fn, n_affine, rule", [
+    ("rms", autocast_block(lambda s, w: F.rms_norm(s, (16,), w, 1e-6)), 1, "add_rms_norm"),
+    ("llama", autocast_block(lambda s, w: llama_rms_norm(s, w, 1e-6)), 1, "add_rms_norm"),
+    ("layer", autocast_block(lambda s, w, b: F.layer_norm(s, (16,), w, b)), 2, "add_layer_norm"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_norms_in_an_autocast_region_fuse(name, fn, n_affine, rule, against_eager):
+    gen = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(4, 3, 16, generator=gen, requires_grad=True) for _ in range(2))
+    w = (0.3 * torch.randn(16, 16, generator=gen)).requires_grad_()
+    affine = [(1 + 0.5 * torch.randn(16, generator=gen)).requires_grad_() for _ in range(n_affine)]
+    run = against_eager(fn, x, r, w, *affine, rules=RULES, fp32_against_float64=True)
+    assert run.fusions[rule] == 1 and sum(run.fusions.values()) == 1 and run.report.unfused == []
