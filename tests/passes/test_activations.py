@@ -121,8 +121,8 @@ def test_bias_gelu_equals_eager(case, against_eager):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(5, 8), (3, 5, 8)], ids=["addmm", "addmm-in-views"])
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape, approximate", [((5, 8), "none"), ((3, 5, 8), "tanh")],
+                         ids=["addmm", "addmm-in-views-tanh"])
 @pytest.mark.parametrize("grads", ["all", "frozen-params", "input-without-grad", "no_grad"])
 def test_linear_with_bias_then_gelu_splits_the_addmm(dtype, shape, approximate, grads, against_eager):
     """nn.Linear(bias=True) → GeLU: the bias sits inside addmm; the match leaves mm and takes bias + GeLU."""
@@ -297,3 +297,22 @@ def test_activation_rules_fire_on_a_dynamic_sequence_dim(name, static_then_dynam
     dynamic = {i: shape.index("s") for i, shape in enumerate(shapes) if "s" in shape}
     static, symbolic = static_then_dynamic(fn, make, dynamic=dynamic, rules=RULES)
     assert static == symbolic == {rule: 1}
+
+
+def _autocast(fn):
+    def run(x, w, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fn(F.linear(x, w, b))
+    return run
+
+
+@pytest.mark.parametrize("fn, rule", [
+    (_autocast(F.gelu), "bias_gelu"),  # the linear's addmm in bf16, then GeLU: the split addmm
+    (_autocast(lambda h: (lambda a, b: F.silu(a) * b)(*h.chunk(2, -1))), "swiglu"),
+], ids=["linear-gelu", "linear-swiglu"])
+def test_activations_in_an_autocast_region_fuse(fn, rule, against_eager):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 8, generator=gen, requires_grad=True)
+    w, b = (0.3 * torch.randn(16, 8, generator=gen)).requires_grad_(), torch.randn(16, generator=gen).requires_grad_()
+    run = against_eager(fn, x, w, b, rules=RULES, fp32_against_float64=True)
+    assert run.fusions == {**dict.fromkeys(RULES, 0), rule: 1} and run.report.unfused == []
