@@ -249,6 +249,16 @@ def test_weight_that_promotes_the_output_is_declined_with_the_reason():
                       "torch.bfloat16 by the weight; the fused norm keeps x's dtype")]
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_llama_norm_with_an_fp32_weight_on_bf16_is_declined_with_the_reason(training):
+    # HF's LlamaRMSNorm with fp32 weights: x̂ rounded to bf16, then scaled in fp32 (an fp32 output)
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=training), torch.randn(8, requires_grad=training)
+    fusions, sites = explain(lambda x, w: llama_rms_norm(x, w, 1e-6), x, w)
+    assert fusions["rms_norm"] == 0
+    assert sites == [("aten.rsqrt.default", "rms_norm", "the output is torch.float32, promoted from the input's "
+                      "torch.bfloat16 by the weight; the fused norm keeps x's dtype")]
+
+
 def test_weight_that_broadcasts_over_more_dims_than_normalized_is_declined_with_the_reason():
     # a [s, h] weight scaling a norm over h alone: the fused op would normalize over both dims
     fusions, sites = explain(lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
