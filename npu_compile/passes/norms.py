@@ -265,9 +265,20 @@ def _rms_dims(match, x, weight) -> str | None:
     return None
 
 
+def _summands_in_graph_order(match):
+    """The values of x and residual as the graph's add takes them (a rule traced with its summands swapped
+    binds them the other way round)."""
+    pair = {match.kwargs["x"], match.kwargs["residual"]}
+    for node in match.nodes:
+        if node.target == aten.add.Tensor and len(node.args) == 2 and set(node.args) == pair:
+            return node.args[0].meta["val"], node.args[1].meta["val"]
+    return _val(match, "x"), _val(match, "residual")
+
+
 def _residual(match) -> str | None:
     x, residual = _val(match, "x"), _val(match, "residual")
     if x.shape != residual.shape or sum_dtype(x.dtype, residual.dtype) is None:
+        x, residual = _summands_in_graph_order(match)
         return (f"x {tuple(x.shape)} {x.dtype} + residual {tuple(residual.shape)} {residual.dtype}: the fused add "
                 "needs one shape and one dtype, or a bf16/fp16 and an fp32 summand (no broadcast, no other "
                 "promotion)")
