@@ -406,6 +406,9 @@ def check_rms_norm(c: Call) -> str | None:
 
 def check_add_norm(c: Call) -> str | None:
     x = c.val("x") if "x" in c.args else c.val("total")  # the backward ops take the saved sum
+    if "residual" in c.args and c.val("residual").dtype != x.dtype:  # an fp32 residual stream
+        return (f"x {x.dtype} and residual {c.val('residual').dtype} differ; the npu add-norm kernels take one "
+                "dtype for both summands")
     bias = c.val("bias") if "bias" in c.args else None
     return _norm_check(x, c.val("weight"), bias)
 

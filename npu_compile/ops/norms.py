@@ -13,9 +13,13 @@ Decisions:
 - The normalized dims are the last weight.dim() dims of x (the npu_rms_norm rule); Megatron's 1-D weight
   normalizes the hidden dim. weight is required (Megatron always has one; a zero-centred gamma is the rule's
   `weight + 1`). add_layer_norm's bias may be None.
-- y is computed in fp32 from x·rstd·weight and rounded once to x.dtype: the npu semantics, and eager's when
-  x and weight share a dtype. Rules must not fire where weight's dtype would promote y (fp32 weight, bf16 x).
-- x and residual must share a dtype; sum is x + residual rounded to it, exactly as eager's add.
+- y is computed in fp32 from x·rstd·weight and rounded once to x.dtype: the npu semantics, eager's when
+  x and weight share a dtype, and F.rms_norm's / F.layer_norm's for an fp32 weight on bf16/fp16 x (Megatron's
+  torch norms keep fp32 weights in a bf16 model). Rules must not fire where the weight's dtype promotes y
+  (a hand-written ``x·rstd·weight`` with an fp32 weight on bf16 x gives fp32).
+- x and residual share a dtype, or one is bf16/fp16 and the other fp32 (an fp32 residual stream,
+  ``residual.float() + x``): sum is x + residual in the wider dtype, exactly eager's promoting add, and the norm
+  and y follow the sum's dtype; each summand's gradient comes back in its own dtype.
 - The add ops save sum, not x and residual: one tensor instead of two, and the gradient of both summands is
   the same tensor.
 - Plain layer_norm is not here: aten.native_layer_norm already is a fused op with fp32 statistics.
@@ -41,10 +45,30 @@ def _stat_shape(x: Tensor, weight: Tensor) -> tuple:
     return tuple(x.shape[: x.dim() - k]) + (1,) * k
 
 
-def _check_add(x: Tensor, residual: Tensor) -> None:
-    if x.shape != residual.shape or x.dtype != residual.dtype:
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def sum_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype | None:
+    """The dtype of the fused ops' x + residual: their common dtype, or fp32 for a bf16/fp16 summand and an
+    fp32 one (what eager's add promotes to, exactly); None for any other pair."""
+    if a == b:
+        return a
+    if {a, b} in ({torch.float32, torch.bfloat16}, {torch.float32, torch.float16}):
+        return torch.float32
+    return None
+
+
+def _check_add(x: Tensor, residual: Tensor) -> torch.dtype:
+    dtype = sum_dtype(x.dtype, residual.dtype)
+    if x.shape != residual.shape or dtype is None:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
-                         "must share shape and dtype")
+                         "must share shape and dtype, or be a bf16/fp16 tensor and an fp32 one")
+    return dtype
+
+
+def _add(x: Tensor, residual: Tensor) -> Tensor:
+    dtype = _check_add(x, residual)
+    return (x.to(dtype) + residual.to(dtype)).contiguous()
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------------------
@@ -114,17 +138,16 @@ rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup_context)
 @torch.library.custom_op("npu_compile::add_rms_norm", mutates_args=())
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor]:
     """sum = x + residual; returns (rms_norm(sum)·weight, rstd, sum)."""
-    _check_add(x, residual)
-    total = (x + residual).contiguous()
+    total = _add(x, residual)
     y, rstd = _rms_forward(total, weight, eps)
     return y, rstd, total
 
 
 @add_rms_norm.register_fake
 def _(x, residual, weight, eps=1e-6):
-    _check_add(x, residual)
-    return (x.new_empty(x.shape), x.new_empty(_stat_shape(x, weight), dtype=acc_dtype(x.dtype)),
-            x.new_empty(x.shape))
+    dtype = _check_add(x, residual)
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty(_stat_shape(x, weight), dtype=acc_dtype(dtype)),
+            x.new_empty(x.shape, dtype=dtype))
 
 
 @torch.library.custom_op("npu_compile::add_rms_norm_backward", mutates_args=())
@@ -152,8 +175,8 @@ def _add_rms_setup_context(ctx, inputs, output):
 
 def _add_rms_grad(ctx, grad_y, _grad_rstd, grad_sum):
     total, weight, rstd = ctx.saved_tensors
-    grad_x, grad_weight = torch.ops.npu_compile.add_rms_norm_backward(grad_y, grad_sum, total, weight, rstd)
-    return grad_x, grad_x, grad_weight, None
+    grad_total, grad_weight = torch.ops.npu_compile.add_rms_norm_backward(grad_y, grad_sum, total, weight, rstd)
+    return grad_total, grad_total, grad_weight, None  # autograd casts a narrower summand's back to its dtype
 
 
 add_rms_norm.register_autograd(_add_rms_grad, setup_context=_add_rms_setup_context)
@@ -165,8 +188,7 @@ add_rms_norm.register_autograd(_add_rms_grad, setup_context=_add_rms_setup_conte
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                    eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """sum = x + residual; returns ((sum − mean)·rstd·weight + bias, mean, rstd, sum), biased variance."""
-    _check_add(x, residual)
-    total = (x + residual).contiguous()
+    total = _add(x, residual)
     dims = _norm_dims(total, weight)
     xf = total.to(acc_dtype(total.dtype))
     mean = xf.mean(dims, keepdim=True).contiguous()
@@ -180,10 +202,11 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Optional[T
 
 @add_layer_norm.register_fake
 def _(x, residual, weight, bias=None, eps=1e-5):
-    _check_add(x, residual)
+    dtype = _check_add(x, residual)
     stat = _stat_shape(x, weight)
-    acc = acc_dtype(x.dtype)
-    return x.new_empty(x.shape), x.new_empty(stat, dtype=acc), x.new_empty(stat, dtype=acc), x.new_empty(x.shape)
+    acc = acc_dtype(dtype)
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty(stat, dtype=acc), x.new_empty(stat, dtype=acc),
+            x.new_empty(x.shape, dtype=dtype))
 
 
 @torch.library.custom_op("npu_compile::add_layer_norm_backward", mutates_args=())

@@ -11,6 +11,17 @@ Rules and the forms they take (each as megatron-core 0.16.1 traces it under Dyna
   - Megatron's ``bias_gelu_impl`` (bias_activation_fusion=True): an autograd.Function whose forward is the tanh
     formula ``x·0.5·(1 + tanh(0.79788456·x·(1 + 0.044715·x²)))`` on ``x = bias + y`` and whose backward is its
     hand-written derivative. Both halves appear in the joint graph, and both are taken.
+  - the tanh GeLU written out, as HF's NewGELUActivation and GPT-2's gelu_new write it:
+    ``0.5·x·(1 + tanh(k·(x + c·x³)))`` with c·x³ as ``c * torch.pow(x, 3.0)``, ``c * x ** 3``,
+    ``c * (x * x * x)`` or ``c * x * x * x``, on ``x``
+    alone or on ``x + bias``, k and c read from the match (``math.sqrt(2 / math.pi)``, a truncated
+    0.7978845608, ...) and taken when they are √(2/π) and 0.044715 to 1e-6 relative: the fused op's tanh form
+    (``approximate="tanh"``), forward and backward.
+  - ``F.gelu(nn.Linear(bias=True)(x))``: the linear's bias sits inside its ``addmm(bias, x2d, wᵀ)`` (then a
+    view back to x's rank), where no add is left for the rule above. The match splits it: ``mm(x2d, wᵀ)``
+    and the fused op's bias + GeLU, forward and backward (the bias gradient is the fused backward's). In
+    bf16/fp16 this moves a rounding: addmm adds the bias to its fp32 accumulator and rounds once, the split
+    rounds the product, then the sum (as an unfused ``mm + bias`` does): x + bias may differ by one ulp.
   - A lone ``gelu(x)`` stays as it is, by choice: npu_gelu is the kernel aten.gelu already runs on the NPU, so
     a bias-less replacement would only rename it. It is not reported as a missed site.
 - ``swiglu``
@@ -29,13 +40,14 @@ one dtype) and the same strides, which replacements keep with ``in_layout_of`` (
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 import torch.nn.functional as F
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
-from npu_compile.passes.engine import Rule, bias_problem, in_layout_of, layout_check, register_rule
+from npu_compile.passes.engine import Rule, bias_problem, contiguous_outputs, in_layout_of, layout_check, register_rule
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
@@ -124,12 +136,117 @@ def bias_gelu_check(match):
     return bias_problem(x, bias) or in_x_layout(match)
 
 
+# ---- nn.Linear(bias=True) → GeLU: the bias inside addmm -----------------------------------------------
+
+
+def linear_gelu(x, weight, bias):
+    return F.gelu(F.linear(x, weight, bias))
+
+
+def linear_gelu_tanh(x, weight, bias):
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+def fused_linear_gelu(x, weight, bias):
+    return fused.bias_gelu(F.linear(x, weight), bias, "none")
+
+
+def fused_linear_gelu_tanh(x, weight, bias):
+    return fused.bias_gelu(F.linear(x, weight), bias, "tanh")
+
+
+def linear_gelu_examples():
+    """x of rank 2 (addmm alone) and 3 (addmm between views); x with or without grad (a first layer's input
+    has none), weight and bias trained or frozen."""
+    for shape in ((4, 8), (2, 4, 8)):
+        for x_grad, params_grad in ((True, True), (False, True), (True, False)):
+            yield [torch.empty(shape, requires_grad=x_grad), torch.empty(16, 8, requires_grad=params_grad),
+                   torch.empty(16, requires_grad=params_grad)]
+
+
+def linear_gelu_check(match):
+    x, bias = match.kwargs["x"].meta["val"], match.kwargs["bias"].meta["val"]
+    if bias.dtype != x.dtype:
+        return f"bias dtype {bias.dtype} differs from the input's {x.dtype} (addmm promotes; the fused op does not)"
+    return contiguous_outputs(match)
+
+
+# ---- the tanh GeLU written out ---------------------------------------------------------------------------
+# The constants the written-out forms are traced with, so that a model's k and c are read from the match;
+# unlike any other constant in the patterns.
+K_TRACED, C_TRACED = 0.8120433, 0.0417291
+
+
+def new_gelu_pow(x, k, c):
+    """HF's NewGELUActivation, GPT-2's gelu_new: ``torch.pow(x, 3.0)`` (``x ** 3`` traces alike)."""
+    return 0.5 * x * (1.0 + torch.tanh(k * (x + c * torch.pow(x, 3.0))))
+
+
+def new_gelu_cube(x, k, c):
+    return 0.5 * x * (1.0 + torch.tanh(k * (x + c * (x * x * x))))
+
+
+def new_gelu_cube_left(x, k, c):
+    """... with ``c * x * x * x`` multiplied out from the left."""
+    return 0.5 * x * (1.0 + torch.tanh(k * (x + c * x * x * x)))
+
+
+def biased(form):
+    """``form`` on ``x + bias``."""
+
+    def bias_form(x, bias, k, c):
+        return form(x + bias, k, c)
+
+    bias_form.__name__ = f"bias_{form.__name__}"
+    return bias_form
+
+
+def fused_tanh_gelu(x, k, c):
+    return in_layout_of(fused.bias_gelu(x, None, "tanh"), x)
+
+
+def fused_bias_tanh_gelu(x, bias, k, c):
+    return in_layout_of(fused.bias_gelu(x, bias, "tanh"), x)
+
+
+def tanh_gelu_examples():
+    yield [torch.empty(2, 4, 8, requires_grad=True), K_TRACED, C_TRACED]
+
+
+def bias_tanh_gelu_examples():
+    for x, bias in bias_gelu_examples():
+        yield [x, bias, K_TRACED, C_TRACED]
+
+
+def tanh_constants_check(match) -> bool | str:
+    """k and c of a written-out tanh GeLU are the fused op's √(2/π) and 0.044715 (to 1e-6 relative)."""
+    for name, want in (("k", math.sqrt(2.0 / math.pi)), ("c", TANH_CUBIC)):
+        got = match.kwargs[name]
+        if not isinstance(got, (int, float)) or abs(got / want - 1.0) > 1e-6:
+            return (f"the tanh GeLU's constant {got!r} is not {want:.10g} (to 1e-6): the fused tanh GeLU "
+                    "computes 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))")
+    return True
+
+
+def tanh_gelu_check(match):
+    verdict = tanh_constants_check(match)
+    if verdict is not True:
+        return verdict
+    return bias_gelu_check(match) if "bias" in match.kwargs else in_x_layout(match)
+
+
 def bias_gelu_site(node: torch.fx.Node) -> bool:
-    """gelu(x + b), or the tanh of a tanh GeLU spelled with √(2/π); a gelu with no add in front is no site."""
+    """gelu(x + b) or gelu(addmm(b, ...)) (through a view), or the tanh of a tanh GeLU spelled with √(2/π);
+    a gelu with no bias in front is no site."""
     if node.target == aten.gelu.default:
         add = node.args[0]
+        if _call_to(add, aten.view.default) or _call_to(add, aten._unsafe_view.default):
+            add = add.args[0]
+        if _call_to(add, aten.addmm.default):
+            return True
         return _call_to(add, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in add.args)
-    return _mentions(node.args[0], SQRT_2_OVER_PI, depth=3)
+    # within 1e-4: a truncated √(2/π) (0.79788) is a tanh GeLU too, whose constant the check then names
+    return _mentions(node.args[0], SQRT_2_OVER_PI, depth=3, tolerance=1e-4)
 
 
 for _pattern, _replacement, _wanted in (
@@ -147,6 +264,36 @@ for _pattern, _replacement, _wanted in (
         site=bias_gelu_site,
         wanted=_wanted,
     ))
+
+for _pattern, _replacement in ((linear_gelu, fused_linear_gelu), (linear_gelu_tanh, fused_linear_gelu_tanh)):
+    register_rule(Rule(
+        name="bias_gelu",
+        pattern=_pattern,
+        replacement=_replacement,
+        example_inputs=linear_gelu_examples,
+        extra_check=linear_gelu_check,
+        anchors=(aten.gelu.default, aten.tanh.default),
+        site=bias_gelu_site,
+        wanted=_calls(aten.gelu.default, aten.addmm.default),
+    ))
+
+# the written-out forms: with a bias first (it claims the add), then on x alone
+for _form, _wanted in ((new_gelu_pow, _calls(aten.tanh.default, aten.pow.Tensor_Scalar)),
+                       (new_gelu_cube, _calls(aten.tanh.default)),
+                       (new_gelu_cube_left, _calls(aten.tanh.default))):
+    for _pattern, _replacement, _examples in ((biased(_form), fused_bias_tanh_gelu, bias_tanh_gelu_examples),
+                                              (_form, fused_tanh_gelu, tanh_gelu_examples)):
+        register_rule(Rule(
+            name="bias_gelu",
+            pattern=_pattern,
+            replacement=_replacement,
+            example_inputs=_examples,
+            scalars={"k": K_TRACED, "c": C_TRACED},
+            extra_check=tanh_gelu_check,
+            anchors=(aten.gelu.default, aten.tanh.default),
+            site=bias_gelu_site,
+            wanted=_wanted,
+        ))
 
 
 # ==== SwiGLU ================================================================================================
@@ -286,11 +433,13 @@ def _call_to(node, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 
 
-def _mentions(node, value: float, depth: int) -> bool:
-    """Whether the constant ``value`` is an argument of ``node`` or of its inputs up to ``depth`` levels up."""
+def _mentions(node, value: float, depth: int, tolerance: float = 1e-6) -> bool:
+    """Whether the constant ``value`` (to ``tolerance``) is an argument of ``node`` or of its inputs up to
+    ``depth`` levels up."""
     if not isinstance(node, torch.fx.Node) or depth == 0:
         return False
-    return any((isinstance(a, float) and abs(a - value) < 1e-6) or _mentions(a, value, depth - 1) for a in node.args)
+    return any((isinstance(a, float) and abs(a - value) < tolerance) or _mentions(a, value, depth - 1, tolerance)
+               for a in node.args)
 
 
 def _split_above(node, hops: int = 3):

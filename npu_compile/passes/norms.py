@@ -28,25 +28,34 @@ With dropout before the residual add (hidden_dropout > 0), the add rules decline
 it fuses alone (``rms_norm``; a LayerNorm stays native_layer_norm). The sum is saved either way, so the split
 costs one read of the sum and saves the mask and a kernel.
 
+Mixed precision: every form also fires in bf16 and fp16 as they occur in training: ``F.rms_norm`` (and
+LayerNorm) with an fp32 weight on bf16/fp16 x (Megatron's torch norms keep fp32 weights when the model is built
+with ``params_dtype=torch.bfloat16``; eager casts x up, normalizes in fp32 and rounds y once to x's dtype, as the
+fused ops do), and an fp32 residual stream, ``residual.float() + x`` (the sum is fp32, the norm runs on it, and
+autograd casts the bf16 summand's gradient back, outside the matched ops, so that add traces as a one-dtype
+add does). The fp32-weight variant is traced only for graphs that hold such a norm.
+
 Every match must produce what the fused op produces: the norm over exactly the weight's trailing dims, the
-output in x's dtype (no promotion by a weight of another dtype), x and residual of one shape and dtype, and
-contiguous outputs.
+output in x's dtype (no promotion by a weight of another dtype), x and residual of one shape and of one dtype
+or a bf16/fp16 and an fp32 one, and contiguous outputs.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 import torch.nn.functional as F
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
+from npu_compile.ops.norms import sum_dtype
 from npu_compile.passes.engine import Rule, contiguous_outputs, register_rule
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
 
-DTYPES = (torch.float32, torch.bfloat16)
+F32, BF16 = torch.float32, torch.bfloat16
 # The eps the patterns are traced with, so the model's eps is read from the match: exact in fp32 (torch.rms_norm
 # rounds eps to fp32, so a value that is not would not be found again) and unlike any other constant there.
 EPS = 2.0**-20
@@ -78,16 +87,19 @@ def rms_norm_fp32_weight_last(x, weight, eps):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-# Each form with the dtypes whose graphs differ: torch.rms_norm casts to fp32 for bf16; the hand-written forms
-# without casts trace alike for every dtype; the fp32 forms' casts exist only for a low-precision x (and bf16
-# stands for fp16 too, the first match ignoring dtypes). The eps add tells the forms apart cheaply: torch.rms_norm
-# adds a Scalar, a hand-written "+ eps" a Tensor.
+# Each form with the (x, weight) dtypes whose graphs differ: torch.rms_norm casts to fp32 for bf16, and with an
+# fp32 weight casts only x (and only the gradient of x back); the hand-written forms without casts trace alike
+# for every dtype; the fp32 forms' casts exist only for a low-precision x (and bf16 stands for fp16 too, the
+# first match ignoring dtypes). The eps add tells the forms apart cheaply: torch.rms_norm adds a Scalar, a
+# hand-written "+ eps" a Tensor.
 RMS_NORMS = (
-    (torch_rms_norm, DTYPES, aten.add.Scalar),
-    (rms_norm_weight_last, (torch.float32,), aten.add.Tensor),
-    (rms_norm_weight_first, (torch.float32,), aten.add.Tensor),
-    (rms_norm_fp32_weight_first, (torch.bfloat16,), aten.add.Tensor),
-    (rms_norm_fp32_weight_last, (torch.bfloat16,), aten.add.Tensor),
+    (torch_rms_norm, ((F32, F32), (BF16, BF16), (BF16, F32)), aten.add.Scalar),
+    (rms_norm_weight_last, ((F32, F32),), aten.add.Tensor),
+    (rms_norm_weight_first, ((F32, F32),), aten.add.Tensor),
+    # with an fp32 weight the output is fp32, its x̂ rounded to x's dtype first: no fused op gives that, and
+    # the variant is traced to say so (the check declines it) rather than to leave a bare miss
+    (rms_norm_fp32_weight_first, ((BF16, BF16), (BF16, F32)), aten.add.Tensor),
+    (rms_norm_fp32_weight_last, ((BF16, BF16), (BF16, F32)), aten.add.Tensor),
 )
 
 
@@ -175,11 +187,27 @@ def _t(*shape, dtype=torch.float32, grad=True):
 
 def _rms_examples(dtypes):
     def examples():
-        for dtype in dtypes:
+        for dtype, weight_dtype in dtypes:
             for weight_grad in (True, False):
-                yield [_t(2, 8, dtype=dtype), _t(8, dtype=dtype, grad=weight_grad)]
+                yield [_t(2, 8, dtype=dtype), _t(8, dtype=weight_dtype, grad=weight_grad)]
 
     return examples
+
+
+# A bf16/fp16 summand and an fp32 one (an fp32 residual stream) trace to the same graph as one dtype: the add
+# promotes, and the cast of the narrower summand's gradient is autograd's, outside the matched ops. But then the
+# two summands' gradients are one node of the pattern, which the replacement's first gradient (x's) replaces,
+# so x must be the wider summand: ``h + residual`` with a bf16 h binds x to h in the traced order and is
+# declined, and the same pattern traced with its summands swapped (``residual + x``) takes it.
+def summands_swapped(pattern):
+    """``pattern`` adding its summands the other way round: the graph's ``a + b`` binds x to b."""
+
+    @functools.wraps(pattern)  # register_replacement reads the argument names from the signature
+    def swapped(x, residual, *rest):
+        return pattern(residual, x, *rest)
+
+    swapped.__name__ = f"{pattern.__name__}_swapped"
+    return swapped
 
 
 def _add_rms_examples(dtypes):
@@ -191,7 +219,7 @@ def _add_rms_examples(dtypes):
 
 
 def _add_layer_norm_examples():
-    # native_layer_norm takes every dtype as it is: one dtype traces them all.
+    # native_layer_norm takes every dtype as it is (an fp32 weight on bf16 x too): one dtype traces them all.
     for affine_grad in (True, False):
         yield [_t(2, 8), _t(2, 8), _t(8, grad=affine_grad), _t(8, grad=affine_grad)]
 
@@ -219,6 +247,9 @@ def _normalized_dims(x, weight) -> str | None:
 
 def _same_dtype_out(match, x) -> str | None:
     y = match.output_nodes()[0].meta["val"]  # the forward output comes first in every pattern
+    residual = _val(match, "residual")
+    if residual is not None:  # the norm of a sum runs in the sum's dtype
+        x = x.new_empty((), dtype=sum_dtype(x.dtype, residual.dtype) or x.dtype)
     if y.dtype != x.dtype:
         return f"the output is {y.dtype}, promoted from the input's {x.dtype} by the weight; the fused norm keeps x's dtype"
     return None
@@ -234,13 +265,28 @@ def _rms_dims(match, x, weight) -> str | None:
     return None
 
 
+def _summands_in_graph_order(match):
+    """The values of x and residual as the graph's add takes them (a rule traced with its summands swapped
+    binds them the other way round)."""
+    pair = {match.kwargs["x"], match.kwargs["residual"]}
+    for node in match.nodes:
+        if node.target == aten.add.Tensor and len(node.args) == 2 and set(node.args) == pair:
+            return node.args[0].meta["val"], node.args[1].meta["val"]
+    return _val(match, "x"), _val(match, "residual")
+
+
 def _residual(match) -> str | None:
     x, residual = _val(match, "x"), _val(match, "residual")
-    if x.shape != residual.shape or x.dtype != residual.dtype:
+    if x.shape != residual.shape or sum_dtype(x.dtype, residual.dtype) is None:
+        x, residual = _summands_in_graph_order(match)
         return (f"x {tuple(x.shape)} {x.dtype} + residual {tuple(residual.shape)} {residual.dtype}: the fused add "
-                "needs one shape and dtype (no broadcast, no promotion)")
+                "needs one shape and one dtype, or a bf16/fp16 and an fp32 summand (no broadcast, no other "
+                "promotion)")
     if _dropped(match.kwargs["x"]) or _dropped(match.kwargs["residual"]):
         return AFTER_DROPOUT
+    if x.dtype != sum_dtype(x.dtype, residual.dtype):
+        return (f"x {x.dtype} is the narrower summand of x + residual {residual.dtype}: the add rules traced "
+                "with the summands swapped take it")
     return None
 
 
@@ -331,40 +377,61 @@ def _has_rms_norm(eps_add):
     return wanted
 
 
+def _mixed_add(graph) -> bool:
+    """The graph adds a bf16/fp16 tensor and an fp32 one (an fp32 residual stream)."""
+    for node in graph.find_nodes(op="call_function", target=aten.add.Tensor):
+        vals = [a.meta.get("val") for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+        if (len(vals) == 2 and all(isinstance(v, torch.Tensor) for v in vals) and vals[0].dtype != vals[1].dtype
+                and sum_dtype(vals[0].dtype, vals[1].dtype) is not None):
+            return True
+    return False
+
+
+def _both(*wants):
+    return lambda graph: all(want(graph) for want in wants)
+
+
 # ==== the rules, in the order they apply ====================================================================
 
-for _norm, _dtypes, _eps_add in RMS_NORMS:
-    for _pattern, _replacement in ((residual_add_then(_norm), fused_add_rms_norm),
-                                   (residual_add_into(_norm), fused_add_rms_norm_last)):
-        register_rule(Rule(
-            name="add_rms_norm",
-            pattern=_pattern,
-            replacement=_replacement,
-            example_inputs=_add_rms_examples(_dtypes),
-            scalars={"eps": EPS},
-            extra_check=_add_rms_check,
-            anchors=(aten.add.Tensor,),
-            site=_add_rms_norm_site,
-            wanted=_has_rms_norm(_eps_add),
-        ))
+# Each add rule twice: as traced, then with its summands swapped for an fp32 residual stream whose narrower
+# summand comes first (traced only for graphs with such an add).
+for _swapped in (False, True):
+    for _norm, _dtypes, _eps_add in RMS_NORMS:
+        if _swapped and not any(x_dtype == F32 for x_dtype, _ in _dtypes):
+            continue  # a sum with an fp32 summand is fp32: only the forms traced in fp32 normalize it
+        for _pattern, _replacement in ((residual_add_then(_norm), fused_add_rms_norm),
+                                       (residual_add_into(_norm), fused_add_rms_norm_last)):
+            register_rule(Rule(
+                name="add_rms_norm",
+                pattern=summands_swapped(_pattern) if _swapped else _pattern,
+                replacement=_replacement,
+                example_inputs=_add_rms_examples(_dtypes),
+                scalars={"eps": EPS},
+                extra_check=_add_rms_check,
+                anchors=(aten.add.Tensor,),
+                site=_add_rms_norm_site,
+                wanted=_both(_has_rms_norm(_eps_add), _mixed_add) if _swapped else _has_rms_norm(_eps_add),
+            ))
 
-for _pattern, _replacement, _examples in (
-    (add_layer_norm, fused_add_layer_norm, _add_layer_norm_examples),
-    (add_layer_norm_last, fused_add_layer_norm_last, _add_layer_norm_examples),
-    (add_layer_norm_no_bias, fused_add_layer_norm_no_bias, _add_layer_norm_no_bias_examples),
-    (add_layer_norm_no_bias_last, fused_add_layer_norm_no_bias_last, _add_layer_norm_no_bias_examples),
-):
-    register_rule(Rule(
-        name="add_layer_norm",
-        pattern=_pattern,
-        replacement=_replacement,
-        example_inputs=_examples,
-        scalars={"eps": EPS},
-        extra_check=_add_layer_norm_check,
-        anchors=(aten.native_layer_norm.default,),
-        site=_add_layer_norm_site,
-        wanted=_has(aten.native_layer_norm.default),
-    ))
+for _swapped in (False, True):
+    for _pattern, _replacement, _examples in (
+        (add_layer_norm, fused_add_layer_norm, _add_layer_norm_examples),
+        (add_layer_norm_last, fused_add_layer_norm_last, _add_layer_norm_examples),
+        (add_layer_norm_no_bias, fused_add_layer_norm_no_bias, _add_layer_norm_no_bias_examples),
+        (add_layer_norm_no_bias_last, fused_add_layer_norm_no_bias_last, _add_layer_norm_no_bias_examples),
+    ):
+        _layer_norm = _has(aten.native_layer_norm.default)
+        register_rule(Rule(
+            name="add_layer_norm",
+            pattern=summands_swapped(_pattern) if _swapped else _pattern,
+            replacement=_replacement,
+            example_inputs=_examples,
+            scalars={"eps": EPS},
+            extra_check=_add_layer_norm_check,
+            anchors=(aten.native_layer_norm.default,),
+            site=_add_layer_norm_site,
+            wanted=_both(_layer_norm, _mixed_add) if _swapped else _layer_norm,
+        ))
 
 for _norm, _dtypes, _eps_add in RMS_NORMS:
     register_rule(Rule(

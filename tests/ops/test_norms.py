@@ -204,3 +204,33 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda x, r, w, b: ops.add_layer_norm(x, r, w, b, 1e-5)[::3],
                                     (x, residual, weight, bias))
     assert torch.autograd.gradcheck(lambda x, r, w: ops.add_layer_norm(x, r, w, None, 1e-5)[0], (x, residual, weight))
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("narrow_first", [True, False])
+def test_add_norms_of_an_fp32_residual_stream(low, narrow_first):
+    """A bf16/fp16 summand and an fp32 one: the sum is eager's promoted fp32 add, exactly; the norm runs on it in
+    fp32 and each summand's gradient comes back in its own dtype, as eager's."""
+    gen = torch.Generator().manual_seed(0)
+    narrow = torch.randn(4, 16, generator=gen).to(low).requires_grad_()
+    wide = torch.randn(4, 16, generator=gen, requires_grad=True)
+    weight, bias = torch.randn(16, generator=gen, requires_grad=True), torch.randn(16, generator=gen, requires_grad=True)
+    x, residual = (narrow, wide) if narrow_first else (wide, narrow)
+    grad_y, grad_sum = torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
+    for op, args, ref in [
+        (ops.add_rms_norm, (weight, 1e-6), lambda s: F.rms_norm(s, (16,), weight, 1e-6)),
+        (ops.add_layer_norm, (weight, bias, 1e-5), lambda s: F.layer_norm(s, (16,), weight, bias, 1e-5)),
+    ]:
+        y, *_, total = op(x, residual, *args)
+        assert y.dtype == total.dtype == torch.float32
+        want_total = x + residual
+        torch.testing.assert_close(total, want_total, rtol=0, atol=0)
+        assert_matches(y, ref(want_total), torch.float32, "y")
+        inputs = (x, residual, weight)
+        got = torch.autograd.grad((y, total), inputs, (grad_y, grad_sum))
+        want = torch.autograd.grad((ref(want_total), want_total), inputs, (grad_y, grad_sum))
+        for g, w, t in zip(got, want, inputs):
+            assert g.dtype == t.dtype
+            assert_matches(g, w, t.dtype, "grad")
+    with pytest.raises(ValueError, match="or be a bf16/fp16 tensor and an fp32 one"):
+        ops.add_rms_norm(narrow, wide.double(), weight, 1e-6)

@@ -18,8 +18,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 # fp32: the project's 1e-5 against eager. Lower precisions: eager rounds after every op and the fused ops once
 # from fp32, so the compiled result is held to the float64 result instead: no further from it than eager is,
-# plus two ulps (bf16: 2^-8 each) of the tensor's scale.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8}
+# plus two ulps (bf16: 2^-8 each, fp16: 2^-11) of the tensor's scale.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8, torch.float16: 2 * 2.0**-11}
 
 
 class Comparison:
@@ -110,6 +110,53 @@ def train_with_eager(make_config, *, steps=3, memory_budget=1.0, batch=2, seq=32
         errors[f"step {step} loss"] = relative_error(loss1, loss0)
         errors.update({f"step {step} grad {n}": relative_error(grads1[n], grads0[n]) for n in grads0})
     return Comparison(reports[0], errors)
+
+
+def static_and_dynamic(fn, make_inputs, *, dynamic, rules, sizes=(12, 7)):
+    """``fn`` compiled with ascend (only ``rules``) on ``make_inputs(n)`` for n in ``sizes``, once with static
+    shapes and once with the dims ``dynamic`` ({input index: dim}) marked dynamic, forward and backward, each
+    output and gradient checked against eager (fp32 within 1e-5 of float64 beyond eager's own error). The
+    dynamic compilation must serve every size with one graph (its sizes are symbols, not guarded ints).
+    Returns the fusions of the static and the dynamic graph (of the first size)."""
+
+    def run(f, args):
+        out = f(*args)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=out.dtype))
+        return [out, *(a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad)]
+
+    def fresh(inputs, dtype=None):
+        return [t.detach().to(dtype or t.dtype).requires_grad_(t.requires_grad) for t in inputs]
+
+    fusions = {}
+    for is_dynamic in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="ascend", options={"fusions": list(rules)},
+                                 dynamic=None if is_dynamic else False)
+        with collect() as reports:
+            for n in sizes:
+                inputs = make_inputs(n)
+                args = fresh(inputs)
+                if is_dynamic:
+                    for i, dim in dynamic.items():
+                        torch._dynamo.mark_dynamic(args[i], dim)
+                with torch._dynamo.config.patch(disable=True):
+                    expected, exact = run(fn, fresh(inputs)), run(fn, fresh(inputs, torch.float64))
+                got = run(compiled, args)
+                for g, e, x in zip(got, expected, exact):
+                    assert g.shape == e.shape and g.dtype == e.dtype
+                    assert relative_error(g, x) <= 1e-5 + relative_error(e, x), (n, is_dynamic)
+        if is_dynamic:
+            assert len(reports) == 1, f"{len(reports)} graphs for sizes {sizes}: the dynamic dims were specialized"
+        fusions[is_dynamic] = {k: v for k, v in reports[0].fusions.items() if v}
+        assert reports[0].unfused == [], reports[0].unfused
+    torch._dynamo.reset()
+    return fusions[False], fusions[True]
+
+
+@pytest.fixture(scope="session")
+def static_then_dynamic():
+    """``static_and_dynamic``, for the families' symbolic-shape tests."""
+    return static_and_dynamic
 
 
 @pytest.fixture(scope="session")

@@ -300,3 +300,28 @@ def test_p_zero_and_dropouts_that_feed_no_residual_add_are_no_sites():
     assert fusions == {"bias_dropout_add": 0} and sites == []
     fusions, sites = explain(lambda x, w: F.dropout(x, 0.1, training=True) @ w, x, torch.randn(8, 8))
     assert fusions == {"bias_dropout_add": 0} and sites == []
+
+
+# ==== symbolic shapes: a dynamic sequence dim fuses as a static one ===========================================
+
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_bias_dropout_add_fires_on_a_dynamic_sequence_dim(has_bias):
+    fn = bias_dropout_add(True, has_bias)
+    gen = torch.Generator().manual_seed(0)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ascend", options={"fusions": list(RULES)})
+    with collect() as reports:
+        for s in (12, 7):  # one graph serves both: the sequence dim is a symbol
+            x, residual = (torch.randn(s, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
+            bias = [torch.randn(16, generator=gen, requires_grad=True)] if has_bias else []
+            leaves = [t.detach().clone().requires_grad_() for t in (x, residual, *bias)]
+            for t in leaves[:2]:
+                torch._dynamo.mark_dynamic(t, 0)
+            out = compiled(leaves[0], leaves[1], 0.25, *leaves[2:])
+            grad_out = torch.randn(out.shape, generator=gen)
+            out.backward(grad_out)
+            check_against_its_mask(x.detach(), residual.detach(), bias, 0.25, out.detach(),
+                                   [t.grad for t in leaves], grad_out)
+    torch._dynamo.reset()
+    (report,) = reports
+    assert report.fusions == {"bias_dropout_add": 1} and report.unfused == []
