@@ -437,6 +437,17 @@ def emit_add_rms_norm_backward(em: Emitter, c: Call, opts: Any) -> Outputs:
 
 def emit_add_layer_norm(em: Emitter, c: Call, opts: Any) -> Outputs:
     beta = c["bias"] if c["bias"] is not None else em(aten.zeros_like.default, c["weight"])
+    x = c.val("x")
+    if x.dtype in (torch.bfloat16, torch.float16):
+        # The kernel normalizes its fp32-internal sum but returns the sum rounded, and the backward sees only
+        # that rounded sum: its x̂ would disagree with the saved mean / rstd by the rounding, which the mean's
+        # subtraction amplifies (a bf16 GPT's gradients came out 2-3x eager's error against fp32). So in half
+        # precision the sum is rounded first, as eager and our op do, and the kernel normalizes that.
+        total = em(aten.add.Tensor, c["x"], c["residual"])
+        zero = em(aten.expand.default, em(aten.new_zeros.default, total, []), list(x.shape))
+        y, mean, rstd, _ = em.outputs(
+            em(npu_op("npu_add_layer_norm"), total, zero, c["weight"], beta, c["eps"], True), 4)
+        return [y, mean, rstd, total]
     call = em(npu_op("npu_add_layer_norm"), c["x"], c["residual"], c["weight"], beta, c["eps"], True)
     return em.outputs(call, 4)  # (y, mean, rstd, x1 + x2): our op's order
 
