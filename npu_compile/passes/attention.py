@@ -55,7 +55,7 @@ ANCHORS = (
 
 # Values the patterns are traced with in place of their float arguments, so a match reads the model's real
 # value there. They differ from each other and from every other constant in the patterns.
-MAGIC = {"scale": 0.1234567, "fill": -9876.5, "dropout_p": 0.1137, "root_scale": 0.3712}
+MAGIC = {"scale": 0.1234567, "fill": -9876.5, "dropout_p": 0.1137, "root_scale": 0.3712, "coeff": 1.618034}
 
 # Example shapes: b=2, n=4 query heads (2 kv heads for GQA), s=8, d=16.
 B, NQ, NKV, S, D = 2, 4, 2, 8, 16
@@ -113,12 +113,18 @@ def scalars_of(params) -> dict[str, float]:
 # ===============================================================================================================
 
 
-def megatron_core_attention(query, key, value, attention_mask, matmul_input_buffer, scale, dropout_p=0.0):
+def megatron_core_attention(query, key, value, attention_mask, matmul_input_buffer, scale, coeff=None,
+                            dropout_p=0.0, *, softmax_in_fp32):
     """DotProductAttention.forward: [s, b, n, d] in, [s, b, n·d] out.
 
     The calls are Megatron's own, in its order: reshape vs view, the in-place masked_fill_, and the buffer that
     baddbmm overwrites all shape the joint graph, and another spelling would not match. The buffer is an
     input, so both the CPU adaptation's fresh ``empty`` and Megatron's cached buffer match.
+
+    FusedScaleMaskSoftmax (its torch path) casts bf16/fp16 scores to fp32 when ``attention_softmax_in_fp32``
+    and back after the softmax (``softmax_in_fp32``; fp32 models trace the same graph either way), and with
+    ``apply_query_key_layer_scaling`` multiplies them by ``coeff`` (the layer number) that baddbmm's alpha
+    divided out.
     """
     groups = query.size(2) // key.size(2)
     if groups > 1:
@@ -130,7 +136,10 @@ def megatron_core_attention(query, key, value, attention_mask, matmul_input_buff
     scores = torch.baddbmm(
         matmul_input_buffer, query.transpose(0, 1), key.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=scale
     ).view(b, n, sq, sk)
-    scores = scores.float()  # softmax_in_fp32 for bf16/fp16 scores; fp32 scores are returned as they are
+    if softmax_in_fp32:
+        scores = scores.float()  # fp32 scores are returned as they are
+    if coeff is not None:
+        scores = scores * coeff
     scores.masked_fill_(attention_mask, -10000.0)  # attention_mask_func
     probs = torch.nn.Softmax(dim=-1)(scores).to(value.dtype)
     if dropout_p > 0.0:
@@ -140,7 +149,9 @@ def megatron_core_attention(query, key, value, attention_mask, matmul_input_buff
     return context.view(sq, b, n * value.size(3))
 
 
-def megatron_fused_attention(query, key, value, attention_mask, matmul_input_buffer, scale, dropout_p=0.0):
+def megatron_fused_attention(query, key, value, attention_mask, matmul_input_buffer, scale, coeff=None,
+                             dropout_p=0.0, *, softmax_in_fp32):
+    scale = scale if coeff is None else scale * coeff
     out = fused(query, key, value, attention_mask, layout="sbnd", scale=scale, dropout_p=dropout_p, fill=-10000.0)
     return out.view(out.size(0), out.size(1), -1)
 
@@ -160,12 +171,13 @@ def megatron_examples() -> list[list]:
 
 
 def megatron_rules() -> Iterator[Rule]:
-    for dropout in ((), ("dropout_p",)):
-        params = ("query", "key", "value", "attention_mask", "matmul_input_buffer", "scale", *dropout)
+    """{softmax in fp32, in the scores' dtype} × {layer scaling off, on} × {dropout off, on}."""
+    for softmax_in_fp32, coeff, dropout in itertools.product((True, False), ((), ("coeff",)), ((), ("dropout_p",))):
+        params = ("query", "key", "value", "attention_mask", "matmul_input_buffer", "scale", *coeff, *dropout)
         yield Rule(
             NAME,
-            variant(megatron_core_attention, params),
-            variant(megatron_fused_attention, params),
+            variant(megatron_core_attention, params, softmax_in_fp32=softmax_in_fp32),
+            variant(megatron_fused_attention, params, softmax_in_fp32=softmax_in_fp32),
             example_inputs=megatron_examples,
             scalars=scalars_of(params),
             extra_check=lambda match: check(match, layout="sbnd", mask="attention_mask"),
@@ -286,9 +298,20 @@ def repeat_kv(t, groups: int, spelling: str):
     return t[:, :, None, :, :].expand(b, n_kv, groups, s, d).reshape(b, n_kv * groups, s, d)
 
 
-def written_out_attention(query, key, value, mask=None, fill=None, bias=None, scale=None, dropout_p=0.0, *, layout,
-                          repeat, key_dims, divide):
-    """softmax(q kᵀ · scale + bias, masked) v; with ``divide``, q kᵀ / scale (``scale`` is then the divisor).
+# How the scores are scaled: "mul" q kᵀ · scale; "div" q kᵀ / scale; "div_tensor" q kᵀ divided by a 0-dim
+# tensor, torch.full([], scale); "query" (q · scale) kᵀ. ``scale`` is the multiplier or the divisor as written.
+SCALINGS = ("mul", "div", "div_tensor", "query")
+
+# Where the softmax runs: "same" in the scores' dtype; "float" scores.float().softmax(-1) and back to v's dtype;
+# "softmax_dtype" F.softmax(scores, -1, dtype=torch.float32) and back. (For fp32 scores all three are one graph.)
+SOFTMAXES = ("same", "float", "softmax_dtype")
+
+
+def written_out_attention(query, key, value, mask=None, keep=None, fill=None, bias=None, scale=None, dropout_p=0.0,
+                          *, layout, repeat, key_dims, scaling, softmax):
+    """softmax(scaled q kᵀ + bias, masked) v. The mask: ``bias`` is added (a float mask: 0/-inf, finfo.min, or
+    learned); ``mask`` (True = masked) is filled by ``masked_fill(mask, fill)``; ``keep`` (True = attend) by
+    ``torch.where(keep, scores, fill)``.
 
     ``key_dims``: kᵀ as ``transpose(-2, -1)`` or ``transpose(2, 3)`` (HF's spelling); aten keeps the dims as
     they were written.
@@ -298,13 +321,27 @@ def written_out_attention(query, key, value, mask=None, fill=None, bias=None, sc
     if repeat:
         key = repeat_kv(key, query.size(1) // key.size(1), repeat)
         value = repeat_kv(value, query.size(1) // value.size(1), repeat)
+    if scaling == "query":
+        query = query * scale
     scores = query @ key.transpose(*key_dims)
-    scores = scores / scale if divide else scores * scale
+    if scaling == "mul":
+        scores = scores * scale
+    elif scaling == "div":
+        scores = scores / scale
+    elif scaling == "div_tensor":
+        scores = scores / torch.full([], scale, dtype=scores.dtype, device=scores.device)
     if bias is not None:
         scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(mask, fill)
-    probs = scores.softmax(dim=-1)
+    if keep is not None:
+        scores = torch.where(keep, scores, fill)
+    if softmax == "float":
+        probs = scores.float().softmax(dim=-1).to(value.dtype)
+    elif softmax == "softmax_dtype":
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    else:
+        probs = scores.softmax(dim=-1)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     out = probs @ value
@@ -315,42 +352,53 @@ def written_out_attention(query, key, value, mask=None, fill=None, bias=None, sc
     return out.transpose(1, 2).contiguous()
 
 
-def written_out_fused_attention(query, key, value, mask=None, fill=None, bias=None, scale=None, dropout_p=0.0, *,
-                                layout, repeat, key_dims, divide):
+def written_out_fused_attention(query, key, value, mask=None, keep=None, fill=None, bias=None, scale=None,
+                                dropout_p=0.0, *, layout, repeat, key_dims, scaling, softmax):
+    """The op computes its softmax in fp32 whatever the spelling (statistics in fp32, one rounding at the end)."""
+    if keep is not None:
+        mask = keep.logical_not()  # where: True = attend; the op: True = masked
     out = fused(
-        query, key, value, mask, bias, layout=IN_LAYOUT[layout], scale=1.0 / scale if divide else scale,
+        query, key, value, mask, bias, layout=IN_LAYOUT[layout], scale=scale if scaling in ("mul", "query") else 1.0 / scale,
         dropout_p=dropout_p, fill=None if fill == float("-inf") else fill,  # -inf removes keys, as the op does
     )
     return out.transpose(1, 2).contiguous() if layout == "bnsd->bsnd" else out
 
 
-WRITTEN_OUT_MASKS = {"none": (), "bias": ("bias",), "fill": ("mask", "fill")}
+WRITTEN_OUT_MASKS = {"none": (), "bias": ("bias",), "fill": ("mask", "fill"), "where": ("keep", "fill")}
 
 
 def written_out_rules() -> Iterator[Rule]:
-    """{the three layouts} × {repeat_interleave, expand, no repeat} × {kᵀ spellings} × {· scale, / divisor}
-    × {no mask, float mask, masked_fill} × {dropout off, on}.
+    """{the three layouts} × {repeat_interleave, expand, no repeat} × {kᵀ spellings} × SCALINGS
+    × {no mask, float mask, masked_fill, where} × SOFTMAXES × {dropout off, on}.
 
     Transposed outputs before [b, n, s, d] ones, and GQA before MHA (an MHA pattern would match a GQA graph
     and leave the repeat in it); both orders hold under ``wanted``, which is the same within each group.
     """
-    for layout, repeat, key_dims, divide, (mask, mask_params), dropout in itertools.product(
-        IN_LAYOUT, ("repeat_interleave", "expand", None), ((-2, -1), (2, 3)), (False, True),
-        WRITTEN_OUT_MASKS.items(), ((), ("dropout_p",)),
+    for layout, repeat, key_dims, scaling, (mask, mask_params), softmax, dropout in itertools.product(
+        IN_LAYOUT, ("repeat_interleave", "expand", None), ((-2, -1), (2, 3)), SCALINGS,
+        WRITTEN_OUT_MASKS.items(), SOFTMAXES, ((), ("dropout_p",)),
     ):
         params = ("query", "key", "value", *mask_params, "scale", *dropout)
-        knobs = dict(layout=layout, repeat=repeat, key_dims=key_dims, divide=divide)
+        knobs = dict(layout=layout, repeat=repeat, key_dims=key_dims, scaling=scaling, softmax=softmax)
 
-        def examples(layout=layout, repeat=repeat, mask=mask):
+        def examples(layout=layout, repeat=repeat, mask=mask, softmax=softmax):
             """Size-1 dims trace graphs of their own, where a reshape or product takes a view instead of a copy:
-            one kv head (MQA) repeated by expand + reshape, and one query row (a decode step) transposed."""
+            one kv head (MQA) repeated by expand + reshape, and one query row (a decode step) transposed.
+            A float mask is a constant or a learned bias (its gradient is then an output too, summed over the
+            dims it broadcasts over: a graph per kind of broadcast). A softmax in fp32 is traced in bf16."""
+            dtype = torch.float32 if softmax == "same" else torch.bfloat16
             shape = (lambda n, s: (B, s, n, D)) if layout == "bsnd" else (lambda n, s: (B, n, s, D))
-            extra = {"bias": lambda sq: [torch.zeros(1, 1, sq, S)],
-                     "fill": lambda sq: [torch.zeros(1, 1, sq, S, dtype=torch.bool)]}.get(mask, lambda sq: [])
+            extra = {
+                "bias": lambda sq: [[torch.zeros(1, 1, sq, S, dtype=dtype)], [leaf(1, 1, sq, S, dtype=dtype)],
+                                    [leaf(sq, S, dtype=dtype)], [leaf(B, NQ, sq, S, dtype=dtype)]],
+                "fill": lambda sq: [[torch.zeros(1, 1, sq, S, dtype=torch.bool)]],
+                "where": lambda sq: [[torch.ones(1, 1, sq, S, dtype=torch.bool)]],
+            }.get(mask, lambda sq: [[]])
             kv_heads = {"expand": (NKV, 1), "repeat_interleave": (NKV,), None: (NQ,)}[repeat]
             rows = (S,) if layout == "bnsd" else (S, 1)
-            return [[leaf(*shape(NQ, sq)), leaf(*shape(kv, S)), leaf(*shape(kv, S)), *extra(sq)]
-                    for sq in rows for kv in kv_heads]
+            return [[leaf(*shape(NQ, sq), dtype=dtype), leaf(*shape(kv, S), dtype=dtype),
+                     leaf(*shape(kv, S), dtype=dtype), *masks]
+                    for sq in rows for kv in kv_heads for masks in extra(sq)]
 
         yield Rule(
             NAME,
@@ -362,24 +410,36 @@ def written_out_rules() -> Iterator[Rule]:
                 match, layout=layout, mask=mask
             ),
             anchors=ANCHORS,
-            wanted=lambda graph, site=(mask, divide, bool(dropout), key_dims): site in written_out_sites(graph),
+            wanted=lambda graph, site=(mask, scaling, softmax, bool(dropout), key_dims): site in written_out_sites(graph),
         )
 
 
 def written_out_sites(graph: torch.fx.Graph) -> set[tuple]:
-    """(mask, divide, dropout, kᵀ dims) of every softmax a written-out spelling could have produced: a softmax
-    of scaled scores (``mul``/``div``), maybe masked in between (``add``/``masked_fill``), maybe dropped after."""
+    """(mask, scaling, softmax, dropout, kᵀ dims) of every softmax a written-out spelling could have produced:
+    a softmax (maybe between casts) of scaled scores, maybe masked in between (``add``/``masked_fill``/``where``),
+    maybe dropped after."""
     sites = set()
-    for softmax in calls(graph, aten._softmax.default):
-        scores, mask = softmax.args[0], "none"
+    for node in calls(graph, aten._softmax.default):
+        scores, mask, softmax, probs = node.args[0], "none", "same", node
+        if scores.target is aten._to_copy.default:  # softmax in fp32
+            softmax = "softmax_dtype" if "layout" in scores.kwargs else "float"
+            scores = scores.args[0]
+            probs = next((u for u in node.users if u.target is aten._to_copy.default), node)
         if scores.target is aten.masked_fill.Scalar:
             scores, mask = scores.args[0], "fill"
+        elif scores.target is aten.where.self:
+            scores, mask = scores.args[1], "where"
         elif scores.target is aten.add.Tensor:
             scores, mask = scores.args[0], "bias"
-        if scores.target in (aten.mul.Tensor, aten.div.Tensor):
-            dropout = any(user.target is aten.native_dropout.default for user in softmax.users)
-            for key_dims in transposed_key_dims(scores.args[0]):
-                sites.add((mask, scores.target is aten.div.Tensor, dropout, key_dims))
+        if scores.target is aten.mul.Tensor:
+            scaling, product = "mul", scores.args[0]
+        elif scores.target is aten.div.Tensor:
+            scaling, product = ("div_tensor" if isinstance(scores.args[1], torch.fx.Node) else "div"), scores.args[0]
+        else:
+            scaling, product = "query", scores
+        dropout = any(user.target is aten.native_dropout.default for user in probs.users)
+        for key_dims in transposed_key_dims(product):
+            sites.add((mask, scaling, softmax, dropout, key_dims))
     return sites
 
 
@@ -390,7 +450,7 @@ def transposed_key_dims(product) -> tuple[tuple[int, int], ...]:
     """The dims of the kᵀ transpose behind ``q @ kᵀ`` (between them, matmul adds only views and copies);
     every spelling's when the graph does not show it."""
     node = product.args[0] if product.target is aten.view.default else None
-    if node is None or node.target is not aten.bmm.default:
+    if not isinstance(node, torch.fx.Node) or node.target is not aten.bmm.default:
         return ((-2, -1), (2, 3))
     node = node.args[1]
     while node.target in _MATMUL_VIEWS:
@@ -418,6 +478,9 @@ def check(match: Match, *, layout: str, mask: str | None, sdpa_keywords: frozens
             return f"SDPA call with keyword arguments {sorted(sdpa.kwargs)}, not this spelling's {sorted(sdpa_keywords)}"
         if mask == "bias" and match.kwargs["bias"].target is aten.where.self:
             return "SDPA's bool mask (as where(mask, 0, -inf)): the bool-mask spelling takes it"
+    for name in MAGIC:
+        if isinstance(match.kwargs.get(name), torch.fx.Node):  # e.g. scores / a tensor: another spelling's
+            return f"{name} is the tensor {match.kwargs[name].name}, not a number the op can take"
     val = {name: node.meta["val"] for name, node in match.kwargs.items() if isinstance(node, torch.fx.Node)}
     q, k, v = val["query"], val["key"], val["value"]
     if not q.dtype == k.dtype == v.dtype:
@@ -429,6 +492,8 @@ def check(match: Match, *, layout: str, mask: str | None, sdpa_keywords: frozens
         if m.dim() > 4 or any(x not in (1, y) for x, y in zip(reversed(m.shape), reversed(full))):
             what = "additive mask" if m.is_floating_point() else "mask"
             return f"{what} of shape {list(m.shape)} does not broadcast to [b, n, sq, sk] = {full}"
+        if mask != "bias" and m.dtype != torch.bool:
+            return f"mask of dtype {m.dtype}: the op takes a bool mask"
         if m.is_floating_point() and m.dtype != q.dtype:
             return f"additive mask dtype {m.dtype} differs from the query's {q.dtype}"
     return True
