@@ -1,0 +1,266 @@
+"""Attention rules, the spellings beyond the plain one and the precisions around them: scale on q or by a 0-dim
+tensor, additive float masks (-inf, finfo.min) in their broadcasts, torch.where masks, learned biases (their
+gradient from the fused op), softmax upcast to fp32 inside bf16/fp16 attention, Megatron's own attention in
+bf16/fp16 with and without attention_softmax_in_fp32 and layer scaling; and graphs with a symbolic sequence
+length (mark_dynamic, automatic dynamic) keep their attention fused."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+from npu_compile.debug.report import collect
+
+RULES = ("attention",)
+UNFUSED_OPS = {"aten._softmax", "aten._softmax_backward_data", "aten._safe_softmax", "aten.bmm", "aten.baddbmm"}
+B, N, S, D = 2, 4, 8, 16
+
+
+def causal(sq=S, sk=S):
+    return torch.ones(sq, sk, dtype=torch.bool).triu(1)
+
+
+def scores_of(q, k):
+    return q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+
+
+def scale_on_query(q, k, v):
+    return ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+
+
+def divided_by_a_0dim_tensor(q, k, v):
+    scores = q @ k.transpose(-2, -1) / torch.full([], q.shape[-1] ** 0.5, dtype=q.dtype, device=q.device)
+    return scores.softmax(dim=-1) @ v
+
+
+def additive(shape, value):
+    def attention(q, k, v):
+        fill = torch.finfo(q.dtype).min if value == "finfo.min" else -math.inf
+        mask = torch.zeros(shape, dtype=q.dtype).masked_fill(causal().expand(shape), fill)
+        return (scores_of(q, k) + mask).softmax(dim=-1) @ v
+
+    return attention
+
+
+def where(value):
+    def attention(q, k, v):
+        scores = scores_of(q, k)
+        fill = torch.finfo(scores.dtype).min if value == "finfo.min" else -math.inf
+        return torch.where(~causal(), scores, fill).softmax(dim=-1) @ v
+
+    return attention
+
+
+def softmax_upcast(q, k, v):
+    return scores_of(q, k).float().softmax(-1).to(q.dtype) @ v
+
+
+def softmax_dtype_fp32(q, k, v):
+    return F.softmax(scores_of(q, k).masked_fill(causal(), -1e4), -1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def alibi_slopes(n):
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / n) for h in range(n)])
+
+
+def learned_bias(shape):
+    """A learned additive bias (relative position bias [1, n, s, s], or one [s, s] table for all heads);
+    it needs a gradient, which the fused op returns."""
+
+    def attention(q, k, v, bias):
+        return (scores_of(q, k) + bias).softmax(dim=-1) @ v
+
+    def bias(dtype):
+        if shape == "alibi":  # ALiBi's [1, n, s, s] distances · slopes, learned here
+            distance = (torch.arange(S)[None, :] - torch.arange(S)[:, None]).clamp(max=0).float()
+            table = alibi_slopes(N)[:, None, None] * distance
+            return table[None].to(dtype).requires_grad_()
+        g = torch.Generator().manual_seed(1)
+        return torch.randn(shape, generator=g).to(dtype).requires_grad_()
+
+    return attention, bias
+
+
+SPELLINGS = {
+    "scale_on_query": scale_on_query,
+    "divided_by_a_0dim_tensor": divided_by_a_0dim_tensor,
+    "additive_-inf_[s,s]": additive((S, S), "-inf"),
+    "additive_finfo.min_[1,1,s,s]": additive((1, 1, S, S), "finfo.min"),
+    "additive_finfo.min_[b,1,s,s]": additive((B, 1, S, S), "finfo.min"),
+    "where_finfo.min": where("finfo.min"),
+    "where_-inf": where("-inf"),
+    "softmax_upcast": softmax_upcast,
+    "F.softmax_dtype_fp32": softmax_dtype_fp32,
+    "learned_bias_alibi": learned_bias("alibi"),
+    "learned_bias_[s,s]": learned_bias((S, S)),
+    "learned_bias_[b,n,s,s]": learned_bias((B, N, S, S)),
+}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_spelling_fuses_and_equals_eager(spelling, dtype, training, against_eager):
+    fn, extra = SPELLINGS[spelling], []
+    if isinstance(fn, tuple):
+        fn, bias = fn
+        extra = [bias(dtype)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, N, S, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    run = against_eager(fn, q, k, v, *extra, rules=RULES, no_grad=not training, fp32_against_float64=True)
+    unfused = [u for u in run.report.unfused if u["rule"] == "attention"]
+    assert run.fusions == {"attention": 1}, unfused
+    assert not UNFUSED_OPS & set(run.report.lowered_ops) and unfused == []
+    if training and extra:
+        assert "grad 3" in run.errors  # the bias's gradient was compared too
+
+
+# ==== Megatron's DotProductAttention in bf16 / fp16 ==========================================================
+
+def _relative(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("softmax_in_fp32, layer_scaling", [(True, False), (True, True), (False, False)],
+                         ids=["softmax_in_fp32", "layer_scaling", "softmax_in_dtype"])
+def test_megatron_half_precision_attention_fuses(dtype, softmax_in_fp32, layer_scaling, megatron_cpu):
+    """Each of the three forms Megatron's attention takes in a half-precision model fuses, forward and backward;
+    compiled and eager are both held to the float64 result, compiled no further from it than twice eager's
+    error plus an ulp of the dtype."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron_glue.models import gpt_config
+
+    def module(half):
+        kw = dict(bf16=half == torch.bfloat16, fp16=half == torch.float16, params_dtype=half) if half else {}
+        config = gpt_config(hidden_size=N * D, num_attention_heads=N, attention_softmax_in_fp32=softmax_in_fp32,
+                            apply_query_key_layer_scaling=layer_scaling, **kw)
+        return DotProductAttention(config, layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(S, B, N, D, generator=g) for _ in range(3)]
+    grad = torch.randn(S, B, N * D, generator=g)
+    mask = causal()[None, None]
+
+    def run(fn, dt):
+        inputs = [t.to(dt).requires_grad_() for t in base]
+        out = fn(*inputs, mask)
+        out.backward(grad.to(dt))
+        return [out, *(t.grad for t in inputs)]
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=True):
+        exact = run(module(None), torch.float64)
+        eager = run(module(dtype), dtype)
+    with collect() as reports:
+        compiled = run(torch.compile(module(dtype), backend="ascend", options={"fusions": list(RULES)}), dtype)
+    torch._dynamo.reset()
+    (report,) = reports
+    assert report.fusions == {"attention": 1}, report.unfused
+    assert not UNFUSED_OPS & set(report.lowered_ops)
+    ulp = torch.finfo(dtype).eps
+    for name, got, want, x in zip(["out", "grad q", "grad k", "grad v"], compiled, eager, exact):
+        assert got.dtype == dtype
+        assert _relative(got, x) <= 2 * _relative(want, x) + ulp, name
+
+
+# ==== symbolic sequence lengths ==============================================================================
+
+LENGTHS = (16, 9, 24, 13, 32, 7, 20, 11, 28, 5)
+
+
+class CausalSelfAttention(torch.nn.Module):
+    """GPT-2 style: fused qkv projection, [b, s, n, d] heads transposed in, causal masked_fill, heads merged."""
+
+    def __init__(self, hidden=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        return self.proj((probs @ v).transpose(1, 2).contiguous().view(b, s, h))
+
+
+def _check_lengths(compiled, eager, inputs_of, grads_of, tol):
+    for s in LENGTHS:
+        got, want = compiled(*inputs_of(s)), eager(*inputs_of(s))
+        seed = torch.randn(want.shape, generator=torch.Generator().manual_seed(s))
+        got.backward(seed), want.backward(seed)
+        assert _relative(got, want) < tol, s
+        for a, b in zip(grads_of(compiled), grads_of(eager)):
+            assert _relative(a, b) < tol, s
+
+
+@pytest.mark.parametrize("dynamic", ["mark_dynamic", "automatic"])
+def test_symbolic_sequence_length_keeps_attention_fused(dynamic):
+    """Ten sequence lengths, one symbolic graph (after the first static one, with automatic dynamic shapes):
+    each graph fuses its attention as the static graph does, and every length equals eager."""
+    torch.manual_seed(0)
+    eager = CausalSelfAttention()
+    model = CausalSelfAttention()
+    model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(model, backend="ascend", options={"fusions": list(RULES)})
+
+    def inputs_of(s):
+        x = torch.randn(2, s, 32, generator=torch.Generator().manual_seed(100 + s))
+        if dynamic == "mark_dynamic":
+            torch._dynamo.mark_dynamic(x, 1)
+        return (x,)
+
+    def grads_of(m):
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        return grads
+
+    torch._dynamo.reset()
+    with collect() as reports:
+        _check_lengths(compiled, eager, inputs_of, grads_of, tol=1e-5)
+    torch._dynamo.reset()
+    assert len(reports) == (1 if dynamic == "mark_dynamic" else 2)
+    for report in reports:
+        assert report.fusions == {"attention": 1}, report.unfused
+        assert not UNFUSED_OPS & set(report.lowered_ops)
+
+
+def test_megatron_gpt_with_symbolic_sequence_length_keeps_attention_fused(megatron_cpu):
+    """megatron-core GPTModel (2 layers), ten sequence lengths: the static graph and the automatic-dynamic one
+    fuse both layers' attention, and losses and gradients equal eager at every length."""
+    from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch
+
+    def config():
+        return gpt_config(hidden_size=64)
+
+    eager = build_gpt_model(config(), 128, 32)
+    compiled = torch.compile(build_gpt_model(config(), 128, 32), backend="ascend", options={"fusions": list(RULES)})
+
+    def grads_of(m):
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        return grads
+
+    torch._dynamo.reset()
+    with collect() as reports, torch._dynamo.config.patch(disable=False):
+        for s in LENGTHS:
+            batch = synthetic_batch(2, s, 128, seed=s)
+            got = compiled(**batch)
+            with torch._dynamo.config.patch(disable=True):  # Megatron's jit_fuser is torch.compile
+                want = eager(**batch)
+            got.mean().backward(), want.mean().backward()
+            assert _relative(got, want) < 1e-5, s
+            for a, b in zip(grads_of(compiled), grads_of(eager)):
+                assert _relative(a, b) < 1e-5, s
+    torch._dynamo.reset()
+    assert len(reports) == 2
+    for report in reports:
+        assert report.fusions == {"attention": 2}, report.unfused
+        assert not UNFUSED_OPS & set(report.lowered_ops)
