@@ -191,40 +191,55 @@ class CausalSelfAttention(torch.nn.Module):
         return self.proj((probs @ v).transpose(1, 2).contiguous().view(b, s, h))
 
 
-def _check_lengths(compiled, eager, inputs_of, grads_of, tol):
-    for s in LENGTHS:
-        got, want = compiled(*inputs_of(s)), eager(*inputs_of(s))
-        seed = torch.randn(want.shape, generator=torch.Generator().manual_seed(s))
-        got.backward(seed), want.backward(seed)
-        assert _relative(got, want) < tol, s
-        for a, b in zip(grads_of(compiled), grads_of(eager)):
-            assert _relative(a, b) < tol, s
+def heads_first_causal_attention(q, k, v):
+    """[b, n, s, d] throughout, the causal mask built in the graph from the symbolic length."""
+    s = q.size(2)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
 
 
 @pytest.mark.parametrize("dynamic", ["mark_dynamic", "automatic"])
-def test_symbolic_sequence_length_keeps_attention_fused(dynamic):
+@pytest.mark.parametrize("model", ["gpt2_style_module", "heads_first_function"])
+def test_symbolic_sequence_length_keeps_attention_fused(model, dynamic):
     """Ten sequence lengths, one symbolic graph (after the first static one, with automatic dynamic shapes):
-    each graph fuses its attention as the static graph does, and every length equals eager."""
+    each graph fuses its attention as the static graph does, and every length equals eager, output and
+    gradients (of the weights, or of q, k and v)."""
     torch.manual_seed(0)
-    eager = CausalSelfAttention()
-    model = CausalSelfAttention()
-    model.load_state_dict(eager.state_dict())
-    compiled = torch.compile(model, backend="ascend", options={"fusions": list(RULES)})
+    if model == "gpt2_style_module":
+        eager, compiled_model = CausalSelfAttention(), CausalSelfAttention()
+        compiled_model.load_state_dict(eager.state_dict())
+        shape, dim = (lambda s: [(2, s, 32)]), 1
+    else:
+        eager = compiled_model = heads_first_causal_attention
+        shape, dim = (lambda s: [(2, 4, s, 8)] * 3), 2
+    compiled = torch.compile(compiled_model, backend="ascend", options={"fusions": list(RULES)})
 
     def inputs_of(s):
-        x = torch.randn(2, s, 32, generator=torch.Generator().manual_seed(100 + s))
-        if dynamic == "mark_dynamic":
-            torch._dynamo.mark_dynamic(x, 1)
-        return (x,)
+        g = torch.Generator().manual_seed(100 + s)
+        xs = [torch.randn(*size, generator=g, requires_grad=model != "gpt2_style_module") for size in shape(s)]
+        return xs
 
-    def grads_of(m):
-        grads = [p.grad.clone() for p in m.parameters()]
-        m.zero_grad()
-        return grads
+    def grads(fn, xs):
+        if isinstance(fn, torch.nn.Module):
+            out = [p.grad.clone() for p in fn.parameters()]
+            fn.zero_grad()
+            return out
+        return [x.grad for x in xs]
 
     torch._dynamo.reset()
     with collect() as reports:
-        _check_lengths(compiled, eager, inputs_of, grads_of, tol=1e-5)
+        for s in LENGTHS:
+            xs, ys = inputs_of(s), inputs_of(s)
+            if dynamic == "mark_dynamic":
+                for x in xs:
+                    torch._dynamo.mark_dynamic(x, dim)
+            got, want = compiled(*xs), eager(*ys)
+            seed = torch.randn(want.shape, generator=torch.Generator().manual_seed(s))
+            got.backward(seed), want.backward(seed)
+            assert _relative(got, want) < 1e-5, s
+            for a, b in zip(grads(compiled_model, xs), grads(eager, ys), strict=True):
+                assert _relative(a, b) < 1e-5, s
     torch._dynamo.reset()
     assert len(reports) == (1 if dynamic == "mark_dynamic" else 2)
     for report in reports:
