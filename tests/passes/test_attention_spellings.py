@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
 from npu_compile.debug.report import collect
@@ -18,8 +20,10 @@ UNFUSED_OPS = {"aten._softmax", "aten._softmax_backward_data", "aten._safe_softm
 B, N, S, D = 2, 4, 8, 16
 
 
-def causal(sq=S, sk=S):
-    return torch.ones(sq, sk, dtype=torch.bool).triu(1)
+def causal(like):
+    """The [s, s] causal mask (True = masked) for scores ``like``, from their (maybe symbolic) length."""
+    s = like.size(-1)
+    return torch.ones(s, s, dtype=torch.bool, device=like.device).triu(1)
 
 
 def scores_of(q, k):
@@ -35,11 +39,16 @@ def divided_by_a_0dim_tensor(q, k, v):
     return scores.softmax(dim=-1) @ v
 
 
-def additive(shape, value):
+def additive(broadcast, value):
+    """scores + a 0/fill float mask of shape [s, s], [1, 1, s, s] or [b, 1, s, s]."""
+
     def attention(q, k, v):
+        scores = scores_of(q, k)
         fill = torch.finfo(q.dtype).min if value == "finfo.min" else -math.inf
-        mask = torch.zeros(shape, dtype=q.dtype).masked_fill(causal().expand(shape), fill)
-        return (scores_of(q, k) + mask).softmax(dim=-1) @ v
+        b, s = q.size(0), q.size(2)
+        shape = {"[s,s]": (s, s), "[1,1,s,s]": (1, 1, s, s), "[b,1,s,s]": (b, 1, s, s)}[broadcast]
+        mask = torch.zeros(shape, dtype=q.dtype, device=q.device).masked_fill(causal(scores), fill)
+        return (scores + mask).softmax(dim=-1) @ v
 
     return attention
 
@@ -48,7 +57,7 @@ def where(value):
     def attention(q, k, v):
         scores = scores_of(q, k)
         fill = torch.finfo(scores.dtype).min if value == "finfo.min" else -math.inf
-        return torch.where(~causal(), scores, fill).softmax(dim=-1) @ v
+        return torch.where(~causal(scores), scores, fill).softmax(dim=-1) @ v
 
     return attention
 
@@ -58,70 +67,115 @@ def softmax_upcast(q, k, v):
 
 
 def softmax_dtype_fp32(q, k, v):
-    return F.softmax(scores_of(q, k).masked_fill(causal(), -1e4), -1, dtype=torch.float32).to(q.dtype) @ v
+    scores = scores_of(q, k)
+    return F.softmax(scores.masked_fill(causal(scores), -1e4), -1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def alibi_slopes(n):
-    return torch.tensor([2.0 ** (-8.0 * (h + 1) / n) for h in range(n)])
+def learned_bias(q, k, v, bias):
+    """A learned additive bias (relative position bias [1, n, s, s], ALiBi's slopes · distances learned, or one
+    [s, s] table for all heads); it needs a gradient, which the fused op returns."""
+    return (scores_of(q, k) + bias).softmax(dim=-1) @ v
 
 
-def learned_bias(shape):
-    """A learned additive bias (relative position bias [1, n, s, s], or one [s, s] table for all heads);
-    it needs a gradient, which the fused op returns."""
-
-    def attention(q, k, v, bias):
-        return (scores_of(q, k) + bias).softmax(dim=-1) @ v
-
-    def bias(dtype):
-        if shape == "alibi":  # ALiBi's [1, n, s, s] distances · slopes, learned here
-            distance = (torch.arange(S)[None, :] - torch.arange(S)[:, None]).clamp(max=0).float()
-            table = alibi_slopes(N)[:, None, None] * distance
-            return table[None].to(dtype).requires_grad_()
-        g = torch.Generator().manual_seed(1)
-        return torch.randn(shape, generator=g).to(dtype).requires_grad_()
-
-    return attention, bias
+def bias_of(kind, b, n, s, dtype, generator):
+    if kind == "alibi":
+        distance = (torch.arange(s)[None, :] - torch.arange(s)[:, None]).clamp(max=0).float()
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / n) for h in range(n)])
+        table = (slopes[:, None, None] * distance)[None]
+    else:
+        table = torch.randn({"[s,s]": (s, s), "[b,n,s,s]": (b, n, s, s)}[kind], generator=generator)
+    return table.to(dtype).requires_grad_()
 
 
 SPELLINGS = {
-    "scale_on_query": scale_on_query,
-    "divided_by_a_0dim_tensor": divided_by_a_0dim_tensor,
-    "additive_-inf_[s,s]": additive((S, S), "-inf"),
-    "additive_finfo.min_[1,1,s,s]": additive((1, 1, S, S), "finfo.min"),
-    "additive_finfo.min_[b,1,s,s]": additive((B, 1, S, S), "finfo.min"),
-    "where_finfo.min": where("finfo.min"),
-    "where_-inf": where("-inf"),
-    "softmax_upcast": softmax_upcast,
-    "F.softmax_dtype_fp32": softmax_dtype_fp32,
-    "learned_bias_alibi": learned_bias("alibi"),
-    "learned_bias_[s,s]": learned_bias((S, S)),
-    "learned_bias_[b,n,s,s]": learned_bias((B, N, S, S)),
+    "scale_on_query": (scale_on_query, None),
+    "divided_by_a_0dim_tensor": (divided_by_a_0dim_tensor, None),
+    "additive_-inf_[s,s]": (additive("[s,s]", "-inf"), None),
+    "additive_finfo.min_[1,1,s,s]": (additive("[1,1,s,s]", "finfo.min"), None),
+    "additive_finfo.min_[b,1,s,s]": (additive("[b,1,s,s]", "finfo.min"), None),
+    "where_finfo.min": (where("finfo.min"), None),
+    "where_-inf": (where("-inf"), None),
+    "softmax_upcast": (softmax_upcast, None),
+    "F.softmax_dtype_fp32": (softmax_dtype_fp32, None),
+    "learned_bias_alibi": (learned_bias, "alibi"),
+    "learned_bias_[s,s]": (learned_bias, "[s,s]"),
+    "learned_bias_[b,n,s,s]": (learned_bias, "[b,n,s,s]"),
 }
+
+# bf16 (2 ulps of the tensor's scale beyond eager's own error against float64) as in tests/passes/conftest.py
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8}
+
+
+def _relative(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("spelling", SPELLINGS)
-def test_spelling_fuses_and_equals_eager(spelling, dtype, training, against_eager):
-    fn, extra = SPELLINGS[spelling], []
-    if isinstance(fn, tuple):
-        fn, bias = fn
-        extra = [bias(dtype)]
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, N, S, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
-    run = against_eager(fn, q, k, v, *extra, rules=RULES, no_grad=not training, fp32_against_float64=True)
-    unfused = [u for u in run.report.unfused if u["rule"] == "attention"]
-    assert run.fusions == {"attention": 1}, unfused
-    assert not UNFUSED_OPS & set(run.report.lowered_ops) and unfused == []
-    if training and extra:
-        assert "grad 3" in run.errors  # the bias's gradient was compared too
+def test_spelling_fuses_and_equals_eager(spelling, dtype, training):
+    """One compile with a symbolic sequence length (mark_dynamic), then EXAMPLES lengths and seeds drawn by
+    Hypothesis: every example is fused and equals eager, output and the gradients of q, k, v and a learned
+    bias, held to float64 (no further from it than eager is, plus the dtype's tolerance)."""
+    fn, bias_kind = SPELLINGS[spelling]
+
+    def self_attention(q, k, v, *bias):
+        # one length for q and k/v, as self-attention has (mark_dynamic alone gives each input its own)
+        torch._check(k.size(2) == q.size(2))
+        torch._check(v.size(2) == q.size(2))
+        return fn(q, k, v, *bias)
+
+    compiled = torch.compile(self_attention, backend="ascend", options={"fusions": list(RULES)})
+    b, n, d = 2, 4, 16
+
+    def inputs(s, seed, dt, dynamic=False):
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(b, n, s, d, generator=g).to(dt).requires_grad_() for _ in range(3)]
+        if bias_kind:
+            xs.append(bias_of(bias_kind, b, n, s, dt, g))
+        if dynamic:  # the sequence dims: q, k, v's third, a bias's last two
+            for x in xs[:3]:
+                torch._dynamo.mark_dynamic(x, 2)
+            for x in xs[3:]:
+                torch._dynamo.mark_dynamic(x, x.dim() - 1)
+                torch._dynamo.mark_dynamic(x, x.dim() - 2)
+        return xs
+
+    def run(f, xs):
+        with torch.set_grad_enabled(training):
+            out = f(*xs)
+            if not training:
+                return [out]
+            seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+            out.backward(seed.to(out.dtype))
+        return [out, *(x.grad for x in xs)]
+
+    @settings(max_examples=EXAMPLES, deadline=None)
+    @given(s=st.integers(2, 24), seed=st.integers(0, 2**16))
+    def equals_eager(s, seed):
+        got = run(compiled, inputs(s, seed, dtype, dynamic=True))
+        with torch._dynamo.config.patch(disable=True):
+            eager = run(fn, inputs(s, seed, dtype))
+            exact = run(fn, inputs(s, seed, torch.float64))
+        for name, g, e, x in zip(["out", "grad q", "grad k", "grad v", "grad bias"], got, eager, exact):
+            assert g.dtype == e.dtype and g.shape == e.shape, name
+            allowed = TOLERANCE[dtype] + _relative(e, x)
+            assert _relative(g, x) <= allowed, (name, s, _relative(g, x), allowed)
+
+    torch._dynamo.reset()
+    with collect() as reports:
+        equals_eager()
+    torch._dynamo.reset()
+    (report,) = reports  # one symbolic graph took every length
+    unfused = [u for u in report.unfused if u["rule"] == "attention"]
+    assert report.fusions == {"attention": 1}, unfused
+    assert not UNFUSED_OPS & set(report.lowered_ops) and unfused == []
+
+
+EXAMPLES = 9  # per spelling, dtype and mode: 12 · 2 · 2 · 9 = 432 examples
 
 
 # ==== Megatron's DotProductAttention in bf16 / fp16 ==========================================================
-
-def _relative(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("softmax_in_fp32, layer_scaling", [(True, False), (True, True), (False, False)],
@@ -143,7 +197,7 @@ def test_megatron_half_precision_attention_fuses(dtype, softmax_in_fp32, layer_s
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(S, B, N, D, generator=g) for _ in range(3)]
     grad = torch.randn(S, B, N * D, generator=g)
-    mask = causal()[None, None]
+    mask = torch.ones(S, S, dtype=torch.bool).triu(1)[None, None]
 
     def run(fn, dt):
         inputs = [t.to(dt).requires_grad_() for t in base]
