@@ -178,8 +178,12 @@ def megatron_examples() -> list[list]:
 
 
 def megatron_rules() -> Iterator[Rule]:
-    """{softmax in fp32, in the scores' dtype} × {layer scaling off, on} × {dropout off, on}."""
-    for softmax_in_fp32, coeff, dropout in itertools.product((True, False), ((), ("coeff",)), ((), ("dropout_p",))):
+    """{softmax in the scores' dtype, in fp32} × {layer scaling off, on} × {dropout off, on}.
+
+    The softmax in the scores' dtype first: for fp32 the two trace to one graph, and a traced graph registers
+    once, with the re-trace of the spelling that registered it. Registered this way round, an fp32 or bf16
+    graph without casts is re-traced without them, and the casts have a pattern of their own (bf16)."""
+    for softmax_in_fp32, coeff, dropout in itertools.product((False, True), ((), ("coeff",)), ((), ("dropout_p",))):
         params = ("query", "key", "value", "attention_mask", "matmul_input_buffer", "scale", *coeff, *dropout)
         yield Rule(
             NAME,

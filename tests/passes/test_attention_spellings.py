@@ -177,10 +177,11 @@ EXAMPLES = 9  # per spelling, dtype and mode: 12 · 2 · 2 · 9 = 432 examples
 
 # ==== Megatron's DotProductAttention in bf16 / fp16 ==========================================================
 
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("softmax_in_fp32, layer_scaling", [(True, False), (True, True), (False, False)],
                          ids=["softmax_in_fp32", "layer_scaling", "softmax_in_dtype"])
-def test_megatron_half_precision_attention_fuses(dtype, softmax_in_fp32, layer_scaling, megatron_cpu):
+def test_megatron_half_precision_attention_fuses(dtype, softmax_in_fp32, layer_scaling, training, megatron_cpu):
     """Each of the three forms Megatron's attention takes in a half-precision model fuses, forward and backward;
     compiled and eager are both held to the float64 result, compiled no further from it than twice eager's
     error plus an ulp of the dtype."""
@@ -201,6 +202,9 @@ def test_megatron_half_precision_attention_fuses(dtype, softmax_in_fp32, layer_s
 
     def run(fn, dt):
         inputs = [t.to(dt).requires_grad_() for t in base]
+        if not training:
+            with torch.no_grad():
+                return [fn(*inputs, mask)]
         out = fn(*inputs, mask)
         out.backward(grad.to(dt))
         return [out, *(t.grad for t in inputs)]
