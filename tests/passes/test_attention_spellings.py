@@ -117,6 +117,19 @@ def test_spelling_fuses_and_equals_eager(spelling, dtype, training):
     """One compile with a symbolic sequence length (mark_dynamic), then EXAMPLES lengths and seeds drawn by
     Hypothesis: every example is fused and equals eager, output and the gradients of q, k, v and a learned
     bias, held to float64 (no further from it than eager is, plus the dtype's tolerance)."""
+    check_spelling(spelling, dtype, training, settings(max_examples=EXAMPLES, deadline=None), longest=24)
+
+
+@pytest.mark.fuzz
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_spelling_fuses_and_equals_eager_fuzz(spelling, dtype, training):
+    check_spelling(spelling, dtype, training, settings(settings.get_profile("fuzz"), max_examples=300, deadline=None),
+                   longest=300)
+
+
+def check_spelling(spelling, dtype, training, hypothesis_settings, longest):
     fn, bias_kind = SPELLINGS[spelling]
 
     def self_attention(q, k, v, *bias):
@@ -150,8 +163,8 @@ def test_spelling_fuses_and_equals_eager(spelling, dtype, training):
             out.backward(seed.to(out.dtype))
         return [out, *(x.grad for x in xs)]
 
-    @settings(max_examples=EXAMPLES, deadline=None)
-    @given(s=st.integers(2, 24), seed=st.integers(0, 2**16))
+    @hypothesis_settings
+    @given(s=st.integers(2, longest), seed=st.integers(0, 2**16))
     def equals_eager(s, seed):
         got = run(compiled, inputs(s, seed, dtype, dynamic=True))
         with torch._dynamo.config.patch(disable=True):
