@@ -449,10 +449,12 @@ def test_additive_mask_in_another_dtype_is_declined_with_the_reason():
 
 
 def test_unknown_spelling_is_reported():
-    """q scaled before the product is a spelling no rule holds."""
+    """torch.where filling with a tensor constant (not a number) is a spelling no rule holds: the op's fill is a
+    float, and the constant's value is not in the graph's ops."""
 
     def attention(q, k, v, bias):
-        return ((q * 0.3) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        scores = q @ k.transpose(-2, -1) * 0.3
+        return torch.where(bias > 0, scores, torch.tensor(-1e4)).softmax(dim=-1) @ v
 
     report = _compile_report(attention, *_written_out_inputs())
     assert report.fusions == {"attention": 0}
