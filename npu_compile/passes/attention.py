@@ -169,12 +169,23 @@ def megatron_examples() -> list[list]:
     row (a decode step) and b·n == 1 trace their own graphs too: there the permuted context is contiguous
     already, and ``.contiguous()`` copies nothing."""
     shapes = [(B, NQ, NKV, S), (B, NQ, NQ, S), (B, NQ, NKV, 1), (B, NQ, NQ, 1), (1, 1, 1, S)]  # b, n, n_kv, sq
-    return [
+    contiguous = [
         [leaf(sq, b, n, D, dtype=dtype), leaf(S, b, kv, D, dtype=dtype), leaf(S, b, kv, D, dtype=dtype),
          torch.zeros(1, 1, sq, S, dtype=torch.bool), torch.empty(b * n, sq, S, dtype=dtype)]
         for dtype in (torch.float32, torch.bfloat16)
         for b, n, kv, sq in shapes
     ]
+    # One query group (MQA): Megatron splits q out of [s, b, 1, (n + 2)·d] and views it as [s, b, n, d], a view
+    # whose b and n do not merge, so the query's reshape copies (clone + _unsafe_view) where a contiguous
+    # query's is a view: a graph of its own.
+    b, n = B, NQ
+    mqa = [
+        [torch.empty_strided((S, b, n, D), (b * (n + 2) * D, (n + 2) * D, D, 1), dtype=dtype, requires_grad=True),
+         leaf(S, b, 1, D, dtype=dtype), leaf(S, b, 1, D, dtype=dtype),
+         torch.zeros(1, 1, S, S, dtype=torch.bool), torch.empty(b * n, S, S, dtype=dtype)]
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    return contiguous + mqa
 
 
 def megatron_rules() -> Iterator[Rule]:
