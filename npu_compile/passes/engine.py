@@ -57,10 +57,7 @@ def decompositions() -> dict:
 
 def trace_training(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callable[[], dict] = decompositions):
     """The joint forward+backward graph of ``fn``, normalized like :func:`normalize` does to model graphs."""
-    gm = joint_fwd_bwd(fn, _ints_as_floats(args), get_decomp_fn=get_decomp_fn)
-    if any(isinstance(a, torch.SymInt) for a in args):
-        _later_outputs_in_graph_order(gm)
-    return gm
+    return joint_fwd_bwd(fn, _ints_as_floats(args), get_decomp_fn=get_decomp_fn)
 
 
 def _ints_as_floats(args: Sequence[Any]) -> list[Any]:
@@ -69,22 +66,6 @@ def _ints_as_floats(args: Sequence[Any]) -> list[Any]:
     input would become a SymInt of the graph's shape environment in aot_autograd, with guards that name no
     source. SymInts (the sizes of the exact re-trace) stay."""
     return [float(a) if type(a) is int else a for a in args]
-
-
-def _later_outputs_in_graph_order(gm: torch.fx.GraphModule) -> None:
-    """The exact re-trace of a match in a graph with symbolic sizes (torch passes the SymInts in first) gets its
-    outputs after the first in the order the graph computes them. Torch's matcher finds each further output
-    from nodes matched already, and a size placeholder, matched with the first output, marks every view of
-    that size as tried: searched in argument order, a gradient computed late (grad q, behind the softmax
-    backward) is reached only through such a view and never found. In graph order each output's path runs
-    through nodes the earlier ones matched. Only the exact check uses this graph; the replacement is traced
-    apart, and match.output_nodes() keeps the first trace's order."""
-    output = gm.graph.output_node()
-    first, *rest = output.args[0]
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    later = sorted((n for n in rest if n is not None), key=position.__getitem__)
-    output.args = ([first, *later, *(n for n in rest if n is None)],)
-    gm.recompile()
 
 
 def trace_inference(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callable[[], dict] = decompositions):
