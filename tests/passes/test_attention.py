@@ -469,6 +469,8 @@ def check_structure(style, structure, hypothesis_settings, sizes=(2, 8)):
     # Megatron's attention in training with a symbolic length is left unfused today (q/k/v leaves of [s, b, n, d]):
     # there each length compiles a graph of its own (sizes stays under dynamo's recompile limit)
     static = style == "megatron" and structure.training
+    if static:
+        sizes = (sizes[0], min(sizes[1], sizes[0] + 6))  # at most 7 lengths, 7 graphs
     compiled = torch.compile(one_sequence, backend="ascend", options={"fusions": list(RULES)},
                              dynamic=False if static else None)
 
@@ -521,7 +523,7 @@ def rel_error(a, b):
 
 
 # structures × examples per structure: each family >= 200 examples, a compile per structure
-FAMILY_RUNS = {"written_out": (20, 10), "sdpa": (16, 13), "megatron": (10, 20)}
+FAMILY_RUNS = {"written_out": (20, 12), "sdpa": (16, 13), "megatron": (10, 20)}
 STRUCTURES = {style: structures(style, count) for style, (count, _) in FAMILY_RUNS.items()}
 
 
