@@ -5,6 +5,7 @@ are reported with their reasons."""
 
 import dataclasses
 import math
+import random
 
 import pytest
 import torch
@@ -204,96 +205,149 @@ def test_dropout_masks_regenerate_from_the_saved_seed(style, budget, megatron_cp
         torch.testing.assert_close(got.grad, laid_out(want.grad), rtol=1e-5, atol=1e-5)
 
 
-# ==== properties: random spellings, shapes, masks, dtypes; compiled against eager =============================
+# ==== properties: spellings, shapes, masks, dtypes; compiled against eager ===================================
+#
+# Each structure (a spelling with its dtype, mode, heads, mask kind and layout) compiles once, with its sequence
+# lengths symbolic (mark_dynamic); Hypothesis then draws the lengths, the values and the masks' cells, and every
+# example runs that one graph. The structures of a family are a fixed sample of all its combinations, every
+# value of every axis among them (see structures); the fuzz twin takes more of them, with longer lengths.
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    seed: int
+class Structure:
+    """What one compiled graph is specialized to: everything but the sequence lengths, the values and which cells
+    a padding mask hides."""
+
     dtype: torch.dtype
     training: bool
     b: int
     n_kv: int
     groups: int
-    sq: int
-    sk: int
     d: int
     mask: str  # none | causal | padding | additive (how each style spells it: see the builders)
     layout: str = "bnsd"
-    spelling: dict = dataclasses.field(default_factory=dict)
+    # self: sk == sq, one symbol; decode: one query row (sq == 1, static), sk symbolic. (Cross-attention, a
+    # symbolic sq beside another symbolic sk, is left unfused today: its properties are static, elsewhere.)
+    lengths: str = "self"
+    spelling: tuple = ()  # (name, value) pairs
 
     @property
     def n(self):
         return self.n_kv * self.groups
 
+    @property
+    def sp(self):
+        return dict(self.spelling)
+
+    def __str__(self):
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
+        words = [dtype, "training" if self.training else "inference", f"b{self.b}", f"kv{self.n_kv}x{self.groups}",
+                 f"d{self.d}", self.mask, self.layout, self.lengths, *(f"{k}={v}" for k, v in self.spelling)]
+        return "-".join(str(w).replace(" ", "") for w in words)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One example: a structure at lengths sq, sk with the values (and padding cells) of ``seed``."""
+
+    structure: Structure
+    sq: int
+    sk: int
+    seed: int
+
     def tensors(self):
         """q, k, v in [b, n, s, d], and the cells a mask hides ([sq, sk] or broadcastable to [b, 1, sq, sk])."""
+        shape, sp = self.structure, self.structure.sp
         g = torch.Generator().manual_seed(self.seed)
-        q = torch.randn(self.b, self.n, self.sq, self.d, generator=g)
-        k, v = (torch.randn(self.b, self.n_kv, self.sk, self.d, generator=g) for _ in range(2))
-        if self.mask == "padding":
-            hidden = torch.rand(self.b, 1, 1 if self.spelling.get("per_key") else self.sq, self.sk, generator=g) < 0.4
-            hidden[..., :2] = False  # every query sees two keys (eager's -inf rows would be NaN; see cases)
+        q = torch.randn(shape.b, shape.n, self.sq, shape.d, generator=g)
+        k, v = (torch.randn(shape.b, shape.n_kv, self.sk, shape.d, generator=g) for _ in range(2))
+        if shape.mask == "padding":
+            hidden = torch.rand(shape.b, 1, 1 if sp.get("per_key") else self.sq, self.sk, generator=g) < 0.4
+            hidden[..., :2] = False  # every query sees two keys (eager's -inf rows would be NaN; see structures)
         else:
             hidden = torch.ones(self.sq, self.sk, dtype=torch.bool).triu(1)  # causal, top-left aligned
-        bias = torch.randn(1 if self.spelling.get("bias_1") else self.b, 1, self.sq, self.sk, generator=g)
-        cast = lambda t: t.to(self.dtype)  # noqa: E731
+        bias = torch.randn(1 if sp.get("bias_1") else shape.b, 1, self.sq, self.sk, generator=g)
+        cast = lambda t: t.to(shape.dtype)  # noqa: E731
         return cast(q), cast(k), cast(v), hidden, cast(bias)
 
 
-def cases(style, sizes=(1, 8), heads=(1, 2), dims=(4, 8, 16)):
+# The axes of each family's structures, each a list of its values.
+COMMON = {"mask": ["none", "causal", "padding", "additive"], "dtype": [torch.float32, torch.bfloat16],
+          "training": [True, False], "b": [1, 2], "groups": [1, 2, 4], "per_key": [False, True],
+          "bias_1": [False, True]}
+AXES = {
+    "written_out": {**COMMON, "layout": ["bnsd", "bsnd", "bnsd->bsnd"], "lengths": ["self", "decode"],
+                    "repeat": ["repeat_interleave", "expand"], "key_dims": [(-2, -1), (2, 3)],
+                    "divide": [False, True], "fill": ["-inf", "-1e4", "finfo.min", "additive"]},
+    "sdpa": {**COMMON, "layout": ["bnsd", "bsnd"], "lengths": ["self", "decode"], "scale": [None, 0.3]},
+    # Megatron: self-attention only, no additive masks
+    "megatron": {**{a: vs for a, vs in COMMON.items() if a != "bias_1"}, "mask": ["none", "causal", "padding"],
+                 "layout": ["bnsd"], "lengths": ["self"], "default_mask": [False, True]},
+}
+SPELLING_AXES = {"per_key", "bias_1", "repeat", "key_dims", "divide", "fill", "scale", "default_mask"}
+
+
+def structure_of(style, values, heads=(1, 2), dims=(4, 8, 16)) -> Structure:
+    """The structure that ``values`` (axis -> value; heads and dims: n_kv and d) name, made valid."""
+    mask, lengths = values["mask"], values["lengths"]
+    # Where every query sees one key, the gradients of q and k are exactly zero and eager's are rounding noise (no
+    # relative error is defined), so some query sees two: causal masks take sq >= 2 (no decode step).
+    if mask == "causal" and lengths == "decode":
+        lengths = "self"
+    # axes that only some structures have (a padding mask's broadcast, an additive one's, GQA's repeat, a bool
+    # mask's fill): dropped elsewhere, so that structures differing only there are one
+    relevant = {"per_key": mask == "padding", "bias_1": mask == "additive", "repeat": values["groups"] > 1,
+                "fill": mask in ("causal", "padding"), "default_mask": mask == "none"}
+    return Structure(
+        dtype=values["dtype"], training=values["training"], b=values["b"], n_kv=values.get("n_kv", heads[0]),
+        groups=values["groups"], d=values.get("d", dims[0]), mask=mask, layout=values["layout"], lengths=lengths,
+        spelling=tuple((k, v) for k, v in values.items() if k in SPELLING_AXES and relevant.get(k, True)),
+    )
+
+
+def structures(style, count, heads=(1, 2), dims=(4, 8, 16)) -> list[Structure]:
+    """``count`` structures of ``style``, each axis's value picked by a generator seeded with the family's name:
+    the first such sample that holds every value of every axis (the same list every run)."""
+    axes = {**AXES[style], "n_kv": list(heads), "d": list(dims)}
+    for attempt in range(1000):
+        pick = random.Random(f"attention structures {style} {count} {attempt}")
+        chosen = []
+        for _ in range(count):
+            values = {a: pick.choice(vs) for a, vs in axes.items()}
+            chosen.append(structure_of(style, values, heads=(values["n_kv"],), dims=(values["d"],)))
+        if all({getattr(s, a) if hasattr(s, a) else s.sp.get(a) for s in chosen} >= set(vs) for a, vs in axes.items()):
+            return chosen
+    raise AssertionError(f"no {count} {style} structures found that hold every value of every axis: take more")
+
+
+def cases(structure, sizes=(2, 8)):
+    """Examples of ``structure``: lengths in ``sizes`` (sk >= 2 always; the written-out [b, s, n, d] graph of one
+    key is also a form no spelling holds), and the seed of the values."""
     @st.composite
     def draw(draw):
-        mask = draw(st.sampled_from(["none", "causal", "padding", "additive"]))
-        sq = draw(st.integers(*sizes))
-        sk = sq if style == "megatron" else draw(st.sampled_from([sq, draw(st.integers(*sizes))]))
-        if style == "megatron":
-            sq = sk = max(sq, 2)  # Megatron builds its own causal mask only for sq > 1
-        # Where every query sees one key, the gradients of q and k are exactly zero and eager's are rounding
-        # noise (no relative error is defined), so some query sees two: sk >= 2, and causal masks take sq >= 2.
-        # (The written-out [b, s, n, d] graph of one key is also a form no spelling holds.)
-        sk = max(sk, 2)
-        if mask == "causal":
-            sq = max(sq, 2)
-        layout = draw(st.sampled_from({"megatron": ["bnsd"], "sdpa": ["bnsd", "bsnd"]}.get(
-            style, ["bnsd", "bsnd", "bnsd->bsnd"])))
-        groups = draw(st.sampled_from([1, 2, 4]))
-        spelling = {"per_key": draw(st.booleans()), "bias_1": draw(st.booleans())}
-        if style == "written_out":
-            spelling.update(
-                repeat=draw(st.sampled_from(["repeat_interleave", "expand"])),
-                key_dims=draw(st.sampled_from([(-2, -1), (2, 3)])),
-                divide=draw(st.booleans()),
-                fill=draw(st.sampled_from(["-inf", "-1e4", "finfo.min", "additive"])),
-            )
-        if style == "sdpa":
-            spelling.update(scale=draw(st.sampled_from([None, 0.3])))
-        if style == "megatron":
-            spelling.update(default_mask=draw(st.booleans()))
-        return Case(
-            seed=draw(st.integers(0, 2**16)), dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
-            training=draw(st.booleans()), b=draw(st.integers(1, 2)), n_kv=draw(st.sampled_from(heads)),
-            groups=groups, sq=sq, sk=sk, d=draw(st.sampled_from(dims)), mask=mask,
-            layout=layout, spelling=spelling,
-        )
+        sq = sk = draw(st.integers(*sizes))
+        if structure.lengths == "decode":
+            sq = 1
+        return Case(structure, sq, sk, draw(st.integers(0, 2**16)))
 
     return draw()
 
 
-def written_out(case):
+def written_out(structure):
     """The model code: softmax(q·kᵀ·scale [+ bias | masked_fill]) v, k/v repeated for GQA; in [b, s, n, d] or
     [b, n, s, d], and the heads merged into [b, s, h] as models do (but for the all-[b, n, s, d] layout)."""
-    sp = case.spelling
-    fill = {"-inf": -math.inf, "-1e4": -1e4, "finfo.min": torch.finfo(case.dtype).min}.get(sp["fill"])
+    sp = structure.sp
+    fill = {"-inf": -math.inf, "-1e4": -1e4, "finfo.min": torch.finfo(structure.dtype).min}.get(sp.get("fill"))
+    groups = structure.groups
 
     def attention(q, k, v, mask):
-        if case.layout == "bsnd":
+        if structure.layout == "bsnd":
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if case.groups > 1 and sp["repeat"] == "repeat_interleave":
-            k, v = k.repeat_interleave(case.groups, dim=1), v.repeat_interleave(case.groups, dim=1)
-        elif case.groups > 1:  # HF's repeat_kv
+        if groups > 1 and sp["repeat"] == "repeat_interleave":
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        elif groups > 1:  # HF's repeat_kv
             b, n_kv, s, d = k.shape
-            k = k[:, :, None, :, :].expand(b, n_kv, case.groups, s, d).reshape(b, n_kv * case.groups, s, d)
-            v = v[:, :, None, :, :].expand(b, n_kv, case.groups, s, d).reshape(b, n_kv * case.groups, s, d)
+            k = k[:, :, None, :, :].expand(b, n_kv, groups, s, d).reshape(b, n_kv * groups, s, d)
+            v = v[:, :, None, :, :].expand(b, n_kv, groups, s, d).reshape(b, n_kv * groups, s, d)
         scores = q @ k.transpose(*sp["key_dims"])
         scores = scores / math.sqrt(q.shape[-1]) if sp["divide"] else scores * q.shape[-1] ** -0.5
         if mask is not None and mask.dtype == torch.bool:
@@ -301,39 +355,45 @@ def written_out(case):
         elif mask is not None:
             scores = scores + mask
         out = scores.softmax(dim=-1) @ v
-        if case.layout == "bnsd":
+        if structure.layout == "bnsd":
             return out
         b, n, s, d = out.shape
         return out.transpose(1, 2).reshape(b, s, n * d)
 
-    q, k, v, hidden, bias = case.tensors()
-    if case.mask == "additive":
-        mask = bias
-    elif case.mask in ("causal", "padding"):
-        # a bool mask for masked_fill, or the same cells as an additive 0/-inf mask
-        mask = hidden if fill is not None else torch.zeros(hidden.shape, dtype=case.dtype).masked_fill(hidden, -math.inf)
-    else:
-        mask = None
-    return attention, *_laid_out(case, q, k, v), mask
+    def inputs(case):
+        q, k, v, hidden, bias = case.tensors()
+        if structure.mask == "additive":
+            mask = bias
+        elif structure.mask in ("causal", "padding"):
+            # a bool mask for masked_fill, or the same cells as an additive 0/-inf mask
+            mask = hidden if fill is not None else torch.zeros(hidden.shape, dtype=structure.dtype).masked_fill(
+                hidden, -math.inf)
+        else:
+            mask = None
+        return [*_laid_out(structure, q, k, v), mask]
+
+    return attention, inputs
 
 
-def sdpa(case):
+def sdpa(structure):
     """F.scaled_dot_product_attention with is_causal, a bool mask (True = attend), an additive mask or none."""
-    scale = case.spelling["scale"]
+    scale = structure.sp["scale"]
 
     def attention(q, k, v, mask):
-        if case.layout == "bsnd":
+        if structure.layout == "bsnd":
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.mask == "causal", scale=scale,
-                                             enable_gqa=case.groups > 1)
-        return out.transpose(1, 2) if case.layout == "bsnd" else out
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=structure.mask == "causal",
+                                             scale=scale, enable_gqa=structure.groups > 1)
+        return out.transpose(1, 2) if structure.layout == "bsnd" else out
 
-    q, k, v, hidden, bias = case.tensors()
-    mask = {"padding": ~hidden, "additive": bias}.get(case.mask)
-    return attention, *_laid_out(case, q, k, v), mask
+    def inputs(case):
+        q, k, v, hidden, bias = case.tensors()
+        return [*_laid_out(structure, q, k, v), {"padding": ~hidden, "additive": bias}.get(structure.mask)]
+
+    return attention, inputs
 
 
-def megatron(case):
+def megatron(structure):
     """megatron-core's DotProductAttention (local spec) on [s, b, n, d], with an explicit bool mask (causal or
     padding; True = masked) or none (Megatron's default causal mask). No additive masks in Megatron."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -341,8 +401,8 @@ def megatron(case):
     from megatron_glue.models import gpt_config
 
     def module(dtype):
-        config = gpt_config(hidden_size=case.n * case.d, num_attention_heads=case.n, num_query_groups=case.n_kv,
-                            bf16=dtype == torch.bfloat16, params_dtype=dtype)
+        config = gpt_config(hidden_size=structure.n * structure.d, num_attention_heads=structure.n,
+                            num_query_groups=structure.n_kv, bf16=dtype == torch.bfloat16, params_dtype=dtype)
         return DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
     modules = {torch.bfloat16: module(torch.bfloat16), torch.float32: module(torch.float32)}
@@ -351,59 +411,158 @@ def megatron(case):
         # a bf16 config casts its probabilities to bf16, so the float64 reference runs the fp32 config
         return modules.get(q.dtype, modules[torch.float32])(q, k, v, mask)
 
-    q, k, v, hidden, _ = case.tensors()
-    if case.mask == "padding":
-        mask = hidden
-    elif case.mask == "none" and case.spelling["default_mask"]:
-        mask = None
-    else:
-        mask = hidden[None, None]
-    return core_attention, *(t.permute(2, 0, 1, 3).contiguous().requires_grad_() for t in (q, k, v)), mask
+    def inputs(case):
+        q, k, v, hidden, _ = case.tensors()
+        if structure.mask == "padding":
+            mask = hidden
+        elif structure.mask == "none" and structure.sp.get("default_mask"):
+            mask = None
+        else:
+            mask = hidden[None, None]
+        return [*(t.permute(2, 0, 1, 3).contiguous().requires_grad_() for t in (q, k, v)), mask]
+
+    return core_attention, inputs
 
 
-def _laid_out(case, q, k, v):
-    if case.layout == "bsnd":
+def _laid_out(structure, q, k, v):
+    if structure.layout == "bsnd":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     return (t.requires_grad_() for t in (q, k, v))
 
 
 BUILDERS = {"written_out": written_out, "sdpa": sdpa, "megatron": megatron}
+SEQUENCE_DIM = {"bnsd": 2, "bsnd": 1, "bnsd->bsnd": 2, "megatron": 0}
 
 
-def check_case(style, case, against_eager):
-    fn, *inputs = BUILDERS[style](case)
-    run = against_eager(fn, *inputs, rules=RULES, no_grad=not case.training, fp32_against_float64=True)
-    assert run.fusions == {"attention": 1}, f"{style} left unfused: {attention_unfused(run.report)}"
-    assert not UNFUSED_OPS & set(run.report.lowered_ops)
+def mark_lengths_dynamic(style, case, inputs):
+    """The sequence dims of k, v, the mask and (in self-attention) q: symbols in the compiled graph."""
+    q, k, v, mask = inputs
+    dim = SEQUENCE_DIM["megatron" if style == "megatron" else case.structure.layout]
+    if case.structure.lengths == "self":
+        torch._dynamo.mark_dynamic(q, dim)
+    torch._dynamo.mark_dynamic(k, dim)
+    torch._dynamo.mark_dynamic(v, dim)
+    if mask is not None:
+        for axis, length in ((-2, case.sq), (-1, case.sk)):
+            if mask.size(axis) == length > 1:
+                torch._dynamo.mark_dynamic(mask, mask.dim() + axis)
 
 
-@settings(max_examples=80, deadline=None)
-@given(case=cases("written_out"))
-def test_written_out_attention_equals_eager(case, against_eager):
-    check_case("written_out", case, against_eager)
+def check_structure(style, structure, hypothesis_settings, sizes=(2, 8)):
+    """``structure`` compiled once; every example Hypothesis draws runs that graph and equals eager (outputs and
+    gradients held to float64: no further from it than eager is, plus the dtype's tolerance), and the graph fused
+    its one attention."""
+    fn, inputs_of = BUILDERS[style](structure)
+    dim = SEQUENCE_DIM["megatron" if style == "megatron" else structure.layout]
+
+    def one_sequence(q, k, v, mask):
+        # k and v have one length (and q too, in self-attention), as a model's projections of one sequence do;
+        # mark_dynamic alone gives each input a symbol of its own
+        torch._check(v.size(dim) == k.size(dim))
+        if structure.lengths == "self":
+            torch._check(q.size(dim) == k.size(dim))
+        for axis, length in ((-1, k.size(dim)), (-2, q.size(dim))):  # and a mask built for them
+            if mask is not None and mask.size(axis) != 1:
+                torch._check(mask.size(axis) == length)
+        return fn(q, k, v, mask)
+
+    # Megatron's attention in training with a symbolic length is left unfused today (q/k/v leaves of [s, b, n, d]):
+    # there each length compiles a graph of its own (sizes stays under dynamo's recompile limit)
+    static = style == "megatron" and structure.training
+    if static:
+        sizes = (sizes[0], min(sizes[1], sizes[0] + 6))  # at most 7 lengths, 7 graphs
+    compiled = torch.compile(one_sequence, backend="ascend", options={"fusions": list(RULES)},
+                             dynamic=False if static else None)
+
+    def run(f, args):
+        with torch.set_grad_enabled(structure.training):
+            out = f(*args)
+            if not structure.training:
+                return [out]
+            seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+            out.backward(seed.to(out.dtype))
+        return [out, *(a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad)]
+
+    def fresh(args, dtype=None):
+        return [a.detach().to(dtype if dtype and a.is_floating_point() else a.dtype).requires_grad_(a.requires_grad)
+                if isinstance(a, torch.Tensor) else a for a in args]
+
+    @hypothesis_settings
+    @given(case=cases(structure, sizes))
+    def equals_eager(case):
+        args = inputs_of(case)
+        compiled_args = fresh(args)
+        if not static:
+            mark_lengths_dynamic(style, case, compiled_args)
+        got = run(compiled, compiled_args)
+        with torch._dynamo.config.patch(disable=True):  # Megatron's jit_fuser is torch.compile: keep eager eager
+            eager, exact = run(fn, fresh(args)), run(fn, fresh(args, torch.float64))
+        names = ["out", "grad q", "grad k", "grad v", "grad mask"][:len(got)]
+        for name, g, e, x in zip(names, got, eager, exact, strict=True):
+            assert g.dtype == e.dtype and g.shape == e.shape, name
+            allowed = TOLERANCE[structure.dtype] + rel_error(e, x)
+            assert rel_error(g, x) <= allowed, (name, case.sq, case.sk, rel_error(g, x), allowed)
+
+    torch._dynamo.reset()
+    with collect() as reports:
+        equals_eager()
+    torch._dynamo.reset()
+    assert static or len(reports) == 1, f"{len(reports)} graphs: the sequence lengths were specialized"
+    for report in reports:
+        assert report.fusions == {"attention": 1}, f"{style} left unfused: {attention_unfused(report)}"
+        assert not UNFUSED_OPS & set(report.lowered_ops)
 
 
-@settings(max_examples=70, deadline=None)
-@given(case=cases("sdpa"))
-def test_sdpa_equals_eager(case, against_eager):
-    check_case("sdpa", case, against_eager)
+# bf16: 2 ulps of the tensor's scale beyond eager's own error against float64, as in tests/passes/conftest.py
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8}
 
 
-@settings(max_examples=50, deadline=None)
-@given(case=cases("megatron"))
-def test_megatron_core_attention_equals_eager(case, megatron_cpu, against_eager):
-    check_case("megatron", case, against_eager)
+def rel_error(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return 0.0 if b.numel() == 0 else ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# structures × examples per structure: each family >= 200 examples, a compile per structure
+FAMILY_RUNS = {"written_out": (20, 12), "sdpa": (16, 13), "megatron": (10, 20)}
+STRUCTURES = {style: structures(style, count) for style, (count, _) in FAMILY_RUNS.items()}
+
+
+def known_gaps(structures):
+    """The structures whose graphs are left unfused today, each marked as an expected failure with why (strict: a
+    fix shows up as a failure to unmark)."""
+    marked = []
+    for structure in structures:
+        if structure.training and structure.n_kv == 1 and structure.groups > 1 and structure.sp.get("repeat") == "expand":
+            structure = pytest.param(structure, marks=pytest.mark.xfail(strict=True, reason=(
+                "one kv head repeated by expand + reshape, in training, with a symbolic length: no spelling matches")))
+        marked.append(structure)
+    return marked
+
+
+@pytest.mark.parametrize("structure", known_gaps(STRUCTURES["written_out"]), ids=str)
+def test_written_out_attention_equals_eager(structure):
+    check_structure("written_out", structure, settings(max_examples=FAMILY_RUNS["written_out"][1], deadline=None))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES["sdpa"], ids=str)
+def test_sdpa_equals_eager(structure):
+    check_structure("sdpa", structure, settings(max_examples=FAMILY_RUNS["sdpa"][1], deadline=None))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES["megatron"], ids=str)
+def test_megatron_core_attention_equals_eager(structure, megatron_cpu):
+    check_structure("megatron", structure, settings(max_examples=FAMILY_RUNS["megatron"][1], deadline=None))
+
+
+FUZZ_STRUCTURES = [(style, structure) for style in BUILDERS
+                   for structure in structures(style, 60, heads=(1, 2, 3), dims=(4, 8, 16, 32, 64))]
 
 
 @pytest.mark.fuzz
-@pytest.mark.parametrize("style", BUILDERS)
-def test_attention_equals_eager_fuzz(style, megatron_cpu, against_eager):
-    @settings(settings.get_profile("fuzz"))
-    @given(case=cases(style, sizes=(1, 40), heads=(1, 2, 3), dims=(4, 8, 16, 32, 64)))
-    def run(case):
-        check_case(style, case, against_eager)
-
-    run()
+@pytest.mark.parametrize("style, structure", FUZZ_STRUCTURES, ids=lambda x: str(x))
+def test_attention_equals_eager_fuzz(style, structure, megatron_cpu):
+    """More structures (three kv heads, head dims to 64), each with 50 examples of lengths up to 40."""
+    check_structure(style, structure, settings(settings.get_profile("fuzz"), max_examples=50), sizes=(2, 40))
 
 
 # ==== sites left unfused, and why ============================================================================
