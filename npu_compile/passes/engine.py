@@ -111,6 +111,7 @@ def normalize(graph: torch.fx.Graph, mode: str) -> None:
     them, loses matches: a dead ``new_empty_strided`` left by functionalization blocks view folding)."""
     canonical_sizes(graph)
     remove_noop_ops(graph)
+    fold_full_slice_backwards(graph)
     if mode == TRAINING:
         early_patterns.apply(graph)
     else:
@@ -136,6 +137,30 @@ def fold_view_round_trips(graph: torch.fx.Graph) -> None:
         if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and _same_sizes(a.shape, b.shape) and _same_sizes(a.stride(), b.stride())):
             node.replace_all_uses_with(start)
+
+
+def fold_full_slice_backwards(graph: torch.fx.Graph) -> None:
+    """Replace a ``slice_backward`` whose gradient already has the input's shape (the slice took the whole dim)
+    by that gradient.
+
+    A model's ``x[:, :, ::2]`` slices every dim; on a static dim the full slice is skipped when the index is
+    applied, but on a symbolic one it is recorded, so a graph with a dynamic dim holds ``slice(x, 0, 0, max)``,
+    which remove_noop_ops drops, and in the backward ``slice_backward(g, [s0, ...], 0, 0, max, 1)``, which it
+    keeps: one node more than the pattern, traced with int sizes, has. Equal shapes mean the slice was the
+    identity (a dim of n elements out of n, step ≥ 1, starts at 0 and takes each); equal strides and dtype keep
+    the layout later nodes were traced with. A graph output is not made an alias of a graph input."""
+    slice_backward = torch.ops.aten.slice_backward.default
+    outputs = set(graph.output_node().args[0]) if graph.output_node() is not None else set()
+    for node in list(graph.find_nodes(op="call_function", target=slice_backward)):
+        grad = node.args[0]
+        a, b = (grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None), node.meta.get("val")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and _same_sizes(a.shape, b.shape) and _same_sizes(a.stride(), b.stride())):
+            continue
+        if grad.op == "placeholder" and node in outputs:
+            continue
+        node.replace_all_uses_with(grad)
+        graph.erase_node(node)
 
 
 def _same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:

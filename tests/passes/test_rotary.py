@@ -186,10 +186,7 @@ def test_llama_inference_is_fused_and_equals_eager(megatron_cpu):
 
 @pytest.mark.parametrize("form", [
     pytest.param(("megatron", False), id="megatron-rotate-half"),
-    pytest.param(("megatron", True), id="megatron-interleaved", marks=pytest.mark.xfail(strict=True, reason=(
-        "the interleaved rotation's view (and its backward's view and slice_backward) takes a size list holding "
-        "the symbolic sequence length, a graph input node: the pattern, traced with int sizes, does not match "
-        "it (passes/engine.py's matching of size lists)"))),
+    pytest.param(("megatron", True), id="megatron-interleaved"),
     pytest.param(("hf", False), id="hf"),
 ])
 def test_rotary_fires_on_a_dynamic_sequence_dim(form, static_then_dynamic):
