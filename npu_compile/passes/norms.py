@@ -43,6 +43,7 @@ or a bf16/fp16 and an fp32 one, and contiguous outputs.
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 
 import torch
@@ -387,6 +388,10 @@ def _mixed_add(graph) -> bool:
     return False
 
 
+def _signature(fn) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
 def _both(*wants):
     return lambda graph: all(want(graph) for want in wants)
 
@@ -411,6 +416,7 @@ for _swapped in (False, True):
                 anchors=(aten.add.Tensor,),
                 site=_add_rms_norm_site,
                 wanted=_both(_has_rms_norm(_eps_add), _mixed_add) if _swapped else _has_rms_norm(_eps_add),
+                grad_optional=("x", "residual", "weight"),
             ))
 
 for _swapped in (False, True):
@@ -431,6 +437,8 @@ for _swapped in (False, True):
             anchors=(aten.native_layer_norm.default,),
             site=_add_layer_norm_site,
             wanted=_both(_layer_norm, _mixed_add) if _swapped else _layer_norm,
+            grad_optional=("x", "residual", "weight", "bias") if "bias" in _signature(_pattern) else
+                          ("x", "residual", "weight"),
         ))
 
 for _norm, _dtypes, _eps_add in RMS_NORMS:
@@ -445,4 +453,5 @@ for _norm, _dtypes, _eps_add in RMS_NORMS:
         site=_is_rms_statistic,
         wanted=_has_rms_norm(_eps_add),
         shared_inputs=("x",),  # a block's input is also its residual
+        grad_optional=("x", "weight"),
     ))
