@@ -35,6 +35,12 @@ fused ops do), and an fp32 residual stream, ``residual.float() + x`` (the sum is
 autograd casts the bf16 summand's gradient back, outside the matched ops, so that add traces as a one-dtype
 add does). The fp32-weight variant is traced only for graphs that hold such a norm.
 
+Training graphs: every rule fires whatever subset of its inputs needs grad (a block whose input needs none, a
+norm after a frozen embedding, a frozen bias beside a trained weight): each subset is its own joint graph, and
+the rules name the inputs whose gradient may be missing (``grad_optional``), which the engine traces each way;
+with none needing grad the norm's ops sit in the training graph without a backward and the forward pattern
+takes them.
+
 Every match must produce what the fused op produces: the norm over exactly the weight's trailing dims, the
 output in x's dtype (no promotion by a weight of another dtype), x and residual of one shape and of one dtype
 or a bf16/fp16 and an fp32 one, and contiguous outputs.

@@ -1,6 +1,6 @@
 """Norm rules: rms_norm, add_rms_norm and add_layer_norm fire on megatron-core's GPT and Llama blocks and on the
 forms models write, training and inference, in fp32, bf16 and fp16 (fp32 weights on bf16/fp16, fp32 residual
-streams, autocast regions), on dynamic sequence dims, and the compiled results equal eager; declined and
+streams, autocast regions), whatever subset of their inputs needs grad, on dynamic sequence dims, and the compiled results equal eager; declined and
 switched-off sites are reported with their reasons, and a LayerNorm with no residual add in front is no site."""
 
 import pytest

@@ -1,5 +1,6 @@
 """The rotary rule: fires on megatron-core's RoPE (q and k of every layer, rotate-half and interleaved, full and
-partial) and on the Hugging Face form, training and inference, and the compiled results equal eager; sites left
+partial) and on the Hugging Face form (rotate_half by chunk or by slicing, cos/sin given or made in the graph
+from the positions), training and inference, and the compiled results equal eager; sites left
 unfused are reported with reasons."""
 
 import pytest
