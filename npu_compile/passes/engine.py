@@ -411,7 +411,10 @@ def _sizes_as_values(check: Callable[[Match], bool]) -> Callable[[Match], bool]:
         marks: dict[torch.fx.Node, _Size] = {}
         saved: dict[torch.fx.Node, tuple] = {}
         for n in graph.nodes:
-            if isinstance(n.meta.get("val"), torch.SymInt) and n.users:
+            # sizes read from the inputs; a size computed from them (2*s0 = mul(s0, 2)) stays a node, matched
+            # by the pattern's own arithmetic on its size inputs
+            if (isinstance(n.meta.get("val"), torch.SymInt) and n.users
+                    and (n.op == "placeholder" or n.target in _SIZE_READS)):
                 marks[n] = _Size(n)
         for n in marks:
             for user in n.users:
