@@ -166,11 +166,17 @@ def _(grad_y, grad_sum, total, weight, rstd):
     return total.new_empty(total.shape), weight.new_empty(weight.shape)
 
 
+def _sum_without_grad(ctx, total: Tensor) -> tuple[Tensor, ...]:
+    """(sum,) when neither summand needs grad: x + residual then needs none either (it does not depend on the
+    weight), as autograd has it for the eager add."""
+    return () if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else (total,)
+
+
 def _add_rms_setup_context(ctx, inputs, output):
     _, _, weight, _ = inputs
     _, rstd, total = output
     ctx.save_for_backward(total, weight, rstd)
-    ctx.mark_non_differentiable(rstd)
+    ctx.mark_non_differentiable(rstd, *_sum_without_grad(ctx, total))
 
 
 def _add_rms_grad(ctx, grad_y, _grad_rstd, grad_sum):
@@ -242,7 +248,7 @@ def _add_ln_setup_context(ctx, inputs, output):
     _, mean, rstd, total = output
     ctx.save_for_backward(total, mean, rstd, weight)
     ctx.has_bias = bias is not None
-    ctx.mark_non_differentiable(mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd, *_sum_without_grad(ctx, total))
 
 
 def _add_ln_grad(ctx, grad_y, _grad_mean, _grad_rstd, grad_sum):

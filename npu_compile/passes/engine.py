@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +57,12 @@ def decompositions() -> dict:
 
 
 def trace_training(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callable[[], dict] = decompositions):
-    """The joint forward+backward graph of ``fn``, normalized like :func:`normalize` does to model graphs."""
+    """The joint forward+backward graph of ``fn``, normalized like :func:`normalize` does to model graphs.
+
+    With no input that needs grad, ``fn``'s ops sit in a training graph without a backward (a norm of a frozen
+    embedding's output scaled by a trained weight further on): its forward graph, normalized alike."""
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return _trace_forward(fn, args, get_decomp_fn=get_decomp_fn)
     return joint_fwd_bwd(fn, _ints_as_floats(args), get_decomp_fn=get_decomp_fn)
 
 
@@ -66,6 +72,25 @@ def _ints_as_floats(args: Sequence[Any]) -> list[Any]:
     input would become a SymInt of the graph's shape environment in aot_autograd, with guards that name no
     source. SymInts (the sizes of the exact re-trace) stay."""
     return [float(a) if type(a) is int else a for a in args]
+
+
+def _trace_forward(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callable[[], dict] = decompositions):
+    """The forward graph of ``fn`` on inputs none of which needs grad, as a joint graph holds such ops."""
+    captured: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _: Any) -> Callable:
+        captured.append(gm)
+        return make_boxed_func(gm)
+
+    with torch._guards.tracing(None):
+        aot_function(fn, keep, decompositions=get_decomp_fn(), keep_inference_input_mutations=True)(*_ints_as_floats(args))
+    (gm,) = captured
+    remove_noop_ops(gm.graph)
+    early_patterns.apply(gm.graph)
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
 
 
 def trace_inference(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callable[[], dict] = decompositions):
@@ -92,6 +117,7 @@ def normalize(graph: torch.fx.Graph, mode: str) -> None:
     them, loses matches: a dead ``new_empty_strided`` left by functionalization blocks view folding)."""
     canonical_sizes(graph)
     remove_noop_ops(graph)
+    fold_full_slice_backwards(graph)
     if mode == TRAINING:
         early_patterns.apply(graph)
     else:
@@ -117,6 +143,30 @@ def fold_view_round_trips(graph: torch.fx.Graph) -> None:
         if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and _same_sizes(a.shape, b.shape) and _same_sizes(a.stride(), b.stride())):
             node.replace_all_uses_with(start)
+
+
+def fold_full_slice_backwards(graph: torch.fx.Graph) -> None:
+    """Replace a ``slice_backward`` whose gradient already has the input's shape (the slice took the whole dim)
+    by that gradient.
+
+    A model's ``x[:, :, ::2]`` slices every dim; on a static dim the full slice is skipped when the index is
+    applied, but on a symbolic one it is recorded, so a graph with a dynamic dim holds ``slice(x, 0, 0, max)``,
+    which remove_noop_ops drops, and in the backward ``slice_backward(g, [s0, ...], 0, 0, max, 1)``, which it
+    keeps: one node more than the pattern, traced with int sizes, has. Equal shapes mean the slice was the
+    identity (a dim of n elements out of n, step ≥ 1, starts at 0 and takes each); equal strides and dtype keep
+    the layout later nodes were traced with. A graph output is not made an alias of a graph input."""
+    slice_backward = torch.ops.aten.slice_backward.default
+    outputs = set(graph.output_node().args[0]) if graph.output_node() is not None else set()
+    for node in list(graph.find_nodes(op="call_function", target=slice_backward)):
+        grad = node.args[0]
+        a, b = (grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None), node.meta.get("val")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and _same_sizes(a.shape, b.shape) and _same_sizes(a.stride(), b.stride())):
+            continue
+        if grad.op == "placeholder" and node in outputs:
+            continue
+        node.replace_all_uses_with(grad)
+        graph.erase_node(node)
 
 
 def _same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:
@@ -196,6 +246,10 @@ class Rule:
     # Whether a graph may hold this rule's sites (a cheap look at the graph). A rule is traced only once a
     # graph wants it, so a family of many spellings pays only for those that occur. None: every graph.
     wanted: Callable[[torch.fx.Graph], bool] | None = None
+    # Inputs whose gradient a training graph may or may not want (a norm's input after a frozen embedding, a
+    # bias that is frozen while its weight trains): in training the rule is also traced with each subset of
+    # those that need grad in an example switched off (see grad_variants). Each subset is its own joint graph.
+    grad_optional: tuple[str, ...] = ()
 
 
 RULES: dict[str, list[Rule]] = {}
@@ -260,8 +314,13 @@ def _pass(name: str, mode: str, graph: torch.fx.Graph) -> PatternMatcherPass:
         if mode == TRAINING and rule.shared_inputs:
             share = functools.partial(_sharing, names=rule.shared_inputs)
             forms.append((share(rule.pattern), share(rule.replacement), _trace_training_shared))
-        for pattern, replacement, trace_fn in forms:
-            for example in rule.example_inputs():
+        for form, (pattern, replacement, trace_fn) in enumerate(forms):
+            examples = rule.example_inputs()
+            if mode == TRAINING and rule.grad_optional:
+                # a shared input without grad takes no gradient from outside: the plain form traces it
+                examples = grad_variants(rule.pattern, examples, rule.grad_optional,
+                                         keep=rule.shared_inputs if form else ())
+            for example in examples:
                 registered = register_replacement(
                     pattern,
                     replacement,
@@ -280,6 +339,36 @@ def _pass(name: str, mode: str, graph: torch.fx.Graph) -> PatternMatcherPass:
             if not getattr(entry.extra_check, "sizes_as_values", False):
                 entry.extra_check = _sizes_as_values(entry.extra_check)
     return p
+
+
+def grad_variants(pattern: Callable[..., Any], examples: Sequence[Sequence[Any]], names: Sequence[str],
+                  keep: Sequence[str] = ()) -> list[list[Any]]:
+    """Each example, then the same with the inputs ``names`` that need grad switched off, subset by subset (the
+    most gradients first, so a pattern with more of them is tried before one with fewer); inputs in ``keep``
+    stay as they are. Variants with the same inputs (shape, dtype, requires_grad) are listed once."""
+    params = list(inspect.signature(pattern).parameters)
+    unknown = [n for n in (*names, *keep) if n not in params]
+    if unknown:
+        raise ValueError(f"grad_optional/shared_inputs name {unknown}, which are not arguments of "
+                         f"{pattern.__name__}{tuple(params)}")
+    variants: list[list[Any]] = []
+    seen: set[tuple] = set()
+    for example in examples:
+        example = list(example)
+        optional = [params.index(n) for n in names if n not in keep and params.index(n) < len(example)
+                    and isinstance(example[params.index(n)], torch.Tensor) and example[params.index(n)].requires_grad]
+        subsets = sorted(itertools.product((True, False), repeat=len(optional)), key=lambda s: -sum(s))
+        for grads in subsets:
+            variant = list(example)
+            for i, grad in zip(optional, grads):
+                if not grad:
+                    variant[i] = example[i].detach().requires_grad_(False)
+            key = tuple((tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else repr(a)
+                        for a in variant)
+            if key not in seen:
+                seen.add(key)
+                variants.append(variant)
+    return variants
 
 
 def _sizes_as_values(check: Callable[[Match], bool]) -> Callable[[Match], bool]:
@@ -301,7 +390,10 @@ def _sizes_as_values(check: Callable[[Match], bool]) -> Callable[[Match], bool]:
         marks: dict[torch.fx.Node, _Size] = {}
         saved: dict[torch.fx.Node, tuple] = {}
         for n in graph.nodes:
-            if isinstance(n.meta.get("val"), torch.SymInt) and n.users:
+            # sizes read from the inputs; a size computed from them (2*s0 = mul(s0, 2)) stays a node, matched
+            # by the pattern's own arithmetic on its size inputs
+            if (isinstance(n.meta.get("val"), torch.SymInt) and n.users
+                    and (n.op == "placeholder" or n.target in _SIZE_READS)):
                 marks[n] = _Size(n)
         for n in marks:
             for user in n.users:

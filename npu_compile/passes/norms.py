@@ -35,6 +35,12 @@ fused ops do), and an fp32 residual stream, ``residual.float() + x`` (the sum is
 autograd casts the bf16 summand's gradient back, outside the matched ops, so that add traces as a one-dtype
 add does). The fp32-weight variant is traced only for graphs that hold such a norm.
 
+Training graphs: every rule fires whatever subset of its inputs needs grad (a block whose input needs none, a
+norm after a frozen embedding, a frozen bias beside a trained weight): each subset is its own joint graph, and
+the rules name the inputs whose gradient may be missing (``grad_optional``), which the engine traces each way;
+with none needing grad the norm's ops sit in the training graph without a backward and the forward pattern
+takes them.
+
 Every match must produce what the fused op produces: the norm over exactly the weight's trailing dims, the
 output in x's dtype (no promotion by a weight of another dtype), x and residual of one shape and of one dtype
 or a bf16/fp16 and an fp32 one, and contiguous outputs.
@@ -43,6 +49,7 @@ or a bf16/fp16 and an fp32 one, and contiguous outputs.
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 
 import torch
@@ -387,6 +394,10 @@ def _mixed_add(graph) -> bool:
     return False
 
 
+def _signature(fn) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
 def _both(*wants):
     return lambda graph: all(want(graph) for want in wants)
 
@@ -411,6 +422,7 @@ for _swapped in (False, True):
                 anchors=(aten.add.Tensor,),
                 site=_add_rms_norm_site,
                 wanted=_both(_has_rms_norm(_eps_add), _mixed_add) if _swapped else _has_rms_norm(_eps_add),
+                grad_optional=("x", "residual", "weight"),
             ))
 
 for _swapped in (False, True):
@@ -431,6 +443,8 @@ for _swapped in (False, True):
             anchors=(aten.native_layer_norm.default,),
             site=_add_layer_norm_site,
             wanted=_both(_layer_norm, _mixed_add) if _swapped else _layer_norm,
+            grad_optional=("x", "residual", "weight", "bias") if "bias" in _signature(_pattern) else
+                          ("x", "residual", "weight"),
         ))
 
 for _norm, _dtypes, _eps_add in RMS_NORMS:
@@ -445,4 +459,5 @@ for _norm, _dtypes, _eps_add in RMS_NORMS:
         site=_is_rms_statistic,
         wanted=_has_rms_norm(_eps_add),
         shared_inputs=("x",),  # a block's input is also its residual
+        grad_optional=("x", "weight"),
     ))

@@ -8,8 +8,9 @@ One rule, ``rotary``, over the forms RoPE takes in training graphs:
   rotary) the fused op passes the other channels through, so the slices and the cat go with the match.
 - rot is "half" (``chunk`` + ``cat(−t₂, t₁)``, Megatron's default) or "interleave" (rotary_interleaved=True:
   ``stack(−t[..., 1::2], t[..., ::2], -1)`` viewed back to t's shape): npu_rotary_mul's two modes.
-- The Hugging Face form ``q·cos + rotate_half(q)·sin``, no slicing. HF's q is a transposed view
-  ([b, s, n, d] memory as [b, n, s, d]); the product keeps that layout, so the replacement does too.
+- The Hugging Face form ``q·cos + rotate_half(q)·sin`` on the whole of q, its halves by ``chunk`` or, as
+  HF's ``rotate_half`` writes them, by slicing (``q[..., :d//2]``, ``q[..., d//2:]``). HF's q is a transposed
+  view ([b, s, n, d] memory as [b, n, s, d]); the product keeps that layout, so the replacement does too.
 
 cos and sin are matched as they arrive: Megatron computes ``cos(freqs)·mscale`` in the graph, and those ops stay
 outside the match. They carry no gradient in Megatron (its frequencies are buffers), but the patterns are
@@ -33,6 +34,20 @@ def rotate_half(t):
     return torch.cat((-t2, t1), dim=-1)
 
 
+def rotate_half_sliced(t):
+    """Hugging Face's ``rotate_half``: the halves by slicing, ``t[..., :d//2]`` first."""
+    half = t.shape[-1] // 2
+    t1, t2 = t[..., :half], t[..., half:]
+    return torch.cat((-t2, t1), dim=-1)
+
+
+def rotate_half_sliced_in_place(t):
+    """The halves sliced where the cat takes them, ``t[..., d//2:]`` first: autograd then adds the halves'
+    gradients in the other order, so this is a joint graph of its own."""
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
 def rotate_interleaved(t):
     t1, t2 = t[..., ::2], t[..., 1::2]
     pairs = torch.stack((-t2, t1), dim=-1)
@@ -51,6 +66,14 @@ def megatron_rope(rotate):
 
 def hf_rope(t, cos, sin):
     return t * cos + rotate_half(t) * sin
+
+
+def hf_rope_sliced(t, cos, sin):
+    return t * cos + rotate_half_sliced(t) * sin
+
+
+def hf_rope_sliced_in_place(t, cos, sin):
+    return t * cos + rotate_half_sliced_in_place(t) * sin
 
 
 def fused_megatron_rope(mode):
@@ -109,6 +132,8 @@ for _pattern, _replacement, _widths, _layout, _rotation in (
     (megatron_rope(rotate_half), fused_megatron_rope("half"), (8, 4), layout_check(), aten.cat.default),
     (megatron_rope(rotate_interleaved), fused_megatron_rope("interleave"), (8, 4), layout_check(), aten.stack.default),
     (hf_rope, fused_hf_rope, (8,), layout_check("t"), aten.cat.default),
+    (hf_rope_sliced, fused_hf_rope, (8,), layout_check("t"), aten.cat.default),
+    (hf_rope_sliced_in_place, fused_hf_rope, (8,), layout_check("t"), aten.cat.default),
 ):
     register_rule(Rule(
         name="rotary",

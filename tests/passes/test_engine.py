@@ -103,3 +103,61 @@ def test_registration_is_lazy(silu_rule):
     assert (SILU.name, passes.TRAINING) not in engine._passes  # nothing traced at registration
     npu_compile.explain(Mlp(), torch.randn(4, 16))
     assert (SILU.name, passes.TRAINING) in engine._passes
+
+
+# --- gradients a training graph may not want: grad_optional ---
+def scaled_silu(x, p):
+    return x * torch.sigmoid(x) * p  # p trains, x needs no grad: a training graph with no gradient for x
+
+
+@pytest.mark.parametrize("optional, fused", [((), 0), (("x",), 1)])
+def test_grad_optional_input_is_traced_without_grad_too(optional, fused):
+    rule = passes.Rule(**{**SILU.__dict__, "name": "silu_grad_optional", "grad_optional": optional})
+    passes.register_rule(rule)
+    try:
+        x, p = torch.randn(4, 16), torch.randn(16, requires_grad=True)
+        (r,) = npu_compile.explain(scaled_silu, x, p, options={"fusions": [rule.name]}).graphs
+    finally:
+        passes.unregister_rule(rule.name)
+    assert r.graphs == ["forward", "backward"] and r.fusions[rule.name] == fused
+    assert ("aten.sigmoid" in r.lowered_ops) == (not fused)
+
+
+def test_grad_variants_switch_off_each_subset_most_gradients_first():
+    from npu_compile.passes.engine import grad_variants
+
+    def pattern(x, residual, weight):
+        return x + residual * weight
+
+    example = [torch.empty(2, requires_grad=True), torch.empty(2, requires_grad=True), torch.empty(2)]
+    variants = grad_variants(pattern, [example], ("x", "residual", "weight"))
+    assert [[a.requires_grad for a in v] for v in variants] == [
+        [True, True, False], [True, False, False], [False, True, False], [False, False, False]]
+    assert [[a.requires_grad for a in v] for v in grad_variants(pattern, [example], ("x",), keep=("x",))] == [
+        [True, True, False]]
+    with pytest.raises(ValueError, match=r"grad_optional/shared_inputs name \['bias'\], which are not arguments "
+                                         r"of pattern\('x', 'residual', 'weight'\)"):
+        grad_variants(pattern, [example], ("bias",))
+
+
+# --- a slice_backward that takes the whole dim is the identity ---
+def test_full_slice_backward_is_folded_and_a_partial_one_kept():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from npu_compile.passes.engine import fold_full_slice_backwards
+
+    aten = torch.ops.aten
+
+    def f(g, h):
+        full = aten.slice_backward(g, [4, 8], 0, 0, 2**63 - 1, 1)
+        part = aten.slice_backward(h, [4, 8], 0, 1, 3, 1)
+        return full * 2 + part, aten.slice_backward(g, [4, 8], 1, 0, 8, 1)  # the last: an output, g an input
+
+    g, h = torch.randn(4, 8), torch.randn(2, 8)
+    gm = make_fx(f)(g, h)
+    fold_full_slice_backwards(gm.graph)
+    gm.recompile()
+    kept = [n.args[1:] for n in gm.graph.find_nodes(op="call_function", target=aten.slice_backward.default)]
+    assert kept == [([4, 8], 0, 1, 3, 1), ([4, 8], 1, 0, 8, 1)]
+    for got, want in zip(gm(g, h), f(g, h)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,6 +1,6 @@
 """Norm rules: rms_norm, add_rms_norm and add_layer_norm fire on megatron-core's GPT and Llama blocks and on the
 forms models write, training and inference, in fp32, bf16 and fp16 (fp32 weights on bf16/fp16, fp32 residual
-streams, autocast regions), on dynamic sequence dims, and the compiled results equal eager; declined and
+streams, autocast regions), whatever subset of their inputs needs grad, on dynamic sequence dims, and the compiled results equal eager; declined and
 switched-off sites are reported with their reasons, and a LayerNorm with no residual add in front is no site."""
 
 import pytest
@@ -444,3 +444,54 @@ def test_norms_in_an_autocast_region_fuse(name, fn, n_affine, rule, against_eage
     affine = [(1 + 0.5 * torch.randn(16, generator=gen)).requires_grad_() for _ in range(n_affine)]
     run = against_eager(fn, x, r, w, *affine, rules=RULES, fp32_against_float64=True)
     assert run.fusions[rule] == 1 and sum(run.fusions.values()) == 1 and run.report.unfused == []
+
+
+# ==== training graphs: whatever subset of the norm's inputs needs grad ========================================
+
+def scaled(norm, site):
+    """``block(norm, site)`` followed by a product with a trained scale ``p`` (the last input), so the graph is a
+    training graph even where none of the norm's own inputs needs grad (a norm of a frozen embedding's output)."""
+    inner = block(norm, site)
+    return lambda *args: inner(*args[:-1]) * args[-1]
+
+
+GRAD_CASES = {  # name: (fn of (*inputs, p), the inputs' names, the rule)
+    "rms_norm": (scaled(rms_norm("functional", 1e-5), "alone"), ("x", "weight"), "rms_norm"),
+    "rms_norm llama": (scaled(rms_norm("llama", 1e-5), "alone"), ("x", "weight"), "rms_norm"),
+    "rms_norm shared": (scaled(rms_norm("functional", 1e-5), "shared"), ("x", "weight"), "rms_norm"),
+    "add_rms_norm": (scaled(rms_norm("functional", 1e-5), "residual"), ("x", "residual", "weight"), "add_rms_norm"),
+    "add_rms_norm last": (scaled(rms_norm("functional", 1e-5), "last"), ("x", "residual", "weight"), "add_rms_norm"),
+    "add_layer_norm": (scaled(layer_norm("functional", 1e-5, True), "residual"), ("x", "residual", "weight", "bias"),
+                       "add_layer_norm"),
+    "add_layer_norm last": (scaled(layer_norm("functional", 1e-5, True), "last"),
+                            ("x", "residual", "weight", "bias"), "add_layer_norm"),
+    "add_layer_norm no bias": (scaled(layer_norm("functional", 1e-5, False), "residual"),
+                               ("x", "residual", "weight"), "add_layer_norm"),
+}
+
+
+BF16_GRAD_CASES = ("rms_norm llama", "add_rms_norm")  # bf16 for a hand-written and a torch form (fp32 statistics, casts)
+
+
+def _grad_subsets():
+    for name, (_, names, _) in GRAD_CASES.items():
+        for mask in range(2 ** len(names)):
+            grads = tuple(bool(mask >> i & 1) for i in range(len(names)))
+            label = ",".join(n for n, g in zip(names, grads) if g) or "none"
+            for dtype in (torch.float32, torch.bfloat16) if name in BF16_GRAD_CASES else (torch.float32,):
+                yield pytest.param(name, grads, dtype, id=f"{name}-grad[{label}]-{str(dtype)[6:]}")
+
+
+@pytest.mark.parametrize("name, grads, dtype", list(_grad_subsets()))
+def test_norm_rules_fire_whatever_inputs_need_grad(name, grads, dtype, against_eager):
+    fn, names, rule = GRAD_CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    values = {"x": torch.randn(3, 2, 8, generator=gen) * 2, "residual": torch.randn(3, 2, 8, generator=gen) * 2,
+              "weight": 1 + 0.5 * torch.randn(8, generator=gen), "bias": 0.5 * torch.randn(8, generator=gen)}
+    inputs = [values[n].to(dtype).requires_grad_(g) for n, g in zip(names, grads)]
+    p = (1 + torch.rand(8, generator=gen)).to(dtype).requires_grad_()
+    run = against_eager(fn, *inputs, p, rules=RULES, fp32_against_float64=True)
+    assert run.report.graphs == ["forward", "backward"]  # a training graph
+    assert run.fusions[rule] == 1 and sum(run.fusions.values()) == 1, (run.fusions, run.report.unfused)
+    assert run.report.unfused == []
+    assert f"npu_compile.{rule}" in run.report.lowered_ops

@@ -1,5 +1,6 @@
 """The rotary rule: fires on megatron-core's RoPE (q and k of every layer, rotate-half and interleaved, full and
-partial) and on the Hugging Face form, training and inference, and the compiled results equal eager; sites left
+partial) and on the Hugging Face form (rotate_half by chunk or by slicing, cos/sin given or made in the graph
+from the positions), training and inference, and the compiled results equal eager; sites left
 unfused are reported with reasons."""
 
 import pytest
@@ -87,7 +88,7 @@ def hf_cases(draw):
     table = (b, 1, s, d) if cos_grad or draw(st.booleans()) else (s, d)
     angles = torch.rand(table, generator=gen) * 6
     cos, sin = (f(angles).to(dtype).requires_grad_(cos_grad) for f in (torch.cos, torch.sin))
-    return ("hf", False), [q.requires_grad_(), cos, sin], draw(st.booleans())
+    return (draw(st.sampled_from(list(ROTATE_HALF))), False), [q.requires_grad_(), cos, sin], draw(st.booleans())
 
 
 def rotate_half(x):
@@ -95,10 +96,27 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate_half_sliced(x):
+    """Hugging Face's rotate_half: the halves by slicing."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_half_sliced_in_place(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+# the spellings of rotate-half on the whole of q: chunk, HF's slices, the slices taken inside the cat
+ROTATE_HALF = {"hf": rotate_half, "hf-sliced": rotate_half_sliced, "hf-sliced-in-place": rotate_half_sliced_in_place}
+
+
 def rope_fn(form):
     name, interleaved = form
-    if name == "hf":
-        return lambda q, cos, sin: q * cos + rotate_half(q) * sin
+    if name in ROTATE_HALF:
+        rotate = ROTATE_HALF[name]
+        return lambda q, cos, sin: q * cos + rotate(q) * sin
     apply = megatron_rope()
     return lambda t, freqs: apply(t, freqs, rotary_interleaved=interleaved)
 
@@ -156,9 +174,8 @@ def test_cos_of_another_dtype_is_declined_with_the_reason():
 
 
 def test_rotation_spelled_otherwise_is_reported_as_a_miss():
-    def rope(q, cos, sin):  # halves by slicing, not chunk: a form no rule holds
-        h = q.shape[-1] // 2
-        return q * cos + torch.cat((-q[..., h:], q[..., :h]), dim=-1) * sin
+    def rope(q, cos, sin):  # sin times the rotation, not the rotation times sin: a form no rule holds
+        return q * cos + sin * rotate_half_sliced(q)
 
     fusions, sites = unfused(rope, torch.randn(2, 3, 5, 8, requires_grad=True), torch.randn(5, 8), torch.randn(5, 8))
     assert fusions["rotary"] == 0
@@ -186,11 +203,9 @@ def test_llama_inference_is_fused_and_equals_eager(megatron_cpu):
 
 @pytest.mark.parametrize("form", [
     pytest.param(("megatron", False), id="megatron-rotate-half"),
-    pytest.param(("megatron", True), id="megatron-interleaved", marks=pytest.mark.xfail(strict=True, reason=(
-        "the interleaved rotation's view (and its backward's view and slice_backward) takes a size list holding "
-        "the symbolic sequence length, a graph input node: the pattern, traced with int sizes, does not match "
-        "it (passes/engine.py's matching of size lists)"))),
+    pytest.param(("megatron", True), id="megatron-interleaved"),
     pytest.param(("hf", False), id="hf"),
+    pytest.param(("hf-sliced", False), id="hf-sliced"),
 ])
 def test_rotary_fires_on_a_dynamic_sequence_dim(form, static_then_dynamic):
     gen = torch.Generator().manual_seed(0)
@@ -205,4 +220,51 @@ def test_rotary_fires_on_a_dynamic_sequence_dim(form, static_then_dynamic):
 
     dynamic = {i: shape.index("s") for i, shape in enumerate(shapes)}
     static, symbolic = static_then_dynamic(rope_fn(form), make, dynamic=dynamic, rules=RULES)
+    assert static == symbolic == {"rotary": 1}
+
+
+# ==== cos/sin computed in the graph: Hugging Face's rotary embedding ==========================================
+
+def hf_rope_from_positions(layout):
+    """HF Llama's RoPE with its tables made in the graph: ``outer(pos, inv_freq)`` → ``cat(freqs, freqs)`` →
+    cos/sin in x's dtype, applied by rotate_half to q [b, n, s, d] (tables [s, d]) or [b, s, n, d] (tables
+    [s, 1, d])."""
+
+    def rope(q, pos, inv_freq):
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        if layout == "bsnd":
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return q * cos + rotate_half_sliced(q) * sin
+
+    return rope
+
+
+def positions(s, d):
+    return torch.arange(s, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+
+
+@pytest.mark.parametrize("layout", ["bnsd", "bsnd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_hf_rope_with_tables_made_in_the_graph_equals_eager(layout, dtype, against_eager):
+    b, n, s, d = 2, 3, 5, 8
+    shape = (b, n, s, d) if layout == "bnsd" else (b, s, n, d)
+    q = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    run = against_eager(hf_rope_from_positions(layout), q, *positions(s, d), rules=RULES, fp32_against_float64=True)
+    assert run.fusions["rotary"] == 1 and run.report.unfused == []
+    assert "aten.neg" not in run.report.lowered_ops
+    assert run.report.lowered_ops["npu_compile.rotary_backward"] == 1
+
+
+@pytest.mark.parametrize("layout", ["bnsd", "bsnd"])
+def test_hf_rope_with_tables_made_in_the_graph_fires_on_a_dynamic_sequence_dim(layout, static_then_dynamic):
+    gen = torch.Generator().manual_seed(0)
+
+    def make(s):
+        shape = (2, 3, s, 8) if layout == "bnsd" else (2, s, 3, 8)
+        return [torch.randn(shape, generator=gen).requires_grad_(), *positions(s, 8)]
+
+    dynamic = {0: 2 if layout == "bnsd" else 1, 1: 0}
+    static, symbolic = static_then_dynamic(hf_rope_from_positions(layout), make, dynamic=dynamic, rules=RULES)
     assert static == symbolic == {"rotary": 1}
