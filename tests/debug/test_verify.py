@@ -63,7 +63,7 @@ def test_a_wrong_backward_is_caught(tmp_path, monkeypatch):
     v = _verify(tmp_path, Block(), torch.randn(2, 8, 32, requires_grad=True))
     assert v["max_abs_diff"] < 1e-5  # outputs agree
     assert v["ok"] is False and v["gradients"]["ok"] is False
-    assert v["why"].startswith("gradient ") and 5e-4 < v["gradients"]["max_rel_diff"] < 2e-3
+    assert v["why"].startswith("gradient ") and 5e-4 < v["gradients"]["max_rel_diff"] < 1e-2
 
 
 class RmsBlock(torch.nn.Module):
