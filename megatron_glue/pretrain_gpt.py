@@ -42,7 +42,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, **gpt_model_kwargs(vp_stage))
+        rotary_base=args.rotary_base, rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0), **gpt_model_kwargs(vp_stage))
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

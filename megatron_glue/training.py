@@ -61,6 +61,22 @@ def initialize(args):
     return where
 
 
+def _activation(args):
+    import torch.nn.functional as F
+
+    if args.swiglu:
+        return F.silu
+    # Megatron-LM's --openai-gelu: the tanh approximation; functools.partial would hide F.gelu from
+    # megatron-core's own checks of activation_func, so a named function
+    return _tanh_gelu if getattr(args, "openai_gelu", False) else F.gelu
+
+
+def _tanh_gelu(x):
+    import torch.nn.functional as F
+
+    return F.gelu(x, approximate="tanh")
+
+
 def transformer_config(args, where):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -74,7 +90,7 @@ def transformer_config(args, where):
         num_query_groups=args.num_query_groups, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        gated_linear_unit=args.swiglu, activation_func=_activation(args),
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

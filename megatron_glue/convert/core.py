@@ -1,0 +1,344 @@
+"""HF <-> Megatron checkpoint conversion, streamed: hf -> mg writes a megatron-core torch_dist checkpoint in
+Megatron-LM's layout that `megatron_glue.pretrain_gpt --load DIR --finetune` loads at any TP/PP; mg -> hf writes
+safetensors and config.json from a torch_dist (any TP/PP) or `--ckpt-format torch` checkpoint.
+
+What is held at once: one HF tensor group (a layer's q, k, v for its qkv) on the way in; one layer on the way
+out. The family tables (`families`) say everything model-specific.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import types
+
+import torch
+
+from megatron_glue.convert import hf_io, torch_dist
+from megatron_glue.convert.families import ConfigError, Family, family_for
+from megatron_glue.convert.transforms import TRANSFORMS
+
+RELEASE = "release"
+FLAGS_FILE = "model_flags.txt"   # the pretrain_gpt architecture flags of a converted checkpoint, one line
+# Architecture values a converted checkpoint records beside Megatron-LM's arguments (checkpointing.ARCHITECTURE
+# is what pretrain_gpt refuses to differ from).
+RECORDED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+            "kv_channels", "group_query_attention", "max_position_embeddings", "position_embedding_type",
+            "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
+            "norm_epsilon", "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias",
+            "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "orig_vocab_size",
+            "padded_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "params_dtype")
+
+
+class ConvertError(ValueError):
+    """Bad input to the converter: names what is wrong and what would be right."""
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer", disable=None, file=sys.stderr)
+
+
+# -- the architecture ------------------------------------------------------------------------------------------
+
+def architecture_flags(family: Family, cfg: dict) -> list[str]:
+    """The pretrain_gpt flags that build this HF model's architecture."""
+    for refused, why in family.refuse:
+        if refused(cfg):
+            raise ConfigError(f"{family.name}: config.json is not convertible: {why}")
+    flags = list(family.flags)
+    for flag, source in family.config:
+        value = cfg.get(source) if isinstance(source, str) else source(cfg)
+        if value is None or value is False:
+            continue
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+def architecture(family: Family, cfg: dict, tp: int = 1, pp: int = 1, divisible_by: int = 128,
+                 dtype: torch.dtype = torch.float32) -> argparse.Namespace:
+    """pretrain_gpt's args for this model at TP x PP (parsed by the job's own parser and checks)."""
+    from megatron_glue.arguments import ArgumentError, parse_args
+    from megatron_glue.tokenizer import padded_vocab_size
+
+    flags = architecture_flags(family, cfg)
+    heads, groups = cfg.get("num_attention_heads", cfg.get("n_head")), cfg.get("num_key_value_heads")
+    if groups and groups % tp:
+        raise ConvertError(f"--target-tensor-parallel-size {tp}: the model has {groups} key/value heads "
+                           f"(num_key_value_heads), not divisible by {tp}; megatron-core would replicate and slice "
+                           f"them. Use a TP size that divides {groups}")
+    if heads % tp:
+        raise ConvertError(f"--target-tensor-parallel-size {tp}: {heads} attention heads are not divisible by {tp}")
+    vocab = cfg["vocab_size"]
+    seq = str(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+    job = ["--seq-length", seq, "--micro-batch-size", "1", "--train-iters", "0", "--skip-train",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
+           "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+           "--make-vocab-size-divisible-by", str(divisible_by)]
+    try:
+        args = parse_args(flags + job, world_size=tp * pp)
+    except ArgumentError as e:
+        raise ConvertError(f"{family.name} config.json gives pretrain_gpt flags it refuses: {e.message}")
+    args.orig_vocab_size = vocab
+    args.padded_vocab_size = padded_vocab_size(vocab, divisible_by, tp)
+    args.params_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    args.flags = flags
+    return args
+
+
+def recorded_args(args, model_type_hf: str | None, cfg: dict, num_layer_list) -> dict:
+    out = {k: getattr(args, k) for k in RECORDED}
+    out.update(model_type_hf=model_type_hf, hf_config=cfg, num_layer_list=num_layer_list,
+               architecture_flags=" ".join(args.flags))
+    return out
+
+
+def _when(row, args) -> bool:
+    return row.when is None or bool(getattr(args, row.when))
+
+
+def _meta_model(args, dtype: torch.dtype):
+    """megatron-core GPTModel of this architecture on the meta device, at TP=PP=1 (a torch_dist checkpoint's
+    keys and global shapes do not depend on the layout)."""
+    from megatron_glue import pretrain_gpt, quiet_megatron, training
+
+    one = copy.copy(args)
+    one.tensor_model_parallel_size = one.pipeline_model_parallel_size = 1
+    one.virtual_pipeline_model_parallel_size, one.sequence_parallel = None, False
+    config = training.transformer_config(one, types.SimpleNamespace(device=torch.device("cpu")))
+    config.perform_initialization = False
+    config.params_dtype = dtype
+    with torch.device("meta"), quiet_megatron():
+        return pretrain_gpt.model_provider(one, config)
+
+
+def _single_process():
+    import megatron_glue
+    from megatron_glue.models import init_single_process
+
+    megatron_glue.adapt()
+    init_single_process()
+
+
+# -- hf -> mg ---------------------------------------------------------------------------------------------------
+
+def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp: int = 1, pp: int = 1,
+             num_layer_list: list[int] | None = None, divisible_by: int = 128) -> argparse.Namespace:
+    """Convert the HF model in `load_dir` into a Megatron checkpoint in `save_dir` (release, torch_dist).
+    Returns the job's args for it (`args.flags`: the architecture flags pretrain_gpt needs)."""
+    from megatron_glue.checkpointing import CHECKPOINT_VERSION, TRACKER, iteration_dir
+
+    cfg = hf_io.read_config(load_dir)
+    family = family_for(model_type_hf, cfg)
+    reader = hf_io.HFReader(load_dir)
+    first = family.tensors[0].hf[0]
+    dtype = reader.get(first).dtype if first in reader else torch.float32
+    args = architecture(family, cfg, tp, pp, divisible_by, dtype)
+    layers = args.num_layers
+    if num_layer_list is not None:
+        if len(num_layer_list) != pp or sum(num_layer_list) != layers or min(num_layer_list) < 1:
+            raise ConvertError(f"--num-layer-list {','.join(map(str, num_layer_list))}: needs "
+                               f"{pp} stages (--target-pipeline-parallel-size) of at least one layer summing to "
+                               f"the model's {layers} layers")
+    for check, note in family.notes:
+        if check(cfg):
+            print(f"npu-compile convert: note: {family.name}: {note}", file=sys.stderr)
+    rows = [r for r in family.tensors if _when(r, args)]
+    _check_names(reader, family, rows, args, layers)
+
+    _single_process()
+    model = _meta_model(args, dtype)
+    state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0,
+             "consumed_train_samples": 0, "consumed_valid_samples": 0,
+             "args": recorded_args(args, model_type_hf, cfg, num_layer_list)}
+    by_name = {(r.mcore, r.layer): r for r in rows}
+    bar = _progress(layers + 1, "hf -> mg")
+    done_layers: set = set()
+    cache: dict = {}
+
+    def full(name: str, layer: int | None) -> torch.Tensor:
+        key = (name, layer)
+        if key not in cache:
+            row = by_name.get((name, layer is not None))
+            if row is None:
+                raise ConvertError(f"megatron-core's {family.name} model has a tensor {name!r} that the family "
+                                   "table does not produce; add a row for it")
+            hf = [reader.get(n.format(i=layer)) for n in row.hf]
+            cache.clear()  # one converted tensor held at a time (the GLU fc1 is written as two chunks)
+            cache[key] = TRANSFORMS[row.transform].to_mcore(hf, args).to(dtype)
+        return cache[key]
+
+    def produce(key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
+        if key.startswith(torch_dist.LAYERS):
+            layer = offsets[0]
+            name = torch_dist.module_name(key[len(torch_dist.LAYERS):], args.normalization)
+            t = full(name, layer).unsqueeze(0)
+            if layer not in done_layers:
+                done_layers.add(layer)
+                bar.update(1)
+        else:
+            t = full(key, None)
+        expect = tuple(t.shape)
+        for dim, (o, s) in enumerate(zip(offsets, sizes)):
+            if dim > 0 or not key.startswith(torch_dist.LAYERS):
+                t = t.narrow(dim, o, s)
+        if len(expect) != len(sizes):
+            raise ConvertError(f"{key}: the family table gives shape {expect[1:]}, megatron-core expects {sizes}")
+        return t.contiguous()
+
+    os.makedirs(save_dir, exist_ok=True)
+    folder = iteration_dir(save_dir, RELEASE)
+    if os.path.isdir(folder):
+        import shutil
+
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    torch_dist.save_streaming(state, folder, produce)
+    bar.update(1)
+    bar.close()
+    with open(os.path.join(save_dir, FLAGS_FILE), "w") as f:
+        f.write(" ".join(args.flags + ["--make-vocab-size-divisible-by", str(divisible_by)]) + "\n")
+    tmp = os.path.join(save_dir, f".{TRACKER}.tmp")
+    with open(tmp, "w") as f:
+        f.write(RELEASE)
+    os.replace(tmp, os.path.join(save_dir, TRACKER))  # committed only once complete
+    return args
+
+
+def _check_names(reader, family, rows, args, layers) -> None:
+    """Every tensor the table reads is in the checkpoint, and every tensor of the checkpoint is read."""
+    wanted = set()
+    for r in rows:
+        for name in r.hf:
+            wanted |= {name.format(i=i) for i in range(layers)} if r.layer else {name}
+    have = set(reader.names())
+    missing = sorted(wanted - have)
+    if missing:
+        raise ConvertError(f"{reader.folder}: the {family.name} table reads {missing[0]!r}"
+                           f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the checkpoint "
+                           "does not have; is --model-type-hf right?")
+    ignored = {n.format(i=i) for n in family.ignored_hf for i in range(layers)}
+    extra = sorted(have - wanted - ignored)
+    if extra:
+        raise ConvertError(f"{reader.folder}: the checkpoint has {extra[0]!r}"
+                           f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which the {family.name} "
+                           "table has no place for; converting would drop it")
+
+
+# -- mg -> hf ---------------------------------------------------------------------------------------------------
+
+def _mg_folder(load_dir: str) -> str:
+    from megatron_glue.checkpointing import TRACKER, iteration_dir, read_tracker
+
+    tracker = read_tracker(load_dir)
+    if tracker is None:
+        if os.path.isfile(os.path.join(load_dir, "metadata.json")) or any(
+                n.startswith("mp_rank_") for n in os.listdir(load_dir)):
+            return load_dir  # an iteration folder itself
+        raise ConvertError(f"--load-dir {load_dir}: no {TRACKER} and no checkpoint files; expected a Megatron "
+                           "checkpoint directory")
+    folder = iteration_dir(load_dir, tracker)
+    if not os.path.isdir(folder):
+        raise ConvertError(f"{os.path.join(load_dir, TRACKER)} names {tracker}, but {folder} is missing")
+    return folder
+
+
+def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
+             model_type_hf: str | None = None) -> str:
+    """Convert the Megatron checkpoint in `load_dir` (torch_dist or torch, any TP/PP) to an HF folder
+    `save_dir` that `from_pretrained` loads. config.json comes from `hf_cfg_dir` (checked against the
+    checkpoint's architecture) or, for checkpoints this converter wrote, from the config it recorded."""
+    from megatron_glue.convert import legacy
+
+    folder = _mg_folder(load_dir)
+    is_dist = os.path.isfile(os.path.join(folder, "metadata.json"))
+    if is_dist:
+        _single_process()
+        from megatron.core import dist_checkpointing
+
+        saved = dist_checkpointing.load_common_state_dict(folder).get("args", {})
+    else:
+        saved = legacy.saved_args(folder)
+    if hf_cfg_dir is not None:
+        cfg = hf_io.read_config(hf_cfg_dir)
+    elif isinstance(saved.get("hf_config"), dict):
+        cfg = saved["hf_config"]
+    else:
+        raise ConvertError(f"{folder} was not written by `npu-compile convert`: give --hf-cfg-dir, the HF folder "
+                           "whose config.json describes this model")
+    family = family_for(model_type_hf or saved.get("model_type_hf"), cfg)
+    args = architecture(family, cfg, divisible_by=saved.get("make_vocab_size_divisible_by", 128))
+    _check_same_architecture(args, saved, folder, hf_cfg_dir)
+    rows = [r for r in family.tensors if _when(r, args)]
+    layer_rows = [r for r in rows if r.layer]
+    top_rows = [r for r in rows if not r.layer]
+    layers = args.num_layers
+
+    if is_dist:
+        metadata = torch_dist.tensor_metadata(folder)
+
+        def read(names: list[str], layer: int | None):
+            keys = [(torch_dist.LAYERS + torch_dist.sharded_name(n, args.normalization)) if layer is not None else n
+                    for n in names]
+            absent = [k for k in keys if k not in metadata]
+            if absent:
+                raise ConvertError(f"{folder} has no tensor {absent[0]!r}; is it a {family.name} model?")
+            got = torch_dist.load_slices(folder, {k: layer for k in keys}, metadata)
+            return {n: got[k] for n, k in zip(names, keys)}
+    else:
+        read = legacy.reader(folder, family, args, saved)
+
+    # the vocabulary is sliced to config.json's (the padding rows are Megatron's)
+    args.padded_vocab_size = None
+    writer = hf_io.HFWriter(save_dir, layers + 1)
+    bar = _progress(layers + 1, "mg -> hf")
+    dtype = None
+    for layer in range(layers):
+        got = read([r.mcore for r in layer_rows], layer)
+        out = {}
+        for r in layer_rows:
+            for name, t in zip(r.hf, TRANSFORMS[r.transform].to_hf(got[r.mcore], args)):
+                out[name.format(i=layer)] = t
+        dtype = dtype or next(iter(out.values())).dtype
+        writer.write(out)
+        del got, out
+        bar.update(1)
+    got = read([r.mcore for r in top_rows], None)
+    out = {}
+    for r in top_rows:
+        for name, t in zip(r.hf, TRANSFORMS[r.transform].to_hf(got[r.mcore], args)):
+            out[name] = t
+    writer.write(out)
+    bar.update(1)
+    bar.close()
+    _write_config(cfg, family, hf_cfg_dir, save_dir, dtype)
+    writer.close()
+    return save_dir
+
+
+def _check_same_architecture(args, saved: dict, folder: str, hf_cfg_dir: str | None) -> None:
+    from megatron_glue.checkpointing import ARCHITECTURE
+
+    source = f"--hf-cfg-dir {hf_cfg_dir}" if hf_cfg_dir else "the recorded config.json"
+    for key in ARCHITECTURE + ("norm_epsilon", "rotary_base", "openai_gelu"):
+        if key in ("padded_vocab_size",) or key not in saved:
+            continue
+        if getattr(args, key, None) != saved[key]:
+            raise ConvertError(f"{folder} was saved with {key} {saved[key]!r}; {source} gives "
+                               f"{getattr(args, key, None)!r}: it describes another model")
+
+
+def _write_config(cfg: dict, family: Family, hf_cfg_dir: str | None, save_dir: str, dtype) -> None:
+    if hf_cfg_dir is not None:
+        hf_io.carry_files(hf_cfg_dir, save_dir)
+    out = dict(cfg)
+    out.setdefault("architectures", [family.hf_architecture])
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        out["dtype" if "dtype" in cfg or "torch_dtype" not in cfg else "torch_dtype"] = name
+    with open(os.path.join(save_dir, "config.json"), "w") as f:
+        json.dump(out, f, indent=2, sort_keys=True)

@@ -1,0 +1,239 @@
+"""HuggingFace model families as tables: the architecture flags of `megatron_glue.pretrain_gpt` read from a
+`config.json`, and the tensors, each megatron-core name with its HF names, its transform and its
+tensor-parallel split.
+
+Adding a family is adding a `Family` row to FAMILIES; the converter has no code path per family. Names are
+megatron-core's local layer spec (`get_gpt_layer_local_spec`, the spec `pretrain_gpt` builds), per layer
+relative to `decoder.layers.<i>.`; HF names carry `{i}` for the layer index.
+
+Sources of the mappings: transformers' modeling files (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+GPT2LMHeadModel: names, Conv1D's [in, out] storage, rotate-half RoPE) and megatron-core's layers
+(`SelfAttention` reads linear_qkv per query group: [q heads of the group; k; v], attention.py
+`get_query_key_value_tensors`; the GLU fc1 is [gate; up], transformer/mlp.py; `ColumnParallelLinear` splits
+dim 0, `RowParallelLinear` dim 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class ConfigError(ValueError):
+    """An HF config this converter cannot represent faithfully; the message names the field and why."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One megatron-core tensor and where it comes from.
+
+    transform: a key of `transforms.TRANSFORMS` (hf tensors -> megatron tensor, and back).
+    tp_dim: Megatron's tensor-parallel split: 0 (ColumnParallel, embeddings), 1 (RowParallel), "glu" (fc1 of a
+    gated MLP: rank r holds [gate_r; up_r]) or None (replicated).
+    when: the architecture flag (an attribute of the job's args) that must be true for the tensor to exist.
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    transform: str = "copy"
+    tp_dim: int | str | None = None
+    layer: bool = True
+    when: str | None = None
+
+
+# A config.json field -> flag value: a field name, or a function of the whole config.
+ConfigSource = str | Callable[[dict], Any]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_model_types: tuple[str, ...]      # config.json "model_type" values it takes
+    hf_architecture: str                 # config.json "architectures" written on the way back
+    config: tuple[tuple[str, ConfigSource], ...]   # pretrain_gpt flag -> its value in config.json
+    flags: tuple[str, ...]               # flags every model of the family has
+    tensors: tuple[Tensor, ...]
+    # (predicate on config.json, why it is refused): what the Megatron model would compute differently
+    refuse: tuple[tuple[Callable[[dict], bool], str], ...] = ()
+    ignored_hf: tuple[str, ...] = ()     # HF tensors that are not weights (buffers some checkpoints carry)
+    notes: tuple[tuple[Callable[[dict], bool], str], ...] = field(default=())  # warned, converted anyway
+
+
+# -- config readers --------------------------------------------------------------------------------------------
+
+def rope_parameters(cfg: dict) -> dict:
+    """transformers 5 writes `rope_parameters` {rope_type, rope_theta, ...}; 4.x `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_theta(cfg: dict) -> int:
+    theta = float(rope_parameters(cfg)["rope_theta"])
+    if theta != int(theta):
+        raise ConfigError(f"rope_theta {theta} is not an integer; --rotary-base takes integers (Megatron-LM's type)")
+    return int(theta)
+
+
+# Megatron-core's llama3 RoPE scaling fixes these (models/common/embeddings/rotary_pos_embedding.py,
+# `_apply_scaling`: low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192); only
+# `factor` is a GPTModel argument.
+MCORE_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_scaling(cfg: dict) -> bool:
+    return rope_parameters(cfg)["rope_type"] == "llama3"
+
+
+def _rope_refusal(cfg: dict) -> bool:
+    p = rope_parameters(cfg)
+    if p["rope_type"] == "default":
+        return False
+    if p["rope_type"] != "llama3":
+        return True
+    return any(float(p.get(k, -1)) != v for k, v in MCORE_LLAMA3_SCALING.items())
+
+
+def head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def _kv_heads(cfg: dict) -> int:
+    return cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+
+
+def _layer_tensors(prefix: str, names: dict[str, str]) -> dict[str, str]:
+    return {k: f"{prefix}.{{i}}.{v}" for k, v in names.items()}
+
+
+# -- the Llama layout (Llama 2/3, Mistral, Qwen2/2.5) ---------------------------------------------------------
+
+_L = _layer_tensors("model.layers", {
+    "ln1": "input_layernorm.weight", "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight", "qb": "self_attn.q_proj.bias", "kb": "self_attn.k_proj.bias",
+    "vb": "self_attn.v_proj.bias", "o": "self_attn.o_proj.weight", "ln2": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"})
+
+LLAMA_TENSORS = (
+    Tensor("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0, layer=False),
+    Tensor("input_layernorm.weight", (_L["ln1"],)),
+    Tensor("self_attention.linear_qkv.weight", (_L["q"], _L["k"], _L["v"]), "qkv", 0),
+    Tensor("self_attention.linear_qkv.bias", (_L["qb"], _L["kb"], _L["vb"]), "qkv", 0, when="add_qkv_bias"),
+    Tensor("self_attention.linear_proj.weight", (_L["o"],), tp_dim=1),
+    Tensor("pre_mlp_layernorm.weight", (_L["ln2"],)),
+    Tensor("mlp.linear_fc1.weight", (_L["gate"], _L["up"]), "gate_up", "glu"),
+    Tensor("mlp.linear_fc2.weight", (_L["down"],), tp_dim=1),
+    Tensor("decoder.final_layernorm.weight", ("model.norm.weight",), layer=False),
+    Tensor("output_layer.weight", ("lm_head.weight",), "vocab", 0, layer=False,
+           when="untie_embeddings_and_output_weights"),
+)
+
+LLAMA_CONFIG = (
+    ("--num-layers", "num_hidden_layers"),
+    ("--hidden-size", "hidden_size"),
+    ("--ffn-hidden-size", "intermediate_size"),
+    ("--num-attention-heads", "num_attention_heads"),
+    ("--num-query-groups", _kv_heads),
+    ("--kv-channels", head_dim),
+    ("--max-position-embeddings", "max_position_embeddings"),
+    ("--norm-epsilon", "rms_norm_eps"),
+    ("--rotary-base", rope_theta),
+    ("--untie-embeddings-and-output-weights", lambda c: not c.get("tie_word_embeddings", False)),
+    ("--use-rope-scaling", _llama3_scaling),
+    ("--rope-scaling-factor", lambda c: float(rope_parameters(c).get("factor", 8.0)) if _llama3_scaling(c) else None),
+)
+LLAMA_FLAGS = ("--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+               "--disable-bias-linear", "--group-query-attention")
+LLAMA_REFUSE = (
+    (lambda c: c.get("hidden_act", "silu") != "silu", "hidden_act must be silu (Megatron's --swiglu is SiLU-gated)"),
+    (lambda c: bool(c.get("attention_bias")), "attention_bias adds an o_proj bias, which megatron-core's "
+                                             "--add-qkv-bias does not cover"),
+    (lambda c: bool(c.get("mlp_bias")), "mlp_bias: gate/up/down biases have no place with --swiglu "
+                                       "--disable-bias-linear"),
+    (_rope_refusal, "rope scaling other than llama3's with low_freq_factor 1, high_freq_factor 4, "
+                    "original_max_position_embeddings 8192 (the values megatron-core fixes)"),
+)
+_SLIDING = (lambda c: bool(c.get("sliding_window")) and c.get("sliding_window") < c.get("max_position_embeddings", 0)
+            and c.get("use_sliding_window", True) is not False,
+            "sliding_window: the Megatron model attends over the whole causal context; it equals the HF model on "
+            "sequences no longer than the window")
+
+LLAMA = Family("llama", ("llama",), "LlamaForCausalLM", LLAMA_CONFIG, LLAMA_FLAGS, LLAMA_TENSORS, LLAMA_REFUSE,
+               ignored_hf=("model.layers.{i}.self_attn.rotary_emb.inv_freq",))
+MISTRAL = Family("mistral", ("mistral",), "MistralForCausalLM", LLAMA_CONFIG, LLAMA_FLAGS, LLAMA_TENSORS,
+                 LLAMA_REFUSE, ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
+QWEN2 = Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", LLAMA_CONFIG, LLAMA_FLAGS + ("--add-qkv-bias",),
+               LLAMA_TENSORS, LLAMA_REFUSE, ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
+
+# -- GPT-2 ------------------------------------------------------------------------------------------------------
+
+_G = _layer_tensors("transformer.h", {
+    "ln1w": "ln_1.weight", "ln1b": "ln_1.bias", "qkvw": "attn.c_attn.weight", "qkvb": "attn.c_attn.bias",
+    "ow": "attn.c_proj.weight", "ob": "attn.c_proj.bias", "ln2w": "ln_2.weight", "ln2b": "ln_2.bias",
+    "fc1w": "mlp.c_fc.weight", "fc1b": "mlp.c_fc.bias", "fc2w": "mlp.c_proj.weight", "fc2b": "mlp.c_proj.bias"})
+
+GPT2_TENSORS = (
+    Tensor("embedding.word_embeddings.weight", ("transformer.wte.weight",), "vocab", 0, layer=False),
+    Tensor("embedding.position_embeddings.weight", ("transformer.wpe.weight",), layer=False),
+    Tensor("input_layernorm.weight", (_G["ln1w"],)),
+    Tensor("input_layernorm.bias", (_G["ln1b"],)),
+    # Conv1D stores [in, out]: the fused c_attn is [h, 3h] = [q | k | v] along its output
+    Tensor("self_attention.linear_qkv.weight", (_G["qkvw"],), "fused_qkv_conv1d", 0),
+    Tensor("self_attention.linear_qkv.bias", (_G["qkvb"],), "fused_qkv", 0),
+    Tensor("self_attention.linear_proj.weight", (_G["ow"],), "conv1d", 1),
+    Tensor("self_attention.linear_proj.bias", (_G["ob"],)),
+    Tensor("pre_mlp_layernorm.weight", (_G["ln2w"],)),
+    Tensor("pre_mlp_layernorm.bias", (_G["ln2b"],)),
+    Tensor("mlp.linear_fc1.weight", (_G["fc1w"],), "conv1d", 0),
+    Tensor("mlp.linear_fc1.bias", (_G["fc1b"],), tp_dim=0),
+    Tensor("mlp.linear_fc2.weight", (_G["fc2w"],), "conv1d", 1),
+    Tensor("mlp.linear_fc2.bias", (_G["fc2b"],)),
+    Tensor("decoder.final_layernorm.weight", ("transformer.ln_f.weight",), layer=False),
+    Tensor("decoder.final_layernorm.bias", ("transformer.ln_f.bias",), layer=False),
+)
+GPT2 = Family(
+    "gpt2", ("gpt2",), "GPT2LMHeadModel",
+    config=(("--num-layers", "n_layer"), ("--hidden-size", "n_embd"),
+            ("--ffn-hidden-size", lambda c: c.get("n_inner") or 4 * c["n_embd"]),
+            ("--num-attention-heads", "n_head"), ("--max-position-embeddings", "n_positions"),
+            ("--norm-epsilon", "layer_norm_epsilon")),
+    # GPT-2's gelu_new is the tanh approximation: Megatron-LM's --openai-gelu
+    flags=("--normalization", "LayerNorm", "--position-embedding-type", "learned_absolute", "--openai-gelu"),
+    tensors=GPT2_TENSORS,
+    refuse=((lambda c: c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"),
+             "activation_function must be gelu_new or gelu_pytorch_tanh (the tanh GeLU, --openai-gelu)"),
+            (lambda c: bool(c.get("scale_attn_by_inverse_layer_idx")), "scale_attn_by_inverse_layer_idx has no "
+             "megatron-core counterpart"),
+            (lambda c: bool(c.get("reorder_and_upcast_attn")), "reorder_and_upcast_attn has no megatron-core "
+             "counterpart"),
+            (lambda c: c.get("scale_attn_weights") is False, "scale_attn_weights false (unscaled attention) has no "
+             "megatron-core counterpart"),
+            (lambda c: c.get("tie_word_embeddings") is False, "GPT-2 with untied lm_head")),
+    ignored_hf=("transformer.h.{i}.attn.bias", "transformer.h.{i}.attn.masked_bias", "lm_head.weight"),
+)
+
+FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "gpt2": GPT2}
+# --model-type-hf values (MindSpeed-LLM's names) -> family
+MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen2.5": "qwen2",
+               "gpt2": "gpt2"}
+
+
+def family_for(model_type_hf: str | None, cfg: dict) -> Family:
+    """The family named by --model-type-hf, or the one whose model_type config.json names; checked against it."""
+    hf_type = cfg.get("model_type")
+    if model_type_hf is None:
+        for family in FAMILIES.values():
+            if hf_type in family.hf_model_types:
+                return family
+        raise ConfigError(f"config.json model_type {hf_type!r} is not a known family; known: "
+                          f"{sorted(t for f in FAMILIES.values() for t in f.hf_model_types)}")
+    if model_type_hf not in MODEL_TYPES:
+        raise ConfigError(f"--model-type-hf {model_type_hf!r}: choose from {sorted(MODEL_TYPES)}")
+    family = FAMILIES[MODEL_TYPES[model_type_hf]]
+    if hf_type is not None and hf_type not in family.hf_model_types:
+        raise ConfigError(f"--model-type-hf {model_type_hf} expects config.json model_type "
+                          f"{' or '.join(family.hf_model_types)}, the config says {hf_type!r}")
+    return family
