@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
                    default=None)
     g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary (ids; eod is this id)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary (ids; eod is this id); with a tokenizer with files, the model's "
+                        "vocabulary when its embedding has more rows than the tokenizer has tokens")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)

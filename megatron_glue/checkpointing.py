@@ -31,8 +31,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 # Architecture flags a checkpoint must agree with (stored with it; `--load` refuses another value).
 ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "kv_channels", "normalization", "swiglu", "position_embedding_type", "add_bias_linear",
-                "add_qkv_bias", "untie_embeddings_and_output_weights", "padded_vocab_size")
+                "kv_channels", "normalization", "norm_epsilon", "swiglu", "openai_gelu", "position_embedding_type",
+                "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "add_bias_linear",
+                "add_qkv_bias", "untie_embeddings_and_output_weights", "orig_vocab_size", "padded_vocab_size")
 # The distributed optimizer's sharding: reshardable over TP, PP and DP, gathered over the gloo DP group.
 DISTOPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                     "distrib_optim_fully_reshardable_mem_efficient": True,
@@ -197,9 +198,19 @@ def _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed,
     torch.save(state, path)
 
 
-def check_architecture(args, saved: dict, where: str) -> None:
-    """Refuse a checkpoint whose architecture flags differ from this job's, naming both values."""
+def check_architecture(args, saved: dict, where: str, reshards: bool = False) -> None:
+    """Refuse a checkpoint whose architecture flags differ from this job's, naming both values. `reshards`
+    (torch_dist): the vocabulary's padding rows may differ (another TP size or --make-vocab-size-divisible-by)
+    when the vocabulary itself is the same; megatron-core loads the embedding and output layer across it."""
     for key in ARCHITECTURE:
+        if key == "padded_vocab_size" and reshards and saved.get("orig_vocab_size") is not None \
+                and saved.get("orig_vocab_size") == getattr(args, "orig_vocab_size", None):
+            continue
+        if key == "orig_vocab_size" and key in saved and getattr(args, key, None) != saved[key]:
+            raise CheckpointError(f"the checkpoint at {where} has a vocabulary of {saved[key]} tokens, this job's "
+                                  f"tokenizer gives {getattr(args, key, None)}; use the checkpoint's tokenizer, or "
+                                  f"--vocab-size {saved[key]} where the model's embedding is larger than the "
+                                  "tokenizer")
         if key in saved and getattr(args, key, None) != saved[key]:
             flag = "--" + key.replace("_", "-")
             raise CheckpointError(f"the checkpoint at {where} was saved with {flag} {saved[key]!r}, this job has "
@@ -234,7 +245,12 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
     else:
         common = torch.load(_torch_file(folder), map_location="cpu", weights_only=False)
     saved_args = common.get("args", {})
-    check_architecture(args, saved_args, folder)
+    check_architecture(args, saved_args, folder, reshards=args.ckpt_format == "torch_dist")
+    layer_list = saved_args.get("num_layer_list")  # a legacy checkpoint's files follow its stages
+    if args.ckpt_format == "torch" and layer_list and len(set(layer_list)) > 1:
+        raise CheckpointError(f"{folder} was converted for an uneven pipeline (--num-layer-list "
+                              f"{','.join(map(str, layer_list))}), which this job does not build; convert without "
+                              "--num-layer-list")
     pp_rank, pp, tp_rank, tp, _ = _parallel_ranks()
     same_layout = (saved_args.get("tensor_model_parallel_size", tp), saved_args.get("pipeline_model_parallel_size", pp)) == (tp, pp)
     with_optim = not (finetune or args.no_load_optim)

@@ -28,6 +28,18 @@ def tokenizer_for(args):
                            tokenizer_model=args.tokenizer_model)
 
 
+def model_vocab_size(args) -> int:
+    """The model's vocabulary before Megatron's padding: the tokenizer's, or --vocab-size where a model's
+    embedding is larger than its tokenizer (Qwen2's 151936 rows for 151646 tokens)."""
+    tokens = args.tokenizer.vocab_size
+    if args.tokenizer_type == "NullTokenizer" or args.vocab_size is None:
+        return tokens
+    if args.vocab_size < tokens:
+        raise ArgumentError(f"pretrain_gpt: error: --vocab-size {args.vocab_size} is smaller than the tokenizer's "
+                            f"{tokens} tokens; give at least {tokens}, or leave it out")
+    return args.vocab_size
+
+
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
     """megatron-core GPTModel with the local layer spec for one pipeline (virtual) stage."""
     from megatron.core.models.gpt import GPTModel
@@ -90,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         args.tokenizer = tokenizer_for(args)
-        args.padded_vocab_size = padded_vocab_size(args.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+        args.orig_vocab_size = model_vocab_size(args)
+        args.padded_vocab_size = padded_vocab_size(args.orig_vocab_size, args.make_vocab_size_divisible_by,
                                                    args.tensor_model_parallel_size)
         with quiet_megatron():
             training.pretrain(args, model_provider, forward_step, datasets_provider, build_loader)

@@ -20,7 +20,8 @@ class Transform:
 
 
 def _groups(a):
-    ng, nh, d = a.num_query_groups, a.num_attention_heads, a.kv_channels
+    ng, nh = a.num_query_groups, a.num_attention_heads
+    d = a.kv_channels or a.hidden_size // nh  # megatron-core's default head size
     return ng, nh // ng, d
 
 

@@ -1,0 +1,146 @@
+"""Random-init HF models of every converted family (no downloads), and the converted checkpoints' logits from
+megatron-core at any TP x PP over gloo processes, loaded by the training job's own `load_checkpoint`."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+VOCAB = 100          # padded to 128 at TP=1 and 256 at TP=2: every layout exercises the padding
+SEQ = 16
+
+
+def hf_config(name: str, **over):
+    """A small transformers config of family `name` (a --model-type-hf value)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    if name == "llama2":
+        cfg = tf.LlamaConfig(**common, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    elif name == "llama3":
+        cfg = tf.LlamaConfig(**common, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192})
+    elif name == "mistral":
+        cfg = tf.MistralConfig(**common, num_key_value_heads=2, rms_norm_eps=1e-5, sliding_window=None,
+                               tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 1000000.0})
+    elif name == "qwen2":  # the small Qwen2s tie their embeddings
+        cfg = tf.Qwen2Config(**common, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif name == "qwen2.5":
+        cfg = tf.Qwen2Config(**common, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    else:
+        raise ValueError(name)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "gpt2")
+
+
+def save_random_hf(name: str, folder: str, seed: int = 0, **over):
+    """A random-init HF model of family `name`, every parameter moved off its init (norm weights off 1, biases
+    off 0) so that a dropped or misplaced tensor shows, saved with save_pretrained. Returns the model (eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(name, **over)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder)
+    return model
+
+
+def tokens(batch: int = 2, seq: int = SEQ, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int):
+    """On this rank: the converted model built as pretrain_gpt builds it, loaded with its load_checkpoint, run on
+    `ids`; the last stage's TP rank 0 returns logits [b, s, V] (sliced to the true vocabulary)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_glue import checkpointing, pretrain_gpt, quiet_megatron, training, versions
+    from megatron_glue.convert.core import architecture
+    from megatron_glue.convert.families import family_for
+
+    args = architecture(family_for(None, cfg), cfg, tp, pp)
+    args.load, args.finetune = mg_dir, True
+    config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
+    pre, post = versions.pipeline_position(None)
+    with quiet_megatron():
+        model = pretrain_gpt.model_provider(args, config, pre, post).eval()
+    checkpointing.load_checkpoint(args, [model], None, None)
+    b, s = ids.shape
+    with torch.no_grad():
+        if pre:
+            out = model(ids, torch.arange(s).expand(b, s), None)
+        else:
+            hidden = torch.empty(s, b, args.hidden_size)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+            out = model(None, None, None)
+        if not post:
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    group = ps.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(out) for _ in range(tp)]
+    dist.all_gather(shards, out.contiguous(), group=group)
+    if ps.get_tensor_model_parallel_rank() != 0:
+        return None
+    return torch.cat(shards, dim=-1)[..., : cfg["vocab_size"]]
+
+
+def _worker(runs, tp: int, pp: int):
+    from megatron_glue.distributed import init_distributed
+
+    init_distributed(tp, pipeline_model_parallel_size=pp)
+    return [_load_and_run(mg_dir, cfg, ids, tp, pp) for mg_dir, cfg, ids in runs]
+
+
+def megatron_logits(runs: list[tuple[str, dict, torch.Tensor]], tp: int = 1, pp: int = 1) -> list[torch.Tensor]:
+    """Logits of each (converted checkpoint, its HF config dict, token ids) at TP x PP; TP=PP=1 in this
+    process, otherwise over tp*pp gloo processes (one launch for all runs)."""
+    if tp * pp == 1:
+        from megatron_glue.models import init_single_process, teardown_single_process
+
+        import megatron_glue
+
+        megatron_glue.adapt()
+        teardown_single_process()
+        init_single_process()
+        try:
+            return [_load_and_run(mg_dir, cfg, ids, 1, 1) for mg_dir, cfg, ids in runs]
+        finally:
+            teardown_single_process()
+    from megatron_glue.distributed import run_on_ranks
+
+    results = run_on_ranks(_worker, runs, tp, pp, world_size=tp * pp, timeout=600)
+    return [next(r[i] for r in results if r[i] is not None) for i in range(len(runs))]
+
+
+def read_config(folder: str) -> dict:
+    import json
+
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
