@@ -39,7 +39,7 @@ def init_distributed(tp: int, *, rank: int | None = None, world_size: int | None
     """In a worker: apply the adaptations (`groups`, default `adaptations.groups_for()`, the same as
     `megatron_glue.adapt()`), join the gloo process group (rank and world size default to $RANK/$WORLD_SIZE,
     the store to run_on_ranks' FileStore or else env://), watch the other ranks (`watch_ranks(rank_watchdog_s)`)
-    and set Megatron's model-parallel state to TP=tp, PP=1 (data parallel takes the remaining ranks;
+    and set Megatron's model-parallel state to TP=tp, PP=1 or `pipeline_model_parallel_size=` (data parallel takes the remaining ranks;
     `model_parallel` goes to Megatron's initialize_model_parallel). Sequence parallelism is a model-config switch
     (`sequence_parallel=True`) that needs nothing more here. A process group initialised before (e.g. a fake
     one) is kept.
@@ -63,7 +63,8 @@ def init_distributed(tp: int, *, rank: int | None = None, world_size: int | None
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     with quiet_megatron():
-        parallel_state.initialize_model_parallel(tp, 1, **model_parallel)
+        pp = model_parallel.pop("pipeline_model_parallel_size", 1)
+        parallel_state.initialize_model_parallel(tp, pp, **model_parallel)
 
 
 # -- ranks that are gone -------------------------------------------------------------------------------------
