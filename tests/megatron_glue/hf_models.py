@@ -74,9 +74,10 @@ def hf_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int):
+def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int, save_to: str | None = None):
     """On this rank: the converted model built as pretrain_gpt builds it, loaded with its load_checkpoint, run on
-    `ids`; the last stage's TP rank 0 returns logits [b, s, V] (sliced to the true vocabulary)."""
+    `ids`; the last stage's TP rank 0 returns logits [b, s, V] (sliced to the true vocabulary). `save_to`: the
+    model is then saved there by the job's save_checkpoint (iteration 1, no optimizer), at this layout."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -91,6 +92,9 @@ def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int):
     with quiet_megatron():
         model = pretrain_gpt.model_provider(args, config, pre, post).eval()
     checkpointing.load_checkpoint(args, [model], None, None)
+    if save_to is not None:
+        args.save, args.no_save_optim, args.no_save_rng = save_to, True, True
+        checkpointing.save_checkpoint(args, 1, [model], None, None, 0)
     b, s = ids.shape
     with torch.no_grad():
         if pre:
@@ -112,15 +116,17 @@ def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int):
 
 
 def _worker(runs, tp: int, pp: int):
+    from megatron_glue.adaptations import groups_for
     from megatron_glue.distributed import init_distributed
 
-    init_distributed(tp, pipeline_model_parallel_size=pp)
-    return [_load_and_run(mg_dir, cfg, ids, tp, pp) for mg_dir, cfg, ids in runs]
+    # the job's adaptations (training=True: the tied output weight of the last stage, language_module.py)
+    init_distributed(tp, pipeline_model_parallel_size=pp, groups=groups_for(training=True))
+    return [_load_and_run(*run[:3], tp, pp, *run[3:]) for run in runs]
 
 
-def megatron_logits(runs: list[tuple[str, dict, torch.Tensor]], tp: int = 1, pp: int = 1) -> list[torch.Tensor]:
-    """Logits of each (converted checkpoint, its HF config dict, token ids) at TP x PP; TP=PP=1 in this
-    process, otherwise over tp*pp gloo processes (one launch for all runs)."""
+def megatron_logits(runs: list[tuple], tp: int = 1, pp: int = 1) -> list[torch.Tensor]:
+    """Logits of each (converted checkpoint, its HF config dict, token ids[, folder to save it to]) at TP x PP;
+    TP=PP=1 in this process, otherwise over tp*pp gloo processes (one launch for all runs)."""
     if tp * pp == 1:
         from megatron_glue.models import init_single_process, teardown_single_process
 
@@ -130,7 +136,7 @@ def megatron_logits(runs: list[tuple[str, dict, torch.Tensor]], tp: int = 1, pp:
         teardown_single_process()
         init_single_process()
         try:
-            return [_load_and_run(mg_dir, cfg, ids, 1, 1) for mg_dir, cfg, ids in runs]
+            return [_load_and_run(*run[:3], 1, 1, *run[3:]) for run in runs]
         finally:
             teardown_single_process()
     from megatron_glue.distributed import run_on_ranks
