@@ -9,6 +9,7 @@ out. The family tables (`families`) say everything model-specific.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -116,12 +117,28 @@ def _meta_model(args, dtype: torch.dtype):
         return pretrain_gpt.model_provider(one, config)
 
 
+@contextlib.contextmanager
 def _single_process():
+    """A one-process gloo group and TP=PP=1 parallel state for megatron-core's save, undone after unless the
+    caller had set them up."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
     import megatron_glue
-    from megatron_glue.models import init_single_process
+    from megatron_glue.models import init_single_process, teardown_single_process
 
     megatron_glue.adapt()
+    ours = not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    if not ours and (dist.get_world_size() > 1 or parallel_state.get_tensor_model_parallel_world_size() > 1
+                     or parallel_state.get_pipeline_model_parallel_world_size() > 1):
+        raise ConvertError("the converter runs in one process; this one is part of a process group of "
+                           f"{dist.get_world_size()}")
     init_single_process()
+    try:
+        yield
+    finally:
+        if ours:
+            teardown_single_process()
 
 
 # -- hf -> mg ---------------------------------------------------------------------------------------------------
@@ -130,7 +147,6 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
              num_layer_list: list[int] | None = None, divisible_by: int = 128) -> argparse.Namespace:
     """Convert the HF model in `load_dir` into a Megatron checkpoint in `save_dir` (release, torch_dist).
     Returns the job's args for it (`args.flags`: the architecture flags pretrain_gpt needs)."""
-    from megatron_glue.checkpointing import CHECKPOINT_VERSION, TRACKER, iteration_dir
 
     cfg = hf_io.read_config(load_dir)
     family = family_for(model_type_hf, cfg)
@@ -150,7 +166,14 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
     rows = [r for r in family.tensors if _when(r, args)]
     _check_names(reader, family, rows, args, layers)
 
-    _single_process()
+    with _single_process():
+        _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_hf, num_layer_list, divisible_by)
+    return args
+
+
+def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_hf, num_layer_list, divisible_by):
+    from megatron_glue.checkpointing import CHECKPOINT_VERSION, TRACKER, iteration_dir
+
     model = _meta_model(args, dtype)
     state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0,
              "consumed_train_samples": 0, "consumed_valid_samples": 0,
@@ -206,7 +229,6 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
     with open(tmp, "w") as f:
         f.write(RELEASE)
     os.replace(tmp, os.path.join(save_dir, TRACKER))  # committed only once complete
-    return args
 
 
 def _check_names(reader, family, rows, args, layers) -> None:
@@ -257,7 +279,6 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
     folder = _mg_folder(load_dir)
     is_dist = os.path.isfile(os.path.join(folder, "metadata.json"))
     if is_dist:
-        _single_process()
         from megatron.core import dist_checkpointing
 
         saved = dist_checkpointing.load_common_state_dict(folder).get("args", {})

@@ -12,6 +12,7 @@ axis), so a checkpoint saved at any TP/PP (its keys are global) is read without 
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -125,5 +126,7 @@ def load_slices(folder: str, wanted: dict[str, int | None], metadata: dict) -> d
         def commit_tensor(self, read_item, tensor):
             pass
 
-    dcp_load({}, storage_reader=FileSystemReader(folder), planner=SlicePlanner(), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process reads, by design
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp_load({}, storage_reader=FileSystemReader(folder), planner=SlicePlanner(), no_dist=True)
     return {key: (t[0] if wanted[key] is not None else t) for key, (_, t) in targets.items()}
