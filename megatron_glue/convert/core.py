@@ -114,7 +114,8 @@ def _meta_model(args, dtype: torch.dtype):
     config.perform_initialization = False
     config.params_dtype = dtype
     with torch.device("meta"), quiet_megatron():
-        return pretrain_gpt.model_provider(one, config)
+        # every tensor in the HF checkpoint's dtype (megatron-core makes its norms fp32 whatever params_dtype is)
+        return pretrain_gpt.model_provider(one, config).to(dtype)
 
 
 @contextlib.contextmanager
@@ -324,7 +325,7 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
         for r in layer_rows:
             for name, t in zip(r.hf, TRANSFORMS[r.transform].to_hf(got[r.mcore], args)):
                 out[name.format(i=layer)] = t
-        dtype = dtype or next(iter(out.values())).dtype
+        dtype = dtype or max(out.values(), key=torch.Tensor.numel).dtype  # the weights', not the norms'
         writer.write(out)
         del got, out
         bar.update(1)

@@ -102,3 +102,24 @@ def test_every_family_across_layouts_equals_transformers(converted, tp, pp, tmp_
             assert main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
                          str(tmp_path / name / "saved"), "--save-dir", back, "--hf-cfg-dir", hf]) == 0
             _assert_same_weights(hf, back)
+
+
+def test_bf16_weights_stay_bf16_and_load_into_fp32(tmp_path):
+    """A bf16 HF checkpoint: the Megatron checkpoint holds bf16 (norms too), the fp32 job loads it (upcast) with
+    the logits of transformers' fp32 model of those weights, and the way back is bitwise bf16."""
+    from transformers import AutoModelForCausalLM
+
+    H.save_random_hf("qwen2.5", str(tmp_path / "hf32")).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    hf, mg, back = str(tmp_path / "hf"), str(tmp_path / "mg"), str(tmp_path / "back")
+    assert main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir", mg]) == 0
+    from megatron_glue.convert import torch_dist
+
+    assert {dtype for _, dtype in torch_dist.tensor_metadata(os.path.join(mg, "release")).values()} == {torch.bfloat16}
+    ids = H.tokens()
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(ids).logits
+    (got,) = H.megatron_logits([(mg, H.read_config(hf), ids)])
+    assert (got - ref).abs().max().item() <= TOL
+    assert main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", back]) == 0
+    _assert_same_weights(hf, back)
+    assert H.read_config(back)["dtype"] == "bfloat16"
