@@ -24,6 +24,7 @@ We never disable or replace `torch.compile` itself: the point of this project is
 from __future__ import annotations
 
 import copy
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -425,6 +426,24 @@ def _quiet_default_tp_group(get_group_if_none):
         return get_group_if_none(tp_group, is_expert, check_initialized)
 
     return get_tensor_model_parallel_group_if_none
+
+
+@registry.wraps(
+    "bias_dropout_add_in_grad_mode", "megatron.core.transformer.transformer_layer.TransformerLayer.__init__",
+    "compile",
+    reason="TransformerLayer runs bias-dropout-add under torch.enable_grad() (transformer_layer.py:465; 0.12.1: "
+    "transformer_layer.py:366), kept for nvfuser's fused kernel, which is not used here (bias_dropout_fusion off): "
+    "under torch.no_grad (evaluation) the captured layer is then a training graph in part, and attention and "
+    "bias-GeLU, in its no-grad part, match neither the training nor the inference rules; nullcontext keeps the "
+    "caller's grad mode (the same in training, where grad is on)",
+)
+def _bias_dropout_add_in_grad_mode(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.bias_dropout_add_exec_handler = contextlib.nullcontext
+
+    return __init__
 
 
 # ======================================================================================================

@@ -123,3 +123,34 @@ def test_bf16_weights_stay_bf16_and_load_into_fp32(tmp_path):
     assert main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", back]) == 0
     _assert_same_weights(hf, back)
     assert H.read_config(back)["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("name,fused", [("gpt2", {"attention": 1, "add_layer_norm": 1, "bias_gelu": 1}),
+                                        ("llama3", {"attention": 1, "add_rms_norm": 1, "swiglu": 1, "rotary": 2})])
+def test_converted_model_compiled_equals_transformers(converted, name, fused, tmp_path):
+    """The converted model as the job runs it: each layer compiled with backend="ascend" (GPT-2's tanh GeLU and
+    Llama 3's scaled RoPE fuse), logits still transformers'."""
+    import types
+
+    from megatron_glue import checkpointing, pretrain_gpt, training
+    from megatron_glue.convert.families import family_for
+    from megatron_glue.models import init_single_process, teardown_single_process
+
+    _, mg, cfg, ids, ref = converted[name]
+    init_single_process()
+    try:
+        args = core.architecture(family_for(None, cfg), cfg)
+        args.load, args.finetune = mg, True
+        args.npu_compile_options = {"dump_dir": str(tmp_path)}
+        config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
+        model = pretrain_gpt.model_provider(args, config).eval()
+        checkpointing.load_checkpoint(args, [model], None, None)
+        training.compile_model(model, args)
+        with torch.no_grad():
+            got = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)[..., :cfg["vocab_size"]]
+    finally:
+        teardown_single_process()
+    assert (got - ref).abs().max().item() <= TOL
+    reports = [json.load(open(p)) for p in glob.glob(str(tmp_path / "**" / "report.json"), recursive=True)]
+    layer = [r["fusions"] for r in reports if r["fusions"]["attention"]]
+    assert len(layer) == 1 and {k: layer[0][k] for k in fused} == fused
