@@ -126,9 +126,11 @@ def _single_process():
     from megatron.core import parallel_state
 
     import megatron_glue
+    from megatron_glue.adaptations import groups_for
     from megatron_glue.models import init_single_process, teardown_single_process
 
-    megatron_glue.adapt()
+    # building a model (on the meta device) needs only what megatron-core needs off CUDA
+    megatron_glue.adapt(tuple(g for g in groups_for() if g == "cpu"))
     ours = not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
     if not ours and (dist.get_world_size() > 1 or parallel_state.get_tensor_model_parallel_world_size() > 1
                      or parallel_state.get_pipeline_model_parallel_world_size() > 1):

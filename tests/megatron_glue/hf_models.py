@@ -132,7 +132,7 @@ def megatron_logits(runs: list[tuple], tp: int = 1, pp: int = 1) -> list[torch.T
 
         import megatron_glue
 
-        megatron_glue.adapt()
+        megatron_glue.adapt(("cpu", "compile"))  # what the in-process tests' megatron_cpu fixture applies
         teardown_single_process()
         init_single_process()
         try:
