@@ -309,6 +309,24 @@ def test_a_larger_tokenizer_is_refused(converted, other_tokenizers):
                                   "checkpoint's tokenizer")
 
 
+    with pytest.raises(CheckpointError) as refused:  # --vocab-size cannot shrink a tokenizer to the model
+        _check(job_args(_flags(converted, other_tokenizers[600], "--vocab-size", "640")), converted)
+    assert str(refused.value) == (f"the checkpoint at {converted / 'release'} has a vocabulary of 512 tokens, fewer "
+                                  "than the 600 tokens of this job's tokenizer; use the checkpoint's tokenizer")
+
+
+def test_a_null_tokenizer_is_told_its_vocab_size(converted, hf_dir):
+    """NullTokenizer's vocabulary is --vocab-size + 1 (its eod): the message gives the flag's value that fits."""
+    from megatron_glue.checkpointing import CheckpointError
+
+    flags = [*_flags(converted, hf_dir), "--tokenizer-type", "NullTokenizer", "--vocab-size"]
+    with pytest.raises(CheckpointError) as refused:
+        _check(job_args([*flags, "512"]), converted)
+    assert str(refused.value) == (f"the checkpoint at {converted / 'release'} has a vocabulary of 512 tokens, this "
+                                  "job's NullTokenizer --vocab-size 512 gives 513; use --vocab-size 511")
+    _check(job_args([*flags, "511"]), converted)
+
+
 def test_vocab_size_smaller_than_the_tokenizer_is_refused(converted, hf_dir):
     from megatron_glue.arguments import ArgumentError
 
