@@ -340,7 +340,8 @@ def validate(args: argparse.Namespace) -> None:
         print(" WARNING: --save-interval has no effect without --save; no checkpoints will be written",
               file=sys.stderr)
     if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+        # --train-iters 0 (evaluate only) steps no schedule; megatron-core's scheduler still wants a decay > 0
+        args.lr_decay_iters = args.train_iters or 1
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
 

@@ -207,14 +207,31 @@ def check_architecture(args, saved: dict, where: str, reshards: bool = False) ->
                 and saved.get("orig_vocab_size") == getattr(args, "orig_vocab_size", None):
             continue
         if key == "orig_vocab_size" and key in saved and getattr(args, key, None) != saved[key]:
-            raise CheckpointError(f"the checkpoint at {where} has a vocabulary of {saved[key]} tokens, this job's "
-                                  f"tokenizer gives {getattr(args, key, None)}; use the checkpoint's tokenizer, or "
-                                  f"--vocab-size {saved[key]} where the model's embedding is larger than the "
-                                  "tokenizer")
+            raise CheckpointError(_vocabulary_refusal(args, saved[key], where))
         if key in saved and getattr(args, key, None) != saved[key]:
             flag = "--" + key.replace("_", "-")
             raise CheckpointError(f"the checkpoint at {where} was saved with {flag} {saved[key]!r}, this job has "
                                   f"{getattr(args, key, None)!r}; use the checkpoint's value")
+
+
+def _vocabulary_refusal(args, saved: int, where: str) -> str:
+    """Why this job's model vocabulary (its tokenizer's, or --vocab-size's) is not the checkpoint's `saved`, and
+    the flag that would make it so where one can."""
+    model = getattr(args, "orig_vocab_size", None)
+    tokens = getattr(getattr(args, "tokenizer", None), "vocab_size", model)
+    head = f"the checkpoint at {where} has a vocabulary of {saved} tokens"
+    if getattr(args, "tokenizer_type", None) == "NullTokenizer":  # its vocab_size counts the eod it adds
+        return (f"{head}, this job's NullTokenizer --vocab-size {args.vocab_size} gives {model}; use "
+                f"--vocab-size {saved - 1}")
+    if model != tokens:  # --vocab-size made the model's vocabulary larger than the tokenizer's
+        if saved >= tokens:
+            return f"{head}, this job's --vocab-size gives {model}; use --vocab-size {saved}"
+        return f"{head}, fewer than the {tokens} tokens of this job's tokenizer; use the checkpoint's tokenizer"
+    if tokens > saved:
+        return (f"{head}, this job's tokenizer gives {tokens}, ids the checkpoint has no embedding for; use the "
+                "checkpoint's tokenizer")
+    return (f"{head}, this job's tokenizer gives {tokens}; use the checkpoint's tokenizer, or --vocab-size {saved} "
+            "where the model's embedding is larger than the tokenizer")
 
 
 def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:

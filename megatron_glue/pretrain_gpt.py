@@ -40,6 +40,17 @@ def model_vocab_size(args) -> int:
     return args.vocab_size
 
 
+def set_vocabulary(args) -> None:
+    """The job's tokenizer and model vocabulary: args.tokenizer, args.orig_vocab_size (model_vocab_size) and
+    args.padded_vocab_size (Megatron-LM's padding for --make-vocab-size-divisible-by and TP)."""
+    from megatron_glue.tokenizer import padded_vocab_size
+
+    args.tokenizer = tokenizer_for(args)
+    args.orig_vocab_size = model_vocab_size(args)
+    args.padded_vocab_size = padded_vocab_size(args.orig_vocab_size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+
+
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
     """megatron-core GPTModel with the local layer spec for one pipeline (virtual) stage."""
     from megatron.core.models.gpt import GPTModel
@@ -97,14 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_glue import training
     from megatron_glue.checkpointing import CheckpointError
     from megatron_glue.data import build_loader
-    from megatron_glue.tokenizer import DataError, padded_vocab_size
+    from megatron_glue.tokenizer import DataError
 
     try:
         args = parse_args(argv)
-        args.tokenizer = tokenizer_for(args)
-        args.orig_vocab_size = model_vocab_size(args)
-        args.padded_vocab_size = padded_vocab_size(args.orig_vocab_size, args.make_vocab_size_divisible_by,
-                                                   args.tensor_model_parallel_size)
+        set_vocabulary(args)
         with quiet_megatron():
             training.pretrain(args, model_provider, forward_step, datasets_provider, build_loader)
     except ArgumentError as e:
