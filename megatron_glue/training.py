@@ -218,8 +218,8 @@ def _wire_config(args, config, chunks, optimizer):
 
 # -- one iteration ------------------------------------------------------------------------------------------------
 
-def _reduce_losses(losses_reduced) -> dict[str, float]:
-    """Megatron-LM's reduction: per key, sum the [loss sum, token count] pairs over micro-batches and DP."""
+def _loss_pairs(losses_reduced) -> dict[str, torch.Tensor]:
+    """Per key, the [loss sum, token count] pairs summed over micro-batches and DP (last stage only)."""
     from megatron.core import parallel_state
 
     out = {}
@@ -228,8 +228,14 @@ def _reduce_losses(losses_reduced) -> dict[str, float]:
     for key in losses_reduced[0]:
         pair = torch.vstack([x[key].view(-1).float() for x in losses_reduced]).sum(dim=0)
         dist.all_reduce(pair, group=parallel_state.get_data_parallel_group())
-        out[key] = (pair[0] / pair[1]).item()
+        out[key] = pair
     return out
+
+
+def _reduce_losses(losses_reduced) -> dict[str, float]:
+    """Megatron-LM's reduction: per key, the loss sum over the token count, both summed over micro-batches and
+    DP."""
+    return {key: (pair[0] / pair[1]).item() for key, pair in _loss_pairs(losses_reduced).items()}
 
 
 def _broadcast_from_last_stage(values: dict[str, float], keys) -> dict[str, float]:
@@ -267,18 +273,20 @@ def evaluate(args, forward_step, data_iterator, chunks) -> dict[str, float]:
 
     for c in chunks:
         c.eval()
-    totals: dict[str, list[float]] = {}
+    # Megatron-LM's evaluate: loss sums and token counts summed over every eval iteration, divided once (an
+    # iteration with fewer unmasked tokens weighs less)
+    totals: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for _ in range(args.eval_iters):
             losses = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data_iterator, model=chunks,
                 num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True)
-            for key, value in _reduce_losses(losses).items():
-                totals.setdefault(key, []).append(value)
+            for key, pair in _loss_pairs(losses).items():
+                totals[key] = totals[key] + pair if key in totals else pair
     for c in chunks:
         c.train()
-    values = {k: sum(v) / len(v) for k, v in totals.items()}
+    values = {k: (pair[0] / pair[1]).item() for k, pair in totals.items()}
     return _broadcast_from_last_stage(values, ["lm loss"])
 
 
