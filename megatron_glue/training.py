@@ -78,7 +78,6 @@ def _tanh_gelu(x):
 
 
 def transformer_config(args, where):
-    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     dtype = DTYPES[args.params_dtype]
