@@ -344,6 +344,10 @@ def validate(args: argparse.Namespace) -> None:
         args.lr_decay_iters = args.train_iters or 1
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_warmup_iters >= args.lr_decay_iters and args.lr_warmup_iters > 0:
+        # megatron-core's OptimizerParamScheduler asserts it, bare
+        fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+             "(default --train-iters); warm up for fewer iterations")
 
     mindspeed = [rule for flag, rules in MINDSPEED_FUSIONS.items() if getattr(args, flag) for rule in rules]
     args.npu_compile_options = compile_options(args.npu_compile_options, mindspeed, args.use_ascend_mc2)

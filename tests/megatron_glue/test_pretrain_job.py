@@ -131,6 +131,13 @@ def test_global_batch_must_divide_by_micro_batch_times_dp():
         "size 2; use a multiple of 4")
 
 
+def test_warmup_must_end_before_decay():
+    assert _parse_error([*TINY, "--train-iters", "5", "--lr-warmup-iters", "5"]) == (
+        "pretrain_gpt: error: --lr-warmup-iters 5 must be below --lr-decay-iters 5 (default --train-iters); warm up "
+        "for fewer iterations")
+    assert parse_args([*TINY, "--train-iters", "5", "--lr-warmup-iters", "4"]).lr_warmup_iters == 4
+
+
 def test_train_iters_and_data_are_required():
     flags = [f for f in TINY if f != "--mock-data"]
     assert _parse_error(flags) == ("pretrain_gpt: error: --train-iters is required: the number of iterations to "
