@@ -147,16 +147,26 @@ def _single_process():
 # -- hf -> mg ---------------------------------------------------------------------------------------------------
 
 def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp: int = 1, pp: int = 1,
-             num_layer_list: list[int] | None = None, divisible_by: int = 128) -> argparse.Namespace:
-    """Convert the HF model in `load_dir` into a Megatron checkpoint in `save_dir` (release, torch_dist).
-    Returns the job's args for it (`args.flags`: the architecture flags pretrain_gpt needs)."""
+             num_layer_list: list[int] | None = None, divisible_by: int = 128,
+             ckpt_format: str = "torch_dist") -> argparse.Namespace:
+    """Convert the HF model in `load_dir` into a Megatron checkpoint in `save_dir` (release; torch_dist, or with
+    ckpt_format "torch" Megatron-LM's legacy files split for TP x PP). Returns the job's args for it
+    (`args.flags`: the architecture flags pretrain_gpt needs)."""
 
+    if ckpt_format not in ("torch_dist", "torch"):
+        raise ConvertError(f"--ckpt-format {ckpt_format!r}: choose torch_dist or torch")
+    if num_layer_list is not None and ckpt_format == "torch_dist":
+        raise ConvertError("--num-layer-list is for --ckpt-format torch: a torch_dist checkpoint is layout-free "
+                           "(the job picks the pipeline split when it loads); leave it out, or add --ckpt-format "
+                           "torch")
     cfg = hf_io.read_config(load_dir)
     family = family_for(model_type_hf, cfg)
     reader = hf_io.HFReader(load_dir)
     first = family.tensors[0].hf[0]
     dtype = reader.get(first).dtype if first in reader else torch.float32
-    args = architecture(family, cfg, tp, pp, divisible_by, dtype)
+    # an uneven --num-layer-list need not divide the layers evenly: the job's even-split check is not asked
+    args = architecture(family, cfg, tp, 1 if num_layer_list else pp, divisible_by, dtype)
+    args.pipeline_model_parallel_size = pp
     layers = args.num_layers
     if num_layer_list is not None:
         if len(num_layer_list) != pp or sum(num_layer_list) != layers or min(num_layer_list) < 1:
@@ -170,17 +180,21 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
     _check_names(reader, family, rows, args, layers)
 
     with _single_process():
-        _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_hf, num_layer_list, divisible_by)
+        _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_hf, num_layer_list, divisible_by,
+              ckpt_format)
     return args
 
 
-def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_hf, num_layer_list, divisible_by):
+def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_hf, num_layer_list, divisible_by,
+          ckpt_format):
     from megatron_glue.checkpointing import CHECKPOINT_VERSION, TRACKER, iteration_dir
+    from megatron_glue.convert import legacy
 
     model = _meta_model(args, dtype)
     state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0,
              "consumed_train_samples": 0, "consumed_valid_samples": 0,
              "args": recorded_args(args, model_type_hf, cfg, num_layer_list)}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     by_name = {(r.mcore, r.layer): r for r in rows}
     bar = _progress(layers + 1, "hf -> mg")
     done_layers: set = set()
@@ -193,9 +207,17 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
             if row is None:
                 raise ConvertError(f"megatron-core's {family.name} model has a tensor {name!r} that the family "
                                    "table does not produce; add a row for it")
-            hf = [reader.get(n.format(i=layer)) for n in row.hf]
-            cache.clear()  # one converted tensor held at a time (the GLU fc1 is written as two chunks)
-            cache[key] = TRANSFORMS[row.transform].to_mcore(hf, args).to(dtype)
+            cache.clear()  # one converted tensor held at a time (the GLU fc1 is written as two chunks), let go
+            hf = [reader.get(n.format(i=layer)) for n in row.hf]  # before the next one's inputs are read
+            try:
+                t = TRANSFORMS[row.transform].to_mcore(hf, args).to(dtype)
+            except ValueError as e:  # a transform's check of its input, e.g. the embedding's rows
+                raise ConvertError(f"{', '.join(n.format(i=layer) for n in row.hf)}: {e}")
+            want = shapes.get(f"{torch_dist.LAYERS}0.{name}" if layer is not None else name)
+            if want is not None and tuple(t.shape) != want:
+                raise ConvertError(f"the {family.name} table's {row.transform!r} of {', '.join(row.hf)} gives "
+                                   f"{name} the shape {tuple(t.shape)}; megatron-core's model has {want}")
+            cache[key] = t
         return cache[key]
 
     def produce(key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
@@ -223,7 +245,10 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
 
         shutil.rmtree(folder)
     os.makedirs(folder)
-    torch_dist.save_streaming(state, folder, produce)
+    if ckpt_format == "torch":
+        legacy.save(folder, args, dtype, state["args"], rows, full, num_layer_list, lambda: bar.update(1))
+    else:
+        torch_dist.save_streaming(state, folder, produce)
     bar.update(1)
     bar.close()
     with open(os.path.join(save_dir, FLAGS_FILE), "w") as f:

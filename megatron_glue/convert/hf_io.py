@@ -28,9 +28,13 @@ def read_config(folder: str) -> dict:
         raise HFCheckpointError(f"{folder}: no config.json; expected a folder written by save_pretrained")
     try:
         with open(path) as f:
-            return json.load(f)
+            cfg = json.load(f)
     except json.JSONDecodeError as e:
         raise HFCheckpointError(f"{path} is not JSON ({e.msg} at line {e.lineno})")
+    if not isinstance(cfg, dict):
+        raise HFCheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object; expected the config "
+                                "save_pretrained writes")
+    return cfg
 
 
 class HFReader:

@@ -77,8 +77,15 @@ def save_streaming(state: dict, folder: str, produce: Callable[[str, tuple, tupl
     """Save `state` (a sharded state dict whose tensors may be meta) with every tensor chunk's data from
     `produce(key, global offsets, sizes)`."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dist_checkpointing.save(state, folder, sharded_strategy=_strategy(produce))
+    try:
+        dist_checkpointing.save(state, folder, sharded_strategy=_strategy(produce))
+    except CheckpointException as e:  # a BaseException wrapping what `produce` raised: raise that itself
+        raised = [exc for exc, _ in e.failures.values() if isinstance(exc, ValueError)]
+        if raised:
+            raise raised[0] from None
+        raise
 
 
 def tensor_metadata(folder: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -129,4 +136,8 @@ def load_slices(folder: str, wanted: dict[str, int | None], metadata: dict) -> d
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process reads, by design
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp_load({}, storage_reader=FileSystemReader(folder), planner=SlicePlanner(), no_dist=True)
-    return {key: (t[0] if wanted[key] is not None else t) for key, (_, t) in targets.items()}
+    out = {key: (t[0] if wanted[key] is not None else t) for key, (_, t) in targets.items()}
+    # SlicePlanner, a class, lives in a reference cycle until the garbage collector runs: emptied, its closure no
+    # longer holds this layer's tensors once the caller lets go of them (else a few layers pile up in memory)
+    targets.clear()
+    return out
