@@ -3,6 +3,7 @@ megatron-core at any TP x PP over gloo processes, loaded by the training job's o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
@@ -74,10 +75,12 @@ def hf_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int, save_to: str | None = None):
-    """On this rank: the converted model built as pretrain_gpt builds it, loaded with its load_checkpoint, run on
-    `ids`; the last stage's TP rank 0 returns logits [b, s, V] (sliced to the true vocabulary). `save_to`: the
-    model is then saved there by the job's save_checkpoint (iteration 1, no optimizer), at this layout."""
+def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int, save_to: str | None = None,
+                  ckpt_format: str = "torch_dist", full_vocab: bool = False):
+    """On this rank: the converted model built as pretrain_gpt builds it, loaded with its load_checkpoint
+    (`--ckpt-format ckpt_format`), run on `ids`; the last stage's TP rank 0 returns logits [b, s, V] (sliced to the
+    true vocabulary; with full_vocab, Megatron's padded vocabulary). `save_to`: the model is then saved there by
+    the job's save_checkpoint (iteration 1, no optimizer), at this layout."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -86,7 +89,7 @@ def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int, s
     from megatron_glue.convert.families import family_for
 
     args = architecture(family_for(None, cfg), cfg, tp, pp)
-    args.load, args.finetune = mg_dir, True
+    args.load, args.finetune, args.ckpt_format = mg_dir, True, ckpt_format
     config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
     pre, post = versions.pipeline_position(None)
     with quiet_megatron():
@@ -112,21 +115,25 @@ def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int, s
     dist.all_gather(shards, out.contiguous(), group=group)
     if ps.get_tensor_model_parallel_rank() != 0:
         return None
-    return torch.cat(shards, dim=-1)[..., : cfg["vocab_size"]]
+    logits = torch.cat(shards, dim=-1)
+    return logits if full_vocab else logits[..., : cfg["vocab_size"]]
 
 
-def _worker(runs, tp: int, pp: int):
+def _worker(runs, tp: int, pp: int, ckpt_format: str = "torch_dist", full_vocab: bool = False):
     from megatron_glue.adaptations import groups_for
     from megatron_glue.distributed import init_distributed
 
     # the job's adaptations (training=True: the tied output weight of the last stage, language_module.py)
     init_distributed(tp, pipeline_model_parallel_size=pp, groups=groups_for(training=True))
-    return [_load_and_run(*run[:3], tp, pp, *run[3:]) for run in runs]
+    return [_load_and_run(*run[:3], tp, pp, *run[3:], ckpt_format=ckpt_format, full_vocab=full_vocab)
+            for run in runs]
 
 
-def megatron_logits(runs: list[tuple], tp: int = 1, pp: int = 1) -> list[torch.Tensor]:
-    """Logits of each (converted checkpoint, its HF config dict, token ids[, folder to save it to]) at TP x PP;
-    TP=PP=1 in this process, otherwise over tp*pp gloo processes (one launch for all runs)."""
+def megatron_logits(runs: list[tuple], tp: int = 1, pp: int = 1, ckpt_format: str = "torch_dist",
+                    full_vocab: bool = False) -> list[torch.Tensor]:
+    """Logits of each (converted checkpoint, its HF config dict, token ids[, folder to save it to]) at TP x PP,
+    loaded as `--ckpt-format ckpt_format`; TP=PP=1 in this process, otherwise over tp*pp gloo processes (one
+    launch for all runs). full_vocab: the logits over Megatron's padded vocabulary, unsliced."""
     if tp * pp == 1:
         from megatron_glue.models import init_single_process, teardown_single_process
 
@@ -136,12 +143,13 @@ def megatron_logits(runs: list[tuple], tp: int = 1, pp: int = 1) -> list[torch.T
         teardown_single_process()
         init_single_process()
         try:
-            return [_load_and_run(*run[:3], 1, 1, *run[3:]) for run in runs]
+            return [_load_and_run(*run[:3], 1, 1, *run[3:], ckpt_format=ckpt_format, full_vocab=full_vocab)
+                    for run in runs]
         finally:
             teardown_single_process()
     from megatron_glue.distributed import run_on_ranks
 
-    results = run_on_ranks(_worker, runs, tp, pp, world_size=tp * pp, timeout=600)
+    results = run_on_ranks(_worker, runs, tp, pp, ckpt_format, full_vocab, world_size=tp * pp, timeout=600)
     return [next(r[i] for r in results if r[i] is not None) for i in range(len(runs))]
 
 
@@ -150,3 +158,49 @@ def read_config(folder: str) -> dict:
 
     with open(os.path.join(folder, "config.json")) as f:
         return json.load(f)
+
+
+def _outcome_worker(runs, tp: int, pp: int, ckpt_format: str):
+    from megatron_glue.adaptations import groups_for
+    from megatron_glue.checkpointing import CheckpointError
+    from megatron_glue.distributed import init_distributed
+
+    init_distributed(tp, pipeline_model_parallel_size=pp, groups=groups_for(training=True))  # as _worker
+    out = []
+    for mg_dir, cfg, ids in runs:
+        try:
+            out.append(_load_and_run(mg_dir, cfg, ids, tp, pp, ckpt_format=ckpt_format))
+        except CheckpointError as e:  # raised by every rank alike, before any exchange between them
+            out.append(str(e))
+    return out
+
+
+def megatron_outcomes(runs: list[tuple[str, dict, torch.Tensor]], tp: int, pp: int,
+                      ckpt_format: str = "torch_dist") -> list[torch.Tensor | str]:
+    """As megatron_logits over tp*pp gloo processes, but a checkpoint the job's load_checkpoint refuses gives its
+    CheckpointError message (a str) in place of logits, and the other runs go on."""
+    from megatron_glue.distributed import run_on_ranks
+
+    results = run_on_ranks(_outcome_worker, runs, tp, pp, ckpt_format, world_size=tp * pp, timeout=600)
+    return [next(r[i] for r in results if r[i] is not None) for i in range(len(runs))]
+
+
+@contextlib.contextmanager
+def process_state_kept():
+    """Converting in this process and megatron_logits at TP=PP=1 apply adaptation groups and set up
+    or tear down the gloo group and Megatron's parallel state: after the block, the adaptations it applied are
+    taken off again and the group and parallel state are as before (for the tests that run after)."""
+    import torch.distributed as dist
+
+    from megatron_glue.adaptations import registry
+    from megatron_glue.models import init_single_process, teardown_single_process
+
+    before = set(registry.applied())
+    was_initialized = dist.is_initialized()
+    try:
+        yield
+    finally:
+        teardown_single_process()
+        registry.revert(*[n for n in registry.applied() if n not in before])
+        if was_initialized:
+            init_single_process()

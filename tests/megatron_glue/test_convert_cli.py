@@ -1,0 +1,181 @@
+"""`npu-compile convert` (megatron_glue.convert.main) on bad input: one line on stderr naming what was wrong and what
+would be right, exit status 2 for a bad command line and 1 for bad input files; and its peak memory on a model
+whose layers are tens of MB."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_models as H
+from megatron_glue.convert import main
+
+PREFIX = "npu-compile convert: error: "
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_state():
+    with H.process_state_kept():
+        yield
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """HF folders: "llama3" (2 key/value heads), "llama2" (4), and a torch_dist conversion of llama3 ("mg")."""
+    root = tmp_path_factory.mktemp("cli")
+    out = {name: str(root / name) for name in ("llama3", "llama2")}
+    for name, folder in out.items():
+        H.save_random_hf(name, folder)
+    out["mg"] = str(root / "mg")
+    assert main(_hf_to_mg(out["llama3"], out["mg"])) == 0
+    return out
+
+
+def _hf_to_mg(src, dst, *flags):
+    return ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(src), "--save-dir", str(dst),
+            *flags]
+
+
+def _mg_to_hf(src, dst, *flags):
+    return ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(src), "--save-dir", str(dst),
+            *flags]
+
+
+def _fails(argv, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(PREFIX), err  # one line, no traceback
+    return code, err[len(PREFIX):].rstrip("\n")
+
+
+def test_an_unknown_flag(hf, tmp_path, capsys):
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path, "--target-tp", "2"), capsys) == (
+        2, "unrecognized arguments: --target-tp 2")
+
+
+def test_hf_to_hf(hf, tmp_path, capsys):
+    argv = ["--load-model-type", "hf", "--save-model-type", "hf", "--load-dir", hf["llama3"], "--save-dir",
+            str(tmp_path)]
+    assert _fails(argv, capsys) == (2, "--load-model-type hf --save-model-type hf: converts hf -> mg or mg -> hf")
+
+
+def test_a_folder_without_config_json(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    assert _fails(_hf_to_mg(tmp_path / "in", tmp_path / "out"), capsys) == (
+        1, f"{tmp_path / 'in'}: no config.json; expected a folder written by save_pretrained")
+
+
+def test_a_corrupt_config_json(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "config.json").write_text('{"model_type": "llama", ')
+    assert _fails(_hf_to_mg(tmp_path / "in", tmp_path / "out"), capsys) == (
+        1, f"{tmp_path / 'in' / 'config.json'} is not JSON (Expecting property name enclosed in double quotes at "
+           "line 1)")
+    (tmp_path / "in" / "config.json").write_text('["llama"]')
+    assert _fails(_hf_to_mg(tmp_path / "in", tmp_path / "out"), capsys) == (
+        1, f"{tmp_path / 'in' / 'config.json'} holds a JSON list, not an object; expected the config "
+           "save_pretrained writes")
+
+
+def test_a_llama_with_attention_bias_is_refused(tmp_path, capsys):
+    H.save_random_hf("llama3", str(tmp_path / "in"), attention_bias=True)
+    assert _fails(_hf_to_mg(tmp_path / "in", tmp_path / "out"), capsys) == (
+        1, "llama: config.json is not convertible: attention_bias adds an o_proj bias, which megatron-core's "
+           "--add-qkv-bias does not cover")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tensor_the_table_has_no_place_for_is_refused(hf, tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        (folder / name).write_bytes((open(os.path.join(hf["llama3"], name), "rb")).read())
+    tensors = load_file(os.path.join(hf["llama3"], "model.safetensors"))
+    tensors["model.layers.1.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, str(folder / "model.safetensors"))
+    assert _fails(_hf_to_mg(folder, tmp_path / "out"), capsys) == (
+        1, f"{folder}: the checkpoint has 'model.layers.1.self_attn.o_proj.bias', which the llama table has no "
+           "place for; converting would drop it")
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_an_embedding_of_another_vocabulary_than_config_json(hf, tmp_path, capsys, fmt):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    cfg = H.read_config(hf["llama3"])
+    cfg["vocab_size"] = 96
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "model.safetensors").write_bytes(open(os.path.join(hf["llama3"], "model.safetensors"), "rb").read())
+    assert _fails(_hf_to_mg(folder, tmp_path / "out", "--ckpt-format", fmt), capsys) == (
+        1, "model.embed_tokens.weight: the embedding has 100 rows, config.json's vocab_size is 96")
+
+
+def test_key_value_heads_not_divisible_by_tp(hf, tmp_path, capsys):
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path, "--target-tensor-parallel-size", "4"), capsys) == (
+        1, "--target-tensor-parallel-size 4: the model has 2 key/value heads (num_key_value_heads), not divisible "
+           "by 4; megatron-core would replicate and slice them. Use a TP size that divides 2")
+
+
+def test_num_layer_list(hf, tmp_path, capsys):
+    pp2 = ("--target-pipeline-parallel-size", "2")
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path, *pp2, "--num-layer-list", "1,2", "--ckpt-format", "torch"),
+                  capsys) == (1, "--num-layer-list 1,2: needs 2 stages (--target-pipeline-parallel-size) of at least "
+                                 "one layer summing to the model's 2 layers")
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path, *pp2, "--num-layer-list", "1;1", "--ckpt-format", "torch"),
+                  capsys) == (2, "--num-layer-list '1;1': expected comma-separated layer counts, e.g. 3,5")
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path, *pp2, "--num-layer-list", "1,1"), capsys) == (
+        2, "--num-layer-list is for --ckpt-format torch: a torch_dist checkpoint is layout-free (the job picks the "
+           "pipeline split when it loads); leave it out, or add --ckpt-format torch")
+
+
+def test_hf_to_mg_flags_on_mg_to_hf(hf, tmp_path, capsys):
+    for flag, value in (("--target-tensor-parallel-size", "2"), ("--ckpt-format", "torch")):
+        assert _fails(_mg_to_hf(hf["mg"], tmp_path, flag, value), capsys) == (
+            2, f"{flag} is for hf -> mg; mg -> hf reads the checkpoint's own layout and format")
+
+
+def test_mg_to_hf_of_a_checkpoint_without_its_hf_config(hf, tmp_path, capsys):
+    """A legacy checkpoint as the job or Megatron-LM would write it: no recorded config.json."""
+    mg = tmp_path / "mg"
+    capsys.readouterr()
+    assert main(_hf_to_mg(hf["llama3"], mg, "--ckpt-format", "torch")) == 0
+    assert capsys.readouterr().err.startswith(f"npu-compile convert: wrote {mg} (release, torch, for --ckpt-format "
+                                              "torch --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1)")
+    path = mg / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    del state["args"]["hf_config"], state["args"]["model_type_hf"]
+    torch.save(state, path)
+    assert _fails(_mg_to_hf(mg, tmp_path / "back"), capsys) == (
+        1, f"{mg / 'release'} was not written by `npu-compile convert`: give --hf-cfg-dir, the HF folder whose "
+           "config.json describes this model")
+    assert main(_mg_to_hf(mg, tmp_path / "back", "--hf-cfg-dir", hf["llama3"])) == 0
+    assert json.load(open(tmp_path / "back" / "config.json"))["num_key_value_heads"] == 2
+
+
+def test_mg_to_hf_with_the_config_of_another_model(hf, tmp_path, capsys):
+    assert _fails(_mg_to_hf(hf["mg"], tmp_path, "--hf-cfg-dir", hf["llama2"]), capsys) == (
+        1, f"{hf['mg']}/release was saved with num_query_groups 2; --hf-cfg-dir {hf['llama2']} gives 4: it "
+           "describes another model")
+
+
+@pytest.mark.training
+def test_peak_memory_stays_below_two_layers(tmp_path):
+    """8 layers of 43 MiB (bench.convert_memory), each direction in a fresh process: the peak resident set above
+    the one before the conversion is under two layers' bytes (the legacy write holds one stage: under a stage and
+    a layer)."""
+    from bench import convert_memory
+
+    m = convert_memory.measure(str(tmp_path))
+    print(convert_memory.table(m))
+    layer = m["sizes"]["layer_bytes"]
+    assert layer > 40 * 2**20 and m["layers"] == 8
+    above = {name: r["above"] for name, r in m["results"].items()}
+    streamed = {name: a for name, a in above.items() if not name.startswith("hf -> mg (torch,")}
+    assert max(streamed.values()) < 2 * layer, {k: round(v / layer, 2) for k, v in above.items()}
+    stage = 4 * layer + m["sizes"]["vocab_bytes"]  # TP=2 PP=2: 4 layers a stage, the embedding on the first
+    assert above["hf -> mg (torch, TP=2 PP=2)"] < stage + layer
