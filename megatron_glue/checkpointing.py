@@ -234,6 +234,22 @@ def _vocabulary_refusal(args, saved: int, where: str) -> str:
             "where the model's embedding is larger than the tokenizer")
 
 
+def _legacy_layout_refusal(folder: str, saved: tuple | None = None) -> str:
+    """A --ckpt-format torch checkpoint holds one file per (TP, PP) rank of the layout it was saved at."""
+    import re
+
+    _, pp, _, tp, _ = _parallel_ranks()
+    if saved is None:  # this rank's file is missing: read the layout off the folders there
+        ranks = [re.match(r"^mp_rank_(\d{2})(?:_(\d{3}))?$", n) for n in os.listdir(folder)]
+        ranks = [(int(m.group(1)), int(m.group(2) or 0)) for m in ranks if m]
+        if not ranks:
+            return f"{folder} holds no mp_rank_* folders; is it a --ckpt-format torch checkpoint?"
+        saved = (1 + max(t for t, _ in ranks), 1 + max(p for _, p in ranks))
+    return (f"{folder} is a --ckpt-format torch checkpoint saved at TP={saved[0]}, PP={saved[1]}; this job runs at "
+            f"TP={tp}, PP={pp}. It loads only at its own layout: run at TP={saved[0]}, PP={saved[1]}, or take it "
+            "through `npu-compile convert` to hf and back to a torch_dist checkpoint, which reshards")
+
+
 def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
     """Load from args.load as Megatron-LM does; returns (iteration, consumed train samples, consumed validation
     samples), zeros when there is nothing to load. --finetune loads only the model and restarts at 0."""
@@ -260,16 +276,22 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
                                   "--ckpt-format torch?")
         common = dist_checkpointing.load_common_state_dict(folder)
     else:
-        common = torch.load(_torch_file(folder), map_location="cpu", weights_only=False)
+        path = _torch_file(folder)
+        if not os.path.isfile(path):
+            raise CheckpointError(_legacy_layout_refusal(folder))
+        common = torch.load(path, map_location="cpu", weights_only=False)
     saved_args = common.get("args", {})
+    pp_rank, pp, tp_rank, tp, _ = _parallel_ranks()
+    saved_layout = (saved_args.get("tensor_model_parallel_size", tp), saved_args.get("pipeline_model_parallel_size", pp))
+    if args.ckpt_format == "torch" and saved_layout != (tp, pp):  # before the architecture: its padding is TP's
+        raise CheckpointError(_legacy_layout_refusal(folder, saved_layout))
     check_architecture(args, saved_args, folder, reshards=args.ckpt_format == "torch_dist")
     layer_list = saved_args.get("num_layer_list")  # a legacy checkpoint's files follow its stages
     if args.ckpt_format == "torch" and layer_list and len(set(layer_list)) > 1:
         raise CheckpointError(f"{folder} was converted for an uneven pipeline (--num-layer-list "
                               f"{','.join(map(str, layer_list))}), which this job does not build; convert without "
                               "--num-layer-list")
-    pp_rank, pp, tp_rank, tp, _ = _parallel_ranks()
-    same_layout = (saved_args.get("tensor_model_parallel_size", tp), saved_args.get("pipeline_model_parallel_size", pp)) == (tp, pp)
+    same_layout = saved_layout == (tp, pp)
     with_optim = not (finetune or args.no_load_optim)
     with_rng = not (finetune or args.no_load_rng)
     if with_rng and not same_layout:
@@ -290,10 +312,6 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
                                       f"step, or by a converter); load with --no-load-optim or --finetune ({e})")
             raise
     else:
-        if not same_layout:
-            raise CheckpointError(f"{folder} is a --ckpt-format torch checkpoint saved at TP={saved_args.get('tensor_model_parallel_size')}, "
-                                  f"PP={saved_args.get('pipeline_model_parallel_size')}; it loads only at that layout "
-                                  "(torch_dist checkpoints reshard)")
         state = common
     for i, chunk in versions.model_chunks(chunks):
         chunk.load_state_dict(state[_model_key(chunks, i)], strict=True)

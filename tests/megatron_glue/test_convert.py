@@ -33,6 +33,12 @@ def _assert_same_weights(original: str, converted: str) -> None:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _process_state():
+    with H.process_state_kept():
+        yield
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """{family: (hf dir, mg dir, HF config dict, token ids, transformers' logits)}, converted for TP=2 x PP=2."""

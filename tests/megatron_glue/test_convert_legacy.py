@@ -170,3 +170,16 @@ def test_tp2_pp2_legacy_checkpoints_load_into_the_job_at_that_layout(ckpts):
     assert results["uneven"] == (f"{ckpts['uneven'][1]}/release was converted for an uneven pipeline "
                                  "(--num-layer-list 1,3), which this job does not build; convert without "
                                  "--num-layer-list")
+
+
+def test_a_legacy_checkpoint_at_another_layout_is_refused_naming_both(ckpts):
+    """TP=2 x PP=2 files read by a TP=1 job: refused with the layouts, before the architecture check (whose
+    vocabulary padding is the TP's) and before a missing rank file could be reported as such."""
+    from megatron_glue.checkpointing import CheckpointError
+
+    folder, mg, _ = ckpts["llama3"]
+    with pytest.raises(CheckpointError) as e:
+        H.megatron_logits([(mg, H.read_config(folder), H.tokens())], ckpt_format="torch")
+    assert str(e.value) == (f"{mg}/release is a --ckpt-format torch checkpoint saved at TP=2, PP=2; this job runs "
+                            "at TP=1, PP=1. It loads only at its own layout: run at TP=2, PP=2, or take it through "
+                            "`npu-compile convert` to hf and back to a torch_dist checkpoint, which reshards")
