@@ -102,20 +102,25 @@ def _when(row, args) -> bool:
     return row.when is None or bool(getattr(args, row.when))
 
 
-def _meta_model(args, dtype: torch.dtype):
-    """megatron-core GPTModel of this architecture on the meta device, at TP=PP=1 (a torch_dist checkpoint's
-    keys and global shapes do not depend on the layout)."""
+def meta_model(args, dtype: torch.dtype, num_layers: int | None = None, pre_process: bool = True,
+               post_process: bool = True):
+    """megatron-core GPTModel of this architecture on the meta device (no memory), at TP=PP=1 (a torch_dist
+    checkpoint's keys and global shapes do not depend on the layout); `num_layers`, pre/post_process: one
+    pipeline stage of the legacy format."""
     from megatron_glue import pretrain_gpt, quiet_megatron, training
 
     one = copy.copy(args)
+    if num_layers is not None:
+        one.num_layers = num_layers
     one.tensor_model_parallel_size = one.pipeline_model_parallel_size = 1
     one.virtual_pipeline_model_parallel_size, one.sequence_parallel = None, False
     config = training.transformer_config(one, types.SimpleNamespace(device=torch.device("cpu")))
     config.perform_initialization = False
     config.params_dtype = dtype
     with torch.device("meta"), quiet_megatron():
+        model = pretrain_gpt.model_provider(one, config, pre_process=pre_process, post_process=post_process)
         # every tensor in the HF checkpoint's dtype (megatron-core makes its norms fp32 whatever params_dtype is)
-        return pretrain_gpt.model_provider(one, config).to(dtype)
+        return model.to(dtype)
 
 
 @contextlib.contextmanager
@@ -190,7 +195,7 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
     from megatron_glue.checkpointing import CHECKPOINT_VERSION, TRACKER, iteration_dir
     from megatron_glue.convert import legacy
 
-    model = _meta_model(args, dtype)
+    model = meta_model(args, dtype)
     state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0,
              "consumed_train_samples": 0, "consumed_valid_samples": 0,
              "args": recorded_args(args, model_type_hf, cfg, num_layer_list)}

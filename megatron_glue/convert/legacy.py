@@ -121,20 +121,9 @@ def _stage_template(args, dtype, num_layers: int, first: bool, last: bool) -> di
     """megatron-core's own `state_dict_for_save_checkpoint()` of one stage's GPTModel (local spec, built on the meta
     device at TP=1): its keys, in its order, the layer index local to the stage, and its non-tensor entries
     (the linear layers' `_extra_state`)."""
-    import copy
-    import types
+    from megatron_glue.convert.core import meta_model
 
-    from megatron_glue import pretrain_gpt, quiet_megatron, training
-
-    one = copy.copy(args)
-    one.num_layers = num_layers
-    one.tensor_model_parallel_size = one.pipeline_model_parallel_size = 1
-    one.virtual_pipeline_model_parallel_size, one.sequence_parallel = None, False
-    config = training.transformer_config(one, types.SimpleNamespace(device=torch.device("cpu")))
-    config.perform_initialization = False
-    config.params_dtype = dtype
-    with torch.device("meta"), quiet_megatron():
-        model = pretrain_gpt.model_provider(one, config, pre_process=first, post_process=last)
+    model = meta_model(args, dtype, num_layers, pre_process=first, post_process=last)
     return model.state_dict_for_save_checkpoint()
 
 
