@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(PY) -m bench
 	$(PY) -m bench.overlap
 	$(PY) -m bench.memory
+	$(PY) -m bench.convert_memory
 
 clean:
 	rm -rf $(VENV) $(VENV012) npu_compile_dump .pytest_cache .hypothesis

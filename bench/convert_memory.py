@@ -136,6 +136,28 @@ def table(m: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(m: dict, path) -> None:
+    """Peak above the baseline per conversion, in MiB, beside the 2-layer budget and the model's size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layer, model = m["sizes"]["layer_bytes"], m["sizes"]["model_bytes"]
+    names = list(m["results"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(range(len(names)), [m["results"][n]["above"] / MiB for n in names], color="tab:blue")
+    ax.axhline(2 * layer / MiB, color="tab:red", linestyle="--", label="budget: 2 layers")
+    ax.axhline(model / MiB, color="gray", linestyle=":", label="the whole model")
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("peak resident MiB above the start")
+    ax.set_title(f"npu-compile convert, Llama {m['layers']} layers, hidden {m['hidden']}, fp32")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
@@ -157,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     text = (f"# Peak memory of npu-compile convert\n\ntorch {torch.__version__}, megatron-core {mcore}, "
             f"{platform.machine()}. Each conversion in a fresh process; the peak resident set (VmHWM) above the "
             "one just before the conversion, after imports and a warm-up conversion of a tiny model.\n\n" + table(m))
-    write_result("convert_memory", text)
+    out = write_result("convert_memory", text)
+    plot(m, out.with_suffix(".png"))
     print(text)
 
 
