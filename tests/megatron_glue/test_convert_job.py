@@ -203,6 +203,37 @@ def test_evaluation_equals_transformers(tp, converted, hf_dir, data_prefix, cach
         assert relative(job[kind], want) <= 1e-5, (kind, job[kind], want)
 
 
+OTHERS = ("llama2", "mistral", "qwen2", "qwen2.5", "gpt2")  # with llama3 above: every family
+
+
+@pytest.fixture(scope="module")
+def other_families(hf_dir, tmp_path_factory) -> dict:
+    """The other families at the tokenizer's vocabulary, converted here: name -> (mg folder, transformers model)."""
+    from megatron_glue.convert import core
+
+    out = {}
+    with hf_models.process_state_kept():
+        for i, name in enumerate(OTHERS):
+            folder = tmp_path_factory.mktemp(name.replace(".", "_"))
+            model = hf_models.save_random_hf(name, str(folder / "hf"), seed=10 + i, vocab_size=VOCAB)
+            core.hf_to_mg(str(folder / "hf"), str(folder / "mg"), name)
+            out[name] = (folder / "mg", model)
+    return out
+
+
+@pytest.mark.training
+@pytest.mark.parametrize("name", OTHERS)
+def test_every_family_evaluates_to_transformers_loss(name, other_families, hf_dir, data_prefix, cache, tmp_path):
+    """Each family through pretrain_gpt --load --finetune --skip-train (eager: the compiled evaluation is
+    llama3's above): the validation lm loss is transformers' on the same samples."""
+    mg, model = other_families[name]
+    flags, _, job = _evaluate(tmp_path, mg, hf_dir, data_prefix, cache, "--no-npu-compile")
+    want = hf_loss(model, job_batches(job_args(flags), 1, EVAL_ITERS))
+    print(f"{name}: job {job['validation']:.7f}, transformers {want:.7f}, "
+          f"relative {relative(job['validation'], want):.1e}")
+    assert relative(job["validation"], want) <= 1e-5
+
+
 @pytest.mark.training
 def test_evaluation_over_a_padded_vocabulary(converted, hf_dir, data_prefix, cache, hf_model, tmp_path):
     """--make-vocab-size-divisible-by 100: 512 tokens get 600 rows, 88 of them zero (megatron-core loads the
