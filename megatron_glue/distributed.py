@@ -456,6 +456,22 @@ def worker_store() -> dist.Store:
     return dist.FileStore(os.environ["NPU_COMPILE_STORE"], int(os.environ["WORLD_SIZE"]))
 
 
+def end_process_group() -> None:
+    """Destroy the process group (and Megatron's parallel state, which holds its subgroups), then let go of the
+    GIL for a moment before the interpreter ends. A gloo worker thread releases each finished collective's tensors
+    after the caller's wait has returned, and that release takes the GIL (the tensors' Python objects); one still
+    waiting for the GIL when the interpreter finalizes is unwound there, and the C++ runtime aborts the process
+    ("terminate called without an active exception", exit -6) after a clean run."""
+    if "megatron.core.parallel_state" in sys.modules:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    time.sleep(0.1)  # GIL released: the waiting worker threads finish
+
+
 def _rank_main() -> None:
     """A run_on_ranks process: run the job, leave its result (or traceback) in the job folder."""
     tmp, rank = sys.argv[1], int(os.environ["RANK"])
@@ -471,8 +487,7 @@ def _rank_main() -> None:
             f.write(traceback.format_exc())
         raise SystemExit(1)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
 
 
 def _find(module_name: str, qualname: str, path: str) -> Callable[..., Any]:

@@ -122,10 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pretrain_gpt: error: {e}", file=sys.stderr)
         return 1
     finally:
-        import torch.distributed as dist
+        from megatron_glue.distributed import end_process_group
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
     return 0
 
 
