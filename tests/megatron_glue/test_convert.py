@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 import hf_models as H
 from megatron_glue.convert import core, main
 
+pytestmark = pytest.mark.usefixtures("process_state_kept")
+
 TOL = 1e-5  # fp32 logits, |logits| ~ 1-2
 
 
@@ -31,12 +33,6 @@ def _assert_same_weights(original: str, converted: str) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _process_state():
-    with H.process_state_kept():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,9 @@ import hf_models as H
 from megatron_glue.convert import main
 
 # The CLI's refusals come before any megatron-core code runs: the same on every megatron-core line
-pytestmark = pytest.mark.any_megatron_line
+pytestmark = [pytest.mark.any_megatron_line, pytest.mark.usefixtures("process_state_kept")]
 
 PREFIX = "npu-compile convert: error: "
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _process_state():
-    with H.process_state_kept():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -30,16 +30,10 @@ from megatron_glue.convert.families import FAMILIES
 from megatron_glue.convert.transforms import TRANSFORMS, Transform
 
 # The tables' mistakes are the converter's own: they show the same on every megatron-core line
-pytestmark = pytest.mark.any_megatron_line
+pytestmark = [pytest.mark.any_megatron_line, pytest.mark.usefixtures("process_state_kept")]
 
 RIGHT = 1e-5     # the right conversion
 CAUGHT = 1e-2    # every control is above this (the smallest, rope theta at 16 tokens, measures 0.081)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _process_state():
-    with H.process_state_kept():
-        yield
 
 
 @pytest.fixture(scope="module")

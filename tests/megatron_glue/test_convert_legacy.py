@@ -14,14 +14,10 @@ from safetensors.torch import load_file
 import hf_models as H
 from megatron_glue.convert import core
 
+pytestmark = pytest.mark.usefixtures("process_state_kept")
+
 LAYERS = 4
 FAMILIES = ("llama3", "qwen2", "gpt2")  # untied GQA with rope scaling; tied with qkv bias; tied LayerNorm + biases
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _process_state():
-    with H.process_state_kept():
-        yield
 
 
 def _over(name: str) -> dict:
