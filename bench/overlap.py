@@ -46,9 +46,9 @@ from bench.harness import write_result  # noqa: E402
 from npu_compile import comm, config  # noqa: E402
 from npu_compile.comm import cost  # noqa: E402
 from npu_compile.comm.mc2 import SITE, rewrite_mc2  # noqa: E402
-from npu_compile.comm.nodes import is_collective, is_mc2  # noqa: E402
+from npu_compile.device.nodes import is_collective, is_mc2  # noqa: E402
 from npu_compile.comm.schedule import MAX_EXTRA_BYTES, choose_mc2, peak_bytes  # noqa: E402
-from npu_compile.lowering import npu_sim_kernels  # noqa: E402
+from npu_compile.lowering import npu_sim  # noqa: E402
 
 TP, HIDDEN, HEADS, SEQ, BATCH, DTYPE = 8, 4096, 32, 4096, 1, torch.bfloat16
 FFN = 4 * HIDDEN
@@ -219,7 +219,7 @@ def inductor(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def mc2(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The MC2 rewrite for target npu-sim (its ops defined by npu-sim's emulation); declined sites are kept in
     ``gm.meta["bench_mc2_declined"]``."""
-    npu_sim_kernels.register()
+    npu_sim.register()
     gm.meta["bench_mc2_declined"] = rewrite_mc2(gm, "npu-sim")
     return gm
 
@@ -227,7 +227,7 @@ def mc2(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def mc2_chosen(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The overlap stage for target npu-sim (the MC2 sites it chooses, then our scheduler); the sites it leaves plain
     or declines, as lowering's MC2 pass reports them, are kept in ``gm.meta["bench_mc2_declined"]``."""
-    npu_sim_kernels.register()
+    npu_sim.register()
     comm.overlap_stage(gm, config.Options(target="npu-sim", overlap=True), "bench")
     gm.meta["bench_mc2_declined"] = rewrite_mc2(gm, "npu-sim")
     return gm

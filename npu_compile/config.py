@@ -21,12 +21,15 @@ import dataclasses
 import importlib
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
 
 from torch._dynamo.exc import ShortenTraceback
 
-TARGETS = ("auto", "npu", "npu-sim", "reference")
-GRAPH_MODES = ("ge", "aclgraph", "eager")
+# The allowed values of the options that take one of a few, declared on Options' fields by these types.
+TargetName = Literal["auto", "npu", "npu-sim", "reference"]
+GraphMode = Literal["ge", "aclgraph", "eager"]
+TARGETS: tuple[str, ...] = get_args(TargetName)
+GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
 DUMP_DIR_ENV = "NPU_COMPILE_DUMP_DIR"
 
 Fusions = Union[Literal["all"], tuple[str, ...], Mapping[str, bool]]
@@ -52,8 +55,8 @@ class TargetUnavailable(ShortenTraceback, RuntimeError):
 class Options:
     """One compiled graph's settings. Field docs are the README's option table."""
 
-    target: str = "auto"  # where the graph runs: auto | npu | npu-sim | reference
-    graph_mode: str = "ge"  # how the npu target runs the lowered graph: ge | aclgraph | eager
+    target: TargetName = "auto"  # where the graph runs (resolved: never "auto" past the door)
+    graph_mode: GraphMode = "ge"  # how the npu targets run the lowered graph
     fusions: Fusions = "all"  # "all", a list of rule names, or {rule name: on/off}
     memory_budget: float = 1.0  # activation memory budget for recompute, 1.0 = save everything
     overlap: bool = True  # comm/compute overlap scheduling
@@ -135,16 +138,18 @@ def _check_dump_dir(value: Any) -> str | None:
     return os.fspath(value)
 
 
-_CHECKS = {
-    "target": lambda v: _check_choice("target", v, TARGETS),
-    "graph_mode": lambda v: _check_choice("graph_mode", v, GRAPH_MODES),
-    "fusions": _check_fusions,
-    "memory_budget": _check_budget,
-    "overlap": lambda v: _check_bool("overlap", v),
-    "dump_dir": _check_dump_dir,
-    "verify": lambda v: _check_bool("verify", v),
-    "fast_gelu": lambda v: _check_bool("fast_gelu", v),
-}
+def _field_check(field: dataclasses.Field) -> Any:
+    """The check of one field, from its declared type: a Literal's values, a bool, or the field's own check."""
+    custom = {"fusions": _check_fusions, "memory_budget": _check_budget, "dump_dir": _check_dump_dir}
+    if field.name in custom:
+        return custom[field.name]
+    kind = {"TargetName": TargetName, "GraphMode": GraphMode, "bool": bool}[field.type]
+    if kind is bool:
+        return lambda v: _check_bool(field.name, v)
+    return lambda v: _check_choice(field.name, v, get_args(kind))
+
+
+_CHECKS = {f.name: _field_check(f) for f in dataclasses.fields(Options)}
 
 
 def validate(options: Mapping[str, Any] | None, base: Options | None = None) -> Options:

@@ -33,10 +33,9 @@ from torch._inductor.fx_passes import bucketing
 from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from npu_compile.comm import cost, nodes
-from npu_compile.comm.mc2 import copy_choices, rewrite_mc2
-from npu_compile.comm.mc2 import sites as mc2_sites
-from npu_compile.comm.profile import DeviceProfile, load
+from npu_compile.config import Options
+from npu_compile.device import cost, nodes
+from npu_compile.device.profile import DeviceProfile, load
 from npu_compile.comm.simulate import Timeline, simulate
 
 log = logging.getLogger("npu_compile")
@@ -212,7 +211,7 @@ def list_schedule(
         when the link is free; anything else now."""
         if nodes.is_wait(n):
             return finish.get(nodes.collective_of(n), 0.0)
-        if nodes.is_mc2(n):
+        if nodes.fused_collective(n) is not None:
             return comm_free
         return 0.0
 
@@ -231,7 +230,7 @@ def list_schedule(
         ready.remove(node)
         order.append(node)
         tracker.schedule_node(node)
-        if nodes.is_mc2(node):  # on the compute stream, holding the link
+        if nodes.fused_collective(node) is not None:  # on the compute stream, holding the link
             clock = comm_free = max(clock, comm_free) + costs[node]
         elif nodes.is_collective(node):
             comm_free = finish[node] = max(clock, comm_free) + costs[node]
@@ -258,7 +257,7 @@ def apply_order(graph: torch.fx.Graph, order: Sequence[torch.fx.Node]) -> None:
     graph.lint()
 
 
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A new GraphModule over a copy of ``gm``'s graph (node metadata shared, not copied)."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -280,7 +279,7 @@ def schedule_overlap(
         return OverlapResult(before, before, "unchanged", 0, None, None)
     peak_before = peak_bytes(gm.graph, gm.graph.nodes)
     unchanged = OverlapResult(before, before, "unchanged", 0, peak_before, peak_before)
-    candidate = _copy(gm)
+    candidate = copy_module(gm)
     buckets = bucket_small_collectives(candidate, profile) if bucket else 0
     costs = cost.costs(candidate.graph, profile)
     allowed = peak_before + max_extra_bytes
@@ -303,158 +302,16 @@ def schedule_overlap(
     return OverlapResult(before, after, strategy, buckets, peak_before, peak)
 
 
-MC2_TARGETS = ("npu", "npu-sim")
-MAX_MC2_EVALUATIONS = 16  # candidate graphs the MC2 choice may simulate beyond its first three
-# report.json ``unfused`` reason of a site left plain by choice (after "npu: MC2 not taken: "); the graph's figures
-NOT_TAKEN = ("the cost model finds the graph faster with this collective left to the overlap scheduler "
-             "(exposed {mc2:.1f} µs as MC2 vs {plain:.1f} µs scheduled)")
-
-
-def mc2_ops_defined() -> bool:
-    """Whether the ``npu`` MC2 ops exist in this process (torch_npu, or npu-sim's registration)."""
-    return all(hasattr(torch.ops.npu, name) for name in nodes.MC2_KINDS)
-
-
-@dataclasses.dataclass(frozen=True)
-class MC2Candidate:
-    """One way to rewrite a graph: the MC2 sites left plain, and the graph's simulated figures after the MC2
-    rewrite and :func:`schedule_overlap`."""
-
-    label: str
-    left: frozenset[str]  # sites (collective node names) left plain
-    total_us: float
-    exposed_comm_us: float
-    comm_us: float
-    peak_bytes: int
-    fits: bool  # peak within the scheduler's memory cap over the original graph's peak
-
-    def key(self) -> tuple:
-        """Least simulated time, then least exposed comm, then the most sites fused; within the cap first."""
-        return not self.fits, round(self.total_us, 6), round(self.exposed_comm_us, 6), len(self.left)
-
-
-@dataclasses.dataclass
-class MC2Choice:
-    sites: dict[str, cost.MC2Cost]  # every site the rewrite fuses, by collective node name, in graph order
-    comm_bound: list[str]  # sites whose matmul is shorter than their collective
-    candidates: list[MC2Candidate]  # in the order tried
-    chosen: MC2Candidate
-    reasons: dict[str, str]  # the chosen candidate's left sites → why (report.json ``unfused``)
-
-
-def _describe(left: frozenset[str], sites: Sequence[str], comm_bound: Sequence[str]) -> str:
-    if not left:
-        return "all MC2"
-    if left == set(sites):
-        return "no MC2"
-    if left == set(comm_bound):
-        return "MC2 but the comm-bound sites"
-    return "MC2 but " + ", ".join(s for s in sites if s in left)
-
-
-def choose_mc2(
-    gm: torch.fx.GraphModule,
-    target: str,
-    profile: DeviceProfile | dict | None = None,
-    *,
-    max_extra_bytes: int = MAX_EXTRA_BYTES,
-    max_evaluations: int = MAX_MC2_EVALUATIONS,
-) -> MC2Choice | None:
-    """Which MC2 sites of ``gm`` to fuse, by the cost model; ``gm`` is not changed (None: no site to fuse).
-
-    Each candidate is a copy of ``gm`` rewritten with some sites left plain (:func:`rewrite_mc2` ``leave``), then
-    scheduled (:func:`schedule_overlap`), then simulated. Tried first: (a) MC2 on every site, (b) no MC2, (c) MC2
-    on all but the comm-bound sites (matmul shorter than the collective, :func:`cost.mc2_cost`); then, greedily,
-    the best so far with one site's choice flipped (comm-bound sites first), while that improves it and at most
-    ``max_evaluations`` more. The least simulated total time wins (tie: least exposed comm, then the most sites
-    fused) among candidates whose peak live bytes stay within ``max_extra_bytes`` of the original order's.
-
-    A site left plain gets as its reason the graph's exposed comm of the best candidate tried that fuses it
-    against the chosen one's."""
-    profile = load(profile)
-
-    def rewritten(left: frozenset[str]) -> torch.fx.GraphModule:
-        copy = _copy(gm)
-        copy_choices(gm, copy)
-        rewrite_mc2(copy, target, defer=True, leave={site: "" for site in left})
-        return copy
-
-    full = rewritten(frozenset())
-    parts = {site: cost.mc2_cost(node, profile) for site, node in mc2_sites(full).items()}
-    if not parts:
-        return None
-    sites = list(parts)
-    comm_bound = [s for s in sites if parts[s].matmul_us < parts[s].comm_us]
-    cap = peak_bytes(gm.graph, gm.graph.nodes) + max_extra_bytes
-    tried: dict[frozenset[str], MC2Candidate] = {}
-
-    def evaluate(left: frozenset[str]) -> MC2Candidate:
-        if left not in tried:
-            candidate = full if not left else rewritten(left)
-            timeline = schedule_overlap(candidate, profile, max_extra_bytes=max_extra_bytes).after
-            peak = peak_bytes(candidate.graph, candidate.graph.nodes)
-            tried[left] = MC2Candidate(_describe(left, sites, comm_bound), left, timeline.total_us,
-                                       timeline.exposed_comm_us, timeline.comm_us, peak, peak <= cap)
-            log.debug("MC2 candidate %s: total %.1f µs, exposed comm %.1f µs, peak %d B", tried[left].label,
-                      timeline.total_us, timeline.exposed_comm_us, peak)
-        return tried[left]
-
-    for left in (frozenset(), frozenset(sites), frozenset(comm_bound)):
-        evaluate(left)
-    best = min(tried.values(), key=MC2Candidate.key)
-    flips = comm_bound + [s for s in sites if s not in comm_bound]
-    budget = max_evaluations
-    improved = True
-    while improved and budget > 0:
-        improved = False
-        for site in flips:
-            left = best.left ^ {site}
-            if left in tried:
-                continue
-            if budget == 0:
-                break
-            budget -= 1
-            if evaluate(left).key() < best.key():
-                best, improved = tried[left], True
-    reasons = {}
-    for site in sorted(best.left, key=sites.index):
-        fused = min((c for c in tried.values() if site not in c.left), key=MC2Candidate.key)
-        reasons[site] = NOT_TAKEN.format(mc2=fused.exposed_comm_us, plain=best.exposed_comm_us)
-    return MC2Choice(parts, comm_bound, list(tried.values()), best, reasons)
-
-
-def overlap_stage(gm: torch.fx.GraphModule, opts, kind: str = "", profile: DeviceProfile | dict | None = None) -> None:
+def overlap_stage(gm: torch.fx.GraphModule, opts: Options, kind: str = "",
+                  profile: DeviceProfile | dict | None = None) -> None:
     """The backend's aten stage (any ``kind`` of graph): schedule for overlap when ``options.overlap`` is on.
 
-    On targets npu and npu-sim the MC2 rewrite runs first, so that bucketing cannot merge a collective that an MC2
-    op would take (a merged collective is no MC2 site) and the schedule is made for the ops that will run. Which
-    sites it fuses is chosen by the cost model (:func:`choose_mc2`): a site whose collective the scheduler hides
-    better (e.g. a comm-bound one with independent compute beside it) stays a plain matmul + collective. Its
-    declined and left sites are kept on the graph and reported once, by lowering's MC2 step, which fuses nothing
-    more.
+    It runs after the target's own stages (a target that fuses matmuls with their collectives has done so by then,
+    and the fused ops cost as their emitter declared them: :func:`npu_compile.device.nodes.fused_collective`).
     Overlap is an optimisation: if it fails, the graph compiles in its original order and the reason is logged.
-    ``profile``: the device profile both steps cost with (default: :data:`profile.DEFAULT`)."""
+    ``profile``: the device profile it costs with (default: :data:`npu_compile.device.profile.DEFAULT`)."""
     if not opts.overlap:
         return
-    if opts.target in MC2_TARGETS:
-        if mc2_ops_defined():
-            try:
-                choice = choose_mc2(gm, opts.target, profile)
-            except Exception:
-                log.warning("npu_compile: the MC2 choice for the %s graph failed; every site is fused", kind,
-                            exc_info=True)
-                choice = None
-            rewrite_mc2(gm, opts.target, defer=True, leave=choice.reasons if choice else None)
-            if choice is not None:
-                log.info(
-                    "MC2 for the %s graph: %s (%d of %d sites fused): total %.1f µs, exposed comm %.1f µs; tried %s",
-                    kind, choice.chosen.label, len(choice.sites) - len(choice.chosen.left), len(choice.sites),
-                    choice.chosen.total_us, choice.chosen.exposed_comm_us,
-                    "; ".join(f"{c.label}: {c.total_us:.1f} / {c.exposed_comm_us:.1f} µs"
-                              + ("" if c.fits else " (over the memory cap)") for c in choice.candidates),
-                )
-        else:
-            log.debug("npu_compile: MC2 ops not defined yet; the %s graph is bucketed before its MC2 rewrite", kind)
     try:
         result = schedule_overlap(gm, profile)
     except Exception:

@@ -3,12 +3,12 @@
 The compute stream runs the compute nodes one after another, in graph order. A collective is issued when the
 compute stream reaches it (its inputs are ready by then) and starts once the comm stream is free; comm runs
 collectives one at a time, in issue order. Its ``wait_tensor`` holds the compute stream until the collective
-has finished: that hold is *exposed* communication. Costs come from :mod:`npu_compile.comm.cost`.
+has finished: that hold is *exposed* communication. Costs come from :mod:`npu_compile.device.cost`.
 
 An MC2 node (a matmul and a collective in one kernel) runs on the compute stream for its fused time and holds the
 link as long: it starts when the compute stream reaches it and the link is free (the compute stream idles until
 then, exposed), and the link is busy until it ends. It counts its matmul as compute, its collective as comm, and
-fused − matmul as exposed comm (:func:`npu_compile.comm.cost.mc2_cost`).
+fused − matmul as exposed comm (:func:`npu_compile.device.cost.mc2_cost`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from npu_compile.comm import cost, nodes
-from npu_compile.comm.profile import DeviceProfile, load
+from npu_compile.device import cost, nodes
+from npu_compile.device.profile import DeviceProfile, load
 
 log = logging.getLogger("npu_compile")
 
@@ -83,7 +83,7 @@ def simulate(
     mc2_cost: MC2Costs | None = None,
 ) -> Timeline:
     """Run a graph (or a node order) on the two streams; ``cost_us`` overrides the profile's cost model for plain
-    nodes, ``mc2_cost`` (a node → :class:`~npu_compile.comm.cost.MC2Cost`) for MC2 nodes."""
+    nodes, ``mc2_cost`` (a node → :class:`~npu_compile.device.cost.MC2Cost`) for MC2 nodes."""
     profile = load(profile)
     cost_us = cost_us or (lambda n: cost.node_us(n, profile))
     mc2_cost = mc2_cost or (lambda n: cost.mc2_cost(n, profile))
@@ -92,7 +92,7 @@ def simulate(
     finish: dict[torch.fx.Node, float] = {}  # collective -> when it completes
     fused_ops = 0
     for node in _nodes(schedule):
-        if nodes.is_mc2(node):
+        if nodes.fused_collective(node) is not None:
             parts = mc2_cost(node)
             start = max(clock, comm_free)
             if start > clock:  # the link is still busy with earlier comm
@@ -147,7 +147,7 @@ def exposed_comm_lower_bound(
     path: dict[torch.fx.Node, float] = {}
     compute = busy = link = 0.0  # compute counted; compute stream busy; link busy
     for node in _nodes(schedule):  # any schedule is a topological order
-        if nodes.is_mc2(node):
+        if nodes.fused_collective(node) is not None:
             parts = mc2_cost(node)
             c = parts.fused_us
             compute += parts.matmul_us

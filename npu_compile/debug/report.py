@@ -1,20 +1,32 @@
 """report.json: what the backend did to one compiled graph, in figures.
 
-The keys are a contract (DESIGN.md): they may grow, never shrink. Stages fill a :class:`Report` as the graph
-moves through the pipeline; the report is rewritten after each compiled piece (the backward compiles lazily, on
-the first ``.backward()``), and every report made inside :func:`collect` is handed to its caller
-(``npu_compile.explain``).
+The keys are a contract (README, report.json): they may grow, never shrink. A :class:`Recorder` fills one
+:class:`Report` as the backend moves a graph through the pipeline (fusions, the partition's memory figures,
+each stage's ``unfused`` entries, each compiled piece's ops, memory plan and comm timeline); the report is
+rewritten after each compiled piece (the backward compiles lazily, on the first ``.backward()``), and every
+report made inside :func:`collect` is handed to its caller (``npu_compile.explain``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from npu_compile import comm
+from npu_compile.config import Options
+from npu_compile.debug.dump import GraphDump
+from npu_compile.debug.plots import memory_png
+from npu_compile.passes import recompute
+from npu_compile.passes.memory import arena, graph_buffers, liveness, saved_activation_bytes, training_buffers
+
+log = logging.getLogger("npu_compile")
 
 
 @dataclasses.dataclass
@@ -87,3 +99,102 @@ def collect() -> Iterator[list[Report]]:
         yield reports
     finally:
         _collectors.remove(reports)
+
+
+class Recorder:
+    """Assembles the report of one Dynamo graph as the backend compiles it, and writes it to the dump dir."""
+
+    def __init__(self, gm: torch.fx.GraphModule, opts: Options, dump: GraphDump):
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        broke = bool(reason is not None and reason.graph_break)
+        self.report = Report(
+            graph_id=dump.graph_id,
+            target=opts.target,
+            graph_breaks=int(broke),
+            graph_break_reason=reason.reason if broke else None,
+            options={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
+        )
+        self.dump = dump
+        self.final: dict[str, torch.fx.GraphModule] = {}  # kind -> graph as it runs
+        self.partitioned_bw: torch.fx.GraphModule | None = None
+        self.before: tuple | None = None  # (buffers, steps) of the graph(s) as aot_autograd gave them
+        # kind -> simulated comm timelines of the graph as aot_autograd gave it and after the aten stages
+        self.comm_timelines: dict[str, tuple[comm.Timeline, comm.Timeline]] = {}
+        publish(self.report)
+
+    def fusions(self, counts: dict[str, int], unfused: list[dict[str, str]]) -> None:
+        for rule, n in counts.items():
+            self.report.fusions[rule] = self.report.fusions.get(rule, 0) + n
+        self.report.unfused += unfused
+
+    def partition(self, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> None:
+        """The min-cut's result: what it recomputes, and the memory of the two halves as partitioned."""
+        again = recompute.recompute_cost(fw.graph, bw.graph)
+        self.report.memory.update(recompute_nodes=again.nodes, recompute_flops=again.flops,
+                                  recompute_us=again.us, recompute_ops=again.ops,
+                                  step_flops=recompute.matrix_flops(fw.graph) + recompute.matrix_flops(bw.graph))
+        self.before = training_buffers(fw.graph, bw.graph)
+        self.report.memory["peak_bytes_before"] = liveness(*self.before).peak
+        self.partitioned_bw = bw
+
+    def inference_input(self, gm: torch.fx.GraphModule) -> None:
+        """The memory of an inference graph as aot_autograd gave it."""
+        gb = graph_buffers(gm.graph)
+        self.before = (gb.buffers, len(gb.steps))
+        self.report.memory["peak_bytes_before"] = liveness(*self.before).peak
+
+    def graph_done(self, kind: str, gm: torch.fx.GraphModule) -> None:
+        """``gm`` (the ``kind`` graph) is lowered: its figures join the report, which is written again."""
+        self.final[kind] = gm
+        r = self.report
+        r.graphs.append(kind)
+        graphs = list(self.final.values())
+        r.lowered_ops = count_ops(*graphs)
+        r.comm["collectives"] = len(comm.collectives(*graphs))
+        self._record_comm()
+        if "inference" in self.final:
+            gb = graph_buffers(self.final["inference"].graph)
+            buffers, steps = gb.buffers, len(gb.steps)
+            r.memory["saved_activation_bytes"] = 0
+        else:
+            bw = self.final.get("backward", self.partitioned_bw)
+            buffers, steps = training_buffers(self.final["forward"].graph, bw.graph)
+            r.memory["saved_activation_bytes"] = saved_activation_bytes(bw.graph)
+        live = liveness(buffers, steps)
+        _, arena_bytes = arena(buffers)
+        r.memory["peak_bytes_after"] = arena_bytes  # what the static plan of the final order needs
+        r.memory["lower_bound_bytes"] = live.peak  # what any allocator needs for that order
+        r.memory["peak_tensors"] = [dataclasses.asdict(b) for b in live.at_peak[:8]]
+        if self.dump.root is not None and kind != "forward":  # the whole schedule is known
+            boundary = None if kind == "inference" else sum(
+                1 for n in self.final["forward"].graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+            png = memory_png(liveness(*self.before), live, boundary, f"graph {r.graph_id}: live bytes, {kind}")
+            if png is not None:
+                self.dump.write("memory.png", png)
+        self.dump.report(r.to_json())
+        log.info("%s", self.dump.summary(kind))
+        if kind != "forward":  # the graph is complete: its one line
+            fused = {rule: n for rule, n in r.fusions.items() if n}
+            log.info(
+                "graph %s (%s): %s compiled, fusions %s, %d unfused, peak %.2f MiB, %d collectives",
+                r.graph_id, r.target, "+".join(r.graphs), fused or "none", len(r.unfused), live.peak / 2**20,
+                r.comm["collectives"],
+            )
+
+    def _record_comm(self) -> None:
+        """report.json ``comm`` from the simulated timelines, summed over the graphs compiled so far, and, when
+        they hold collectives, their Chrome / Perfetto trace as ``overlap_trace.json`` in the dump dir."""
+        runs = self.comm_timelines.values()
+        self.report.comm.update(
+            comm_us=round(sum(after.comm_us for _, after in runs), 3),
+            compute_us=round(sum(after.compute_us for _, after in runs), 3),
+            exposed_comm_us_before=round(sum(before.exposed_comm_us for before, _ in runs), 3),
+            exposed_comm_us_after=round(sum(after.exposed_comm_us for _, after in runs), 3),
+        )
+        if self.dump.root is not None and any(before.collectives for before, _ in runs):
+            timelines = {
+                f"{kind} · {when}": timeline
+                for kind, (before, after) in self.comm_timelines.items()
+                for when, timeline in (("as captured", before), ("scheduled", after))
+            }
+            self.dump.write("overlap_trace.json", json.dumps(comm.chrome_trace(timelines)))

@@ -1,41 +1,56 @@
-"""Lowering: map the fused ops of a graph onto one target's calls, one module per target.
+"""Targets: where a compiled graph runs, each one package that declares what it adds to the pipeline.
 
-Each target module holds a table from fused op to (check, lower): the check says whether this target can take a
-given node and, when not, why; such nodes keep their reference kernel and the reason goes to report.json. Each
-module also says how its lowered graph runs (:func:`executor`): op by op, or handed to a graph compiler.
-Lowering never imports passes.
+A :class:`Target` says how to get ready (``prepare``: import torch_npu, register npu-sim's emulation), which
+aten-level stages it runs before lowering (the npu targets' MC2 rewrite), its op table (fused op → the calls it
+becomes, :class:`npu_compile.lowering.npu.emit.Mapping`), how it rewrites a graph with that table (``lower``),
+and how the lowered graph runs (``executor``: op by op, or handed to a graph compiler). The backend asks
+:func:`target` for the one its options name and composes; it knows no target by name.
 
     reference  plain torch, any device (reference.py)
-    npu        torch_npu calls; torchair GE / aclgraph or op by op on the NPU (npu.py)
-    npu-sim    the same calls as npu, run on the CPU by an emulation of those ops (npu_sim.py)
+    npu        torch_npu calls; torchair GE / aclgraph or op by op on the NPU (npu/)
+    npu-sim    the same calls as npu, run on the CPU by an emulation of those ops (npu_sim/)
+
+A new target is one new package here exporting ``TARGET``, and its name in ``config.TargetName``. Lowering
+imports no pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Callable, Sequence
-from types import ModuleType
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-# target name -> module under npu_compile.lowering
-_MODULES = {"reference": "reference", "npu": "npu", "npu-sim": "npu_sim"}
+from npu_compile.config import Options
+
+# One aten-level stage: (graph, options, graph kind) -> report.json ``unfused`` entries (or None).
+Stage = Callable[[torch.fx.GraphModule, Options, str], "list[dict[str, str]] | None"]
 
 
-def _module(target: str) -> ModuleType:
-    if target not in _MODULES:
-        raise NotImplementedError(
-            f"npu_compile target {target!r} has no lowering in this build; available: {', '.join(_MODULES)}"
-        )
-    return importlib.import_module(f"npu_compile.lowering.{_MODULES[target]}")
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What one target adds to the pipeline (module doc)."""
+
+    name: str
+    lower: Callable[[torch.fx.GraphModule, Options], list[dict[str, str]]]  # -> ``unfused`` entries
+    executor: Callable[[torch.fx.GraphModule, Sequence[Any], Options], Callable]
+    prepare: Callable[[], None] = lambda: None
+    stages: tuple[tuple[str, Stage], ...] = ()  # run after memory ordering, before overlap scheduling
+    table: Mapping[Any, Any] = dataclasses.field(default_factory=dict)  # fused op -> Mapping
 
 
-def lower(gm: torch.fx.GraphModule, opts: Any) -> list[dict[str, str]]:
-    """Rewrite ``gm`` in place for ``opts.target``; returns the nodes left on their reference kernel, with reasons."""
-    return _module(opts.target).lower(gm, opts)
+def _package(name: str) -> str:
+    return "npu_compile.lowering." + name.replace("-", "_")
 
 
-def executor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Any) -> Callable:
-    """The boxed callable that runs the lowered ``gm`` on ``opts.target``."""
-    return _module(opts.target).executor(gm, example_inputs)
+def target(name: str) -> Target:
+    """The :class:`Target` called ``name`` (``npu-sim`` lives in package ``npu_sim``)."""
+    try:
+        module = importlib.import_module(_package(name))
+    except ModuleNotFoundError as e:
+        if e.name != _package(name):
+            raise
+        raise NotImplementedError(f"npu_compile target {name!r} has no lowering in this build") from None
+    return module.TARGET

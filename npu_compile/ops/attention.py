@@ -46,26 +46,12 @@ from torch import Tensor
 
 from npu_compile.ops import rng
 from npu_compile.ops.common import acc_dtype, no_grad_placeholder
+from npu_compile.ops.layout import LAYOUTS, layout_shape, to_bnsd
 
-LAYOUTS = ("sbnd", "bsnd", "bnsd")
 
 # Query rows per tile: big enough that each tile is a few large matmuls, small enough that the tile × Sk
 # working set stays a small fraction of Sq × Sk at training sequence lengths.
 QUERY_TILE = 256
-
-
-def to_bnsd(t: Tensor, layout: str) -> Tensor:
-    """A [b, n, s, d] view of a tensor in `layout`."""
-    if layout == "bnsd":
-        return t
-    if layout == "sbnd":
-        return t.permute(1, 2, 0, 3)
-    return t.transpose(1, 2)
-
-
-def layout_shape(layout: str, b, n, s, d) -> tuple:
-    """The shape in `layout` of a [b, n, s, d] tensor."""
-    return {"bnsd": (b, n, s, d), "sbnd": (s, b, n, d), "bsnd": (b, s, n, d)}[layout]
 
 
 def resolve_scale(scale: Optional[float], head_dim) -> float:

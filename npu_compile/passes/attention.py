@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile.*)
+from npu_compile.ops.layout import BNSD_DIMS
 from npu_compile.passes.engine import Rule, register_rule
 
 aten = torch.ops.aten
@@ -487,9 +488,6 @@ def transposed_key_dims(product) -> tuple[tuple[int, int], ...]:
 # ===============================================================================================================
 
 # Where b, n, s sit in each layout.
-_BNS = {"bnsd": (0, 1, 2), "bsnd": (0, 2, 1), "sbnd": (1, 2, 0)}
-
-
 def check(match: Match, *, layout: str, mask: str | None, sdpa_keywords: frozenset[str] | None = None) -> bool | str:
     """True when the op can take this match, else why not (it lands in report.json ``unfused``)."""
     if sdpa_keywords is not None:
@@ -507,7 +505,7 @@ def check(match: Match, *, layout: str, mask: str | None, sdpa_keywords: frozens
     q, k, v = val["query"], val["key"], val["value"]
     if not q.dtype == k.dtype == v.dtype:
         return f"query, key and value dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
-    b_dim, n_dim, s_dim = _BNS[layout]
+    b_dim, n_dim, s_dim, _ = BNSD_DIMS[layout]
     full = [q.shape[b_dim], q.shape[n_dim], q.shape[s_dim], k.shape[s_dim]]  # [b, n, sq, sk]
     if mask is not None:
         m = val[mask]

@@ -5,7 +5,7 @@ chooses the cheapest recompute that brings the saved activations down to that sh
 partitioner three things it cannot know about the fused ops:
 
 - **cost**: the knapsack weighs recompute with :class:`CostModelRuntime`, the Ascend cost model of
-  :mod:`npu_compile.comm.cost` (roofline: matmul FLOPs over the cube rate, elementwise bytes over HBM
+  :mod:`npu_compile.device.cost` (roofline: matmul FLOPs over the cube rate, elementwise bytes over HBM
   bandwidth), instead of torch's FLOP counter, which calls every elementwise op free and cannot run our ops;
 - **cheap fused ops may be recomputed**: norms, bias-GeLU, SwiGLU, RoPE and bias-dropout-add (a dropout seed is
   an input of the op and is itself saved: a recompute draws the same mask). They are one pass over their
@@ -36,8 +36,8 @@ from torch._inductor.custom_graph_pass import CustomKnapsackSolver, CustomRuntim
 from torch.utils._ordered_set import OrderedSet
 from torch.utils.checkpoint import CheckpointPolicy
 
-from npu_compile.comm import cost
-from npu_compile.comm.profile import DeviceProfile, load
+from npu_compile.device import cost
+from npu_compile.device.profile import DeviceProfile, load
 
 _ops = torch.ops.npu_compile
 # Fused ops the backward may recompute from their inputs: one memory-bound pass each.

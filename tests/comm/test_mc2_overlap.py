@@ -1,5 +1,6 @@
 """MC2 ops in the comm room: their cost (an estimate with hand-computed figures), the simulator's accounting of
-them, the lower bound's treatment of them, and the overlap stage rewriting MC2 sites before it buckets."""
+them, the lower bound's treatment of them, and the npu targets' MC2 stage rewriting sites before the overlap
+stage buckets."""
 
 import pytest
 import torch
@@ -9,12 +10,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from comm_graphs import random_program
 from npu_compile import config
-from npu_compile.comm import (cost, exposed_comm_lower_bound, nodes, overlap_stage, profile, schedule, schedule_overlap,
-                              simulate)
-from npu_compile.comm.cost import MC2Cost
-from npu_compile.comm.mc2 import rewrite_mc2
-from npu_compile.comm.profile import ASCEND_910B
-from npu_compile.lowering import npu_sim_kernels
+from npu_compile import lowering
+from npu_compile.comm import exposed_comm_lower_bound, overlap_stage, schedule, schedule_overlap, simulate
+from npu_compile.device import cost, nodes, profile
+from npu_compile.device.cost import MC2Cost
+from npu_compile.device.profile import ASCEND_910B
+from npu_compile.lowering import npu_sim
+from npu_compile.lowering.npu.mc2 import declare_all, fused_sites, rewrite_mc2
 
 c10d = torch.ops._c10d_functional
 bf16 = torch.bfloat16
@@ -24,11 +26,23 @@ ALPHA, LINK, CUBE, HBM = 2.0, 56e9, 320e12, 1.6e12  # the default profile's figu
 
 @pytest.fixture(autouse=True, scope="module")
 def npu_ops():
-    npu_sim_kernels.register()
+    npu_sim.register()
 
 
 def trace(fn, *args):
-    return make_fx(fn, tracing_mode="fake")(*args)
+    """make_fx of ``fn``, its MC2 ops declared to the cost model as the MC2 stage declares those it emits."""
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    declare_all(gm)
+    return gm
+
+
+def stages(gm, target="npu-sim", kind="forward"):
+    """What the backend runs on ``gm`` between memory ordering and lowering: the target's stages, then overlap;
+    the stages' report.json ``unfused`` entries."""
+    opts = config.Options(target=target, overlap=True)
+    unfused = [e for _, stage in lowering.target(target).stages for e in stage(gm, opts, kind) or []]
+    overlap_stage(gm, opts, kind)
+    return unfused
 
 
 def empty(*shape):
@@ -36,7 +50,7 @@ def empty(*shape):
 
 
 def mc2_node(gm):
-    (node,) = [n for n in gm.graph.nodes if nodes.is_mc2(n)]
+    (node,) = [n for n in gm.graph.nodes if nodes.fused_collective(n) is not None]
     return node
 
 
@@ -216,43 +230,37 @@ def test_bucketing_alone_would_hide_the_mc2_sites(fake_world):
     assert schedule_overlap(gm).buckets == 1  # two latency-bound all-gathers: one merged collective
     gathers = [o for o in ops(gm) if o.startswith("_c10d_functional.all_gather")]
     assert gathers == ["_c10d_functional.all_gather_into_tensor_out.default"]  # into one flat buffer, then split
-    assert rewrite_mc2(gm, "npu-sim") == [] and gm.meta["npu_compile_mc2"] == []  # no site left to fuse
+    assert rewrite_mc2(gm, npu_sim.c10d_group_name) == [] and fused_sites(gm) == {}  # no site left to fuse
 
 
 def test_overlap_stage_rewrites_mc2_before_bucketing(fake_world):
     # 2 MiB gathered each: 2 + 4.68 µs, 30% latency, so bucketing would merge them; each [256, 4096] @ [4096, 4096]
     # (26.8 µs) outlasts a chunk's gather (2.59 µs), so MC2 exposes 2 × 2.59 µs against 6.68 µs left plain
     gm = two_gathers(fake_world, rows=32, k=4096, n=4096)
-    assert schedule.bucket_small_collectives(schedule._copy(gm), profile.load()) == 1
-    overlap_stage(gm, config.Options(target="npu-sim", overlap=True), "forward")
+    assert schedule.bucket_small_collectives(schedule.copy_module(gm), profile.load()) == 1
+    assert stages(gm) == []
     assert ops(gm).count("npu.npu_all_gather_base_mm.default") == 2
     assert not [o for o in ops(gm) if o.startswith("_c10d_functional")]
-    assert gm.meta["npu_compile_mc2"] == ["npu_all_gather_base_mm"] * 2
+    assert sorted(fused_sites(gm)) == ["all_gather_into_tensor", "all_gather_into_tensor_1"]
     assert simulate(gm).exposed_comm_us == pytest.approx(2 * (ALPHA + 2 * MiB / 8 / (8 * LINK) * 1e6))  # 2 × 2.585
-    before = ops(gm)
-    assert rewrite_mc2(gm, "npu-sim") == [] and ops(gm) == before  # lowering's pass: nothing left to do
-    assert gm.meta["npu_compile_mc2"] == ["npu_all_gather_base_mm"] * 2
 
 
 def test_overlap_stage_on_reference_leaves_mc2_to_nobody(fake_world):
     gm = two_gathers(fake_world)
-    overlap_stage(gm, config.Options(target="reference", overlap=True), "forward")
+    assert stages(gm, target="reference") == []
     assert not [o for o in ops(gm) if o.startswith("npu.")]
 
 
-def test_declined_sites_are_reported_once_by_lowering(fake_world):
+def test_declined_sites_are_reported_once_by_the_stage(fake_world):
     def f(x1, x2, w1, w2):
         a = c10d.wait_tensor(c10d.all_gather_into_tensor(x1, 8, fake_world)) @ w1
         b = c10d.wait_tensor(c10d.all_gather_into_tensor(x2, 8, fake_world)) @ w2  # k = 128: declined
         return a, b
 
     gm = trace(f, empty(512, 4096), empty(16, 128), empty(4096, 1024), empty(128, 64))
-    overlap_stage(gm, config.Options(target="npu-sim", overlap=True), "forward")
-    assert ops(gm).count("npu.npu_all_gather_base_mm.default") == 1
     declined = {"op": "npu.npu_all_gather_base_mm",
                 "reason": "npu: MC2 declined: npu_all_gather_base_mm: k must be in [256, 65535), got 128"}
-    assert rewrite_mc2(gm, "npu-sim") == [declined]  # lowering: the overlap stage's decline, once
-    assert rewrite_mc2(gm, "npu-sim") == []
+    assert stages(gm) == [declined]  # once, though the choice rewrote copies of the graph many times
     assert ops(gm).count("npu.npu_all_gather_base_mm.default") == 1
 
 
@@ -263,7 +271,7 @@ def test_megatron_gather_into_its_own_buffer_is_a_site(fake_world):
         return full @ w, full.sum(0)
 
     gm = trace(f, empty(16, 256), empty(256, 64))
-    assert rewrite_mc2(gm, "npu-sim") == []
+    assert rewrite_mc2(gm, npu_sim.c10d_group_name) == []
     names = ops(gm)
     assert names.count("npu.npu_all_gather_base_mm.default") == 1
     assert "aten.copy.default" not in names and "aten.empty.memory_format" not in names

@@ -1,1 +1,1 @@
-"""Tests of npu_compile.lowering, mirroring its modules (npu.py, npu_sim.py, npu_sim_kernels.py, npu_schemas.py)."""
+"""Tests of npu_compile.lowering, mirroring its packages (npu/: emit, attention, norms, …, mc2, graph_modes, schemas; npu_sim/)."""

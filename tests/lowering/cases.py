@@ -137,13 +137,18 @@ CASES: dict[str, Case] = {
 def lowered_graphs() -> Iterator[list[torch.fx.GraphModule]]:
     """Every graph lowered inside the block, as it runs (recorded where the backend hands it to its executor)."""
     graphs: list[torch.fx.GraphModule] = []
-    executor = lowering.executor
+    target_of = lowering.target
 
-    def record(gm, example_inputs, opts):
-        graphs.append(gm)
-        return executor(gm, example_inputs, opts)
+    def recording(name):
+        target = target_of(name)
 
-    with mock.patch.object(lowering, "executor", record):
+        def record(gm, example_inputs, opts):
+            graphs.append(gm)
+            return target.executor(gm, example_inputs, opts)
+
+        return dataclasses.replace(target, executor=record)
+
+    with mock.patch.object(lowering, "target", recording):
         yield graphs
 
 

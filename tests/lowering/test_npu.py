@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from npu_compile import config
-from npu_compile.lowering import npu, npu_sim_kernels
+from npu_compile.lowering import npu, npu_sim
+from npu_compile.lowering.npu import graph_modes
 
 from .cases import CASES, S, B, N, NKV, D, lowered_graphs, lowered_ops, run
 
@@ -104,7 +105,7 @@ def test_attention_dropout_crosses_from_forward_to_backward_through_the_seed():
     qb, kb, vb = (t.permute(1, 2, 0, 3).repeat_interleave(N // t.shape[2], 1) for t in ref)
     scores = (qb @ kb.transpose(-1, -2)) * D ** -0.5
     scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    keep = npu_sim_kernels.dropout_keep_mask(seed, 0, (B, N, S, S), 1 - p)
+    keep = npu_sim.attention.dropout_keep_mask(seed, 0, (B, N, S, S), 1 - p)
     expected = ((scores.softmax(-1) * keep / (1 - p)) @ vb).permute(2, 0, 1, 3)
     expected.backward(grad_out)
     torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
@@ -115,7 +116,7 @@ def test_attention_dropout_crosses_from_forward_to_backward_through_the_seed():
     (grad,) = [n for gm in graphs for n in gm.graph.nodes
                if n.target is torch.ops.npu.npu_fusion_attention_grad.default]
     assert grad.kwargs["keep_prob"] == pytest.approx(1 - p) and grad.kwargs["numels"] == B * N * S * S
-    assert [npu.plan_graph(gm, "ge").graph_mode for gm in graphs] == ["eager", "eager"]
+    assert [graph_modes.plan_graph(gm, "ge").graph_mode for gm in graphs] == ["eager", "eager"]
 
 
 def test_inference_graphs_lower_too():
@@ -142,7 +143,7 @@ def test_fast_gelu_is_opt_in():
 # ---- graph modes ------------------------------------------------------------------------------------------
 
 def _plans(name, mode="ge"):
-    return [npu.plan_graph(gm, mode) for gm in run(name).graphs]
+    return [graph_modes.plan_graph(gm, mode) for gm in run(name).graphs]
 
 
 def test_graph_mode_plans_follow_torchair_limits():
@@ -161,7 +162,7 @@ def test_graph_mode_plans_follow_torchair_limits():
     assert _plans("bias_dropout_add_p")[0].graph_mode == "eager"
     # What was asked stays when nothing blocks it.
     assert [p.graph_mode for p in _plans("rms_norm", "aclgraph")] == ["aclgraph", "aclgraph"]
-    assert _plans("rms_norm", "eager")[0] == npu.GraphPlan(requested="eager", graph_mode="eager")
+    assert _plans("rms_norm", "eager")[0] == graph_modes.GraphPlan(requested="eager", graph_mode="eager")
 
 
 def test_torchair_hand_off(monkeypatch):
@@ -182,14 +183,14 @@ def test_torchair_hand_off(monkeypatch):
     gm = run("rms_norm").graphs[0]
     inputs = [torch.randn(2)]
     for mode, torchair_mode in (("ge", "max-autotune"), ("aclgraph", "npugraph_ex")):
-        gm.meta[npu.PLAN_META] = npu.GraphPlan(requested=mode, graph_mode=mode)
-        assert npu.executor(gm, inputs)() == "ran"
+        gm.meta[graph_modes.PLAN_META] = graph_modes.GraphPlan(requested=mode, graph_mode=mode)
+        assert graph_modes.executor(gm, inputs, config.Options())() == "ran"
         assert handed[-1] == (torchair_mode, gm, inputs)
-    gm.meta[npu.PLAN_META] = npu.GraphPlan(requested="ge", graph_mode="eager", reasons=(("x", "y"),))
-    assert getattr(npu.executor(gm, inputs), "_boxed_call", False) and len(handed) == 2  # op by op, no torchair
-    assert npu.GraphPlan("ge", "ge").torchair_settings() == {"mode": "max-autotune"}
-    assert npu.GraphPlan("ge", "eager").torchair_settings() == {}
-    assert (npu.GraphPlan("ge", "ge").device, npu.GraphPlan("ge", "ge").collectives) == ("npu", "hccl")
+    gm.meta[graph_modes.PLAN_META] = graph_modes.GraphPlan(requested="ge", graph_mode="eager", reasons=(("x", "y"),))
+    assert getattr(graph_modes.executor(gm, inputs, config.Options()), "_boxed_call", False) and len(handed) == 2  # op by op, no torchair
+    assert graph_modes.GraphPlan("ge", "ge").torchair_settings() == {"mode": "max-autotune"}
+    assert graph_modes.GraphPlan("ge", "eager").torchair_settings() == {}
+    assert (graph_modes.GraphPlan("ge", "ge").device, graph_modes.GraphPlan("ge", "ge").collectives) == ("npu", "hccl")
 
 
 def test_npu_target_records_the_plan_in_the_report():
@@ -197,7 +198,7 @@ def test_npu_target_records_the_plan_in_the_report():
     gm = run("attention_sbnd_causal_gqa").graphs[0]
     copy = torch.fx.GraphModule(gm, gm.graph)
     entries = npu.lower(copy, config.validate({"graph_mode": "ge"}))
-    assert copy.meta[npu.PLAN_META].graph_mode == "aclgraph"
+    assert copy.meta[graph_modes.PLAN_META].graph_mode == "aclgraph"
     assert entries == [{"op": "npu.npu_fusion_attention", "reason":
                         "npu: graph_mode 'ge' -> 'aclgraph': torchair's GE converter takes input_layout BSH or BNSD "
                         "only, got 'SBH'"}]

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu_compile.lowering import npu_sim_kernels
-from npu_compile.lowering.npu_schemas import MC2
+from npu_compile.lowering import npu_sim
+from npu_compile.lowering.npu.schemas import MC2
 
-npu_sim_kernels.register()
+npu_sim.register()
 npu = torch.ops.npu
 B, N, NKV, SQ, SK, D = 2, 4, 2, 6, 9, 8
 
@@ -229,7 +229,7 @@ def test_pse_is_added_before_the_scale():
 
 
 def test_dropout_forward_and_grad_agree_given_seed_and_offset():
-    keep = npu_sim_kernels.dropout_keep_mask(5, 11, (B, N, SQ, SK), 0.75)
+    keep = npu_sim.attention.dropout_keep_mask(5, 11, (B, N, SQ, SK), 0.75)
     assert 0.6 < keep.float().mean() < 0.9
     q, k, v = torch.randn(B, N, SQ, D), torch.randn(B, NKV, SK, D), torch.randn(B, NKV, SK, D)
     out, smax, ssum, _, seed, offset, numels = _sim("BNSD", q, k, v, scale=0.3, keep_prob=0.75, seed=5, offset=11)
@@ -281,10 +281,10 @@ def test_mc2_ops_need_the_process_group_hcom_names():
 
 
 def test_refuses_where_torch_npu_is_installed(monkeypatch):
-    monkeypatch.setattr(npu_sim_kernels, "_library", None)
-    monkeypatch.setattr(npu_sim_kernels, "torch_npu_installed", lambda: True)
+    monkeypatch.setattr(npu_sim, "_library", None)
+    monkeypatch.setattr(npu_sim, "torch_npu_installed", lambda: True)
     with pytest.raises(RuntimeError, match="cannot run where torch_npu is installed"):
-        npu_sim_kernels.register()
+        npu_sim.register()
 
 
 def test_nothing_registers_at_import():

@@ -106,6 +106,6 @@ def test_the_knapsack_is_weighed_by_the_cost_model(monkeypatch):
     run(0.3)
     assert calls, "the partitioner never asked the cost model"
     mm = next(n for n in calls if n.target is torch.ops.aten.mm.default)
-    from npu_compile.comm import cost
+    from npu_compile.device import cost
 
     assert real(recompute.CostModelRuntime(), mm) == cost.node_us(mm)

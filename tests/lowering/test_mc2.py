@@ -1,4 +1,4 @@
-"""MC2 rewrite (npu_compile/comm/mc2.py) and its npu-sim emulation over a real 2-process gloo group.
+"""MC2 rewrite (npu_compile/lowering/npu/mc2.py) and its npu-sim emulation over a real 2-process gloo group.
 
 One spawn runs every case: aten graphs (make_fx of functional collectives) with all-gather → mm,
 mm → reduce-scatter and mm / addmm → all-reduce, 2-D and Megatron's 3-D view → mm → view form, rewritten for
@@ -14,7 +14,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from npu_compile.comm import mc2
+from npu_compile.lowering.npu import mc2
+from npu_compile.lowering.npu_sim import c10d_group_name as HCOM  # npu-sim's communicator names
 
 WORLD = 2
 BF16 = torch.bfloat16
@@ -33,7 +34,7 @@ def _case(f, inputs, expect_op, declined=None):
     and give exactly what the unrewritten graph gives."""
     want = _graph(f, *inputs)(*inputs)
     gm = _graph(f, *inputs)
-    unfused = mc2.rewrite_mc2(gm, "npu-sim")
+    unfused = mc2.rewrite_mc2(gm, HCOM)
     ops = _ops(gm)
     if declined is None:
         assert unfused == [], unfused
@@ -185,14 +186,15 @@ def chosen_case(rank, group):
     inputs = [torch.randn(*s, generator=g).to(BF16) for s in ((8, 256), (256, 256), (512, 1024), (16, 256), (256, 512))]
     want = _graph(f, *inputs)(*inputs)
     gm = _graph(f, *inputs)
-    overlap_stage(gm, config.Options(target="npu-sim", overlap=True), "forward", profile=PROFILE)
+    opts = config.Options(target="npu-sim", overlap=True)
+    unfused = mc2.mc2_stage(gm, opts, "forward", hcom=HCOM, profile=PROFILE)
+    overlap_stage(gm, opts, "forward", profile=PROFILE)
     ops = _ops(gm)
     plain, fused = "_c10d_functional.all_gather_into_tensor.default", "npu.npu_all_gather_base_mm.default"
     assert (ops.count(plain), ops.count(fused)) == (1, 1), ops
     t = simulate(gm, PROFILE)
     chunk = 16 * 512 * 2 / 2 / (2 * 1.5e6) * 1e6  # half of the second gather: 2730.67 µs, the MC2 op's fill
     assert (t.collectives, t.mc2) == (1, 1) and abs(t.exposed_comm_us - chunk) < 1e-6, t.summary()
-    unfused = mc2.rewrite_mc2(gm, "npu-sim")
     assert unfused == [{"op": "npu.npu_all_gather_base_mm", "reason": (
         "npu: MC2 not taken: the cost model finds the graph faster with this collective left to the overlap "
         "scheduler (exposed 4412.8 µs as MC2 vs 2730.7 µs scheduled)")}], unfused
@@ -204,9 +206,9 @@ def worker(rank, store_path):
     store = dist.FileStore(store_path, WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     try:
-        from npu_compile.lowering import npu_sim_kernels
+        from npu_compile.lowering import npu_sim
 
-        npu_sim_kernels.register()
+        npu_sim.register()
         group = dist.group.WORLD.group_name
         graph_cases(rank, group)
         chosen_case(rank, group)
@@ -262,4 +264,4 @@ def test_all_reduce_constraints():
 def test_no_collectives_no_change():
     gm = _graph(lambda x, w: x @ w, _t(8, 256), _t(256, 64))
     before = _ops(gm)
-    assert mc2.rewrite_mc2(gm, "npu-sim") == [] and _ops(gm) == before
+    assert mc2.rewrite_mc2(gm, HCOM) == [] and _ops(gm) == before

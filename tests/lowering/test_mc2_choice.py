@@ -1,5 +1,5 @@
-"""Which MC2 sites the overlap stage fuses: ``rewrite_mc2``'s ``leave`` (sites kept plain by choice, reported once,
-not fused by lowering's second pass) and ``choose_mc2`` (the cost model weighing MC2 against the scheduler).
+"""Which MC2 sites the npu targets' MC2 stage fuses: ``rewrite_mc2``'s ``leave`` (sites kept plain by choice, each
+reported once) and ``choose_mc2`` (the cost model weighing MC2 against the generic overlap scheduler).
 
 Figures are the default profile's (320 TFLOPS bf16, 56 GB/s per link, 2 µs per step, full mesh, 8 ranks):
 a gathered [4096, 4096] bf16 tensor (32 MiB) costs 76.898 µs to all-gather, 11.362 µs per rank's chunk."""
@@ -12,13 +12,14 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from npu_compile import config
-from npu_compile.comm import overlap_stage, schedule, simulate
-from npu_compile.comm.mc2 import left_sites, rewrite_mc2, sites
-from npu_compile.lowering import npu_sim_kernels
+from npu_compile.comm import overlap_stage, simulate
+from npu_compile.lowering import npu_sim
+from npu_compile.lowering.npu.mc2 import choose_mc2, fused_sites, mc2_stage, rewrite_mc2
 
 c10d = torch.ops._c10d_functional
 bf16 = torch.bfloat16
 NPU_SIM = config.Options(target="npu-sim", overlap=True)
+HCOM = npu_sim.c10d_group_name  # npu-sim's communicator names: the c10d group's
 AG_MM = "npu.npu_all_gather_base_mm.default"
 AG = "_c10d_functional.all_gather_into_tensor.default"
 MM_512, MM_768, MM_2048 = (2 * 4096 * 4096 * n / 320e12 * 1e6 for n in (512, 768, 2048))  # flop-bound rooflines
@@ -26,6 +27,13 @@ AG_US = 2 + 32 * 2**20 / (8 * 56e9) * 1e6  # 76.898: the 32 MiB all-gather over 
 C1 = 2 + 4 * 2**20 / (8 * 56e9) * 1e6  # 11.362: one rank's chunk of it
 FUSED_512 = 8 * C1 + MM_512 / 8  # 97.609: comm-bound MC2, every chunk's gather shows
 FUSED_2048 = C1 + MM_2048  # 226.111: compute-bound MC2, the first chunk's gather, then the matmul
+
+
+def stages(gm, kind):
+    """The MC2 stage, then the overlap stage, as the backend runs them; the MC2 stage's ``unfused`` entries."""
+    unfused = mc2_stage(gm, NPU_SIM, kind, hcom=HCOM)
+    overlap_stage(gm, NPU_SIM, kind)
+    return unfused
 
 
 def figures(choice):
@@ -38,7 +46,7 @@ def approx(expected):
 
 @pytest.fixture(autouse=True, scope="module")
 def npu_ops():
-    npu_sim_kernels.register()
+    npu_sim.register()
 
 
 @pytest.fixture
@@ -77,26 +85,20 @@ def chain(group, beside: bool):
 
 # ---- rewrite_mc2(leave=...) ---------------------------------------------------------------------------------
 
-def test_a_left_site_stays_plain_and_is_reported_once(group):
+def test_a_left_site_stays_plain_and_is_reported(group):
     gm = chain(group, beside=True)
-    assert rewrite_mc2(gm, "npu-sim", defer=True, leave={"all_gather_into_tensor": "because"}) == []
-    assert ops(gm).count(AG) == 1 and ops(gm).count(AG_MM) == 1
-    assert list(sites(gm)) == ["all_gather_into_tensor_1"]  # the fused op names the collective it replaced
-    assert left_sites(gm) == {"all_gather_into_tensor": "because"}
-    before = ops(gm)
     report = {"op": "npu.npu_all_gather_base_mm", "reason": "npu: MC2 not taken: because"}
-    assert rewrite_mc2(gm, "npu-sim") == [report]  # lowering's pass: the stage's choice, once, site still plain
-    assert ops(gm) == before
-    assert rewrite_mc2(gm, "npu-sim") == [] and ops(gm) == before
+    assert rewrite_mc2(gm, HCOM, leave={"all_gather_into_tensor": "because"}) == [report]
+    assert ops(gm).count(AG) == 1 and ops(gm).count(AG_MM) == 1
+    assert list(fused_sites(gm)) == ["all_gather_into_tensor_1"]  # the fused op names the collective it replaced
 
 
-def test_leave_without_defer_reports_at_once(group):
+def test_leave_the_second_site(group):
     gm = chain(group, beside=False)
     left = {"all_gather_into_tensor_1": "x"}
-    assert rewrite_mc2(gm, "npu-sim", leave=left) == [
+    assert rewrite_mc2(gm, HCOM, leave=left) == [
         {"op": "npu.npu_all_gather_base_mm", "reason": "npu: MC2 not taken: x"}]
-    assert ops(gm).count(AG) == 1 and list(sites(gm)) == ["all_gather_into_tensor"]
-    assert rewrite_mc2(gm, "npu-sim") == []
+    assert ops(gm).count(AG) == 1 and list(fused_sites(gm)) == ["all_gather_into_tensor"]
 
 
 def test_a_constraint_decline_keeps_its_own_reason(group):
@@ -104,17 +106,17 @@ def test_a_constraint_decline_keeps_its_own_reason(group):
         return wait(c10d.all_gather_into_tensor(x, 8, group)) @ w  # k = 128
 
     gm = make_fx(f, tracing_mode="fake")(empty(16, 128), empty(128, 64))
-    assert rewrite_mc2(gm, "npu-sim", leave={"all_gather_into_tensor": "chosen"}) == [
+    assert rewrite_mc2(gm, HCOM, leave={"all_gather_into_tensor": "chosen"}) == [
         {"op": "npu.npu_all_gather_base_mm",
          "reason": "npu: MC2 declined: npu_all_gather_base_mm: k must be in [256, 65535), got 128"}]
 
 
-# ---- choose_mc2 and the overlap stage ------------------------------------------------------------------------
+# ---- choose_mc2 and the MC2 stage ----------------------------------------------------------------------------
 
 def test_choice_leaves_a_comm_bound_site_with_compute_beside_it(group, caplog):
     gm = chain(group, beside=True)
     original = ops(gm)
-    choice = schedule.choose_mc2(gm, "npu-sim")
+    choice = choose_mc2(gm, HCOM)
     assert ops(gm) == original  # chosen on copies
     assert list(choice.sites) == ["all_gather_into_tensor", "all_gather_into_tensor_1"]
     assert choice.comm_bound == ["all_gather_into_tensor"]
@@ -134,7 +136,8 @@ def test_choice_leaves_a_comm_bound_site_with_compute_beside_it(group, caplog):
     assert choice.reasons == {"all_gather_into_tensor": why}
 
     with caplog.at_level(logging.INFO, logger="npu_compile"):
-        overlap_stage(gm, NPU_SIM, "backward")
+        unfused = stages(gm, "backward")
+    assert unfused == [{"op": "npu.npu_all_gather_base_mm", "reason": f"npu: MC2 not taken: {why}"}]  # once
     assert ops(gm).count(AG) == 1 and ops(gm).count(AG_MM) == 1
     assert [n.args[1].name for n in gm.graph.nodes if str(n.target) == AG_MM] == ["w2_1"]  # mm2's weight
     order = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target != torch.ops.aten.view.default]
@@ -145,14 +148,11 @@ def test_choice_leaves_a_comm_bound_site_with_compute_beside_it(group, caplog):
     assert ("MC2 for the backward graph: MC2 but the comm-bound sites (1 of 2 sites fused): total 360.3 µs, "
             "exposed comm 11.4 µs; tried all MC2: 404.3 / 55.3 µs; no MC2: 425.9 / 76.9 µs; "
             "MC2 but the comm-bound sites: 360.3 / 11.4 µs") in caplog.messages
-    unfused = rewrite_mc2(gm, "npu-sim")  # lowering: reported once, and the site stays plain
-    assert unfused == [{"op": "npu.npu_all_gather_base_mm", "reason": f"npu: MC2 not taken: {why}"}]
-    assert ops(gm).count(AG) == 1 and rewrite_mc2(gm, "npu-sim") == []
 
 
 def test_choice_fuses_a_comm_bound_site_with_nothing_beside_it(group):
     gm = chain(group, beside=False)
-    choice = schedule.choose_mc2(gm, "npu-sim")
+    choice = choose_mc2(gm, HCOM)
     assert figures(choice) == approx({
         "all MC2": (FUSED_512 + FUSED_2048, FUSED_512 - MM_512 + C1),  # 55.284 exposed
         "no MC2": (AG_US + MM_512 + AG_US + MM_2048, 2 * AG_US),
@@ -160,11 +160,10 @@ def test_choice_fuses_a_comm_bound_site_with_nothing_beside_it(group):
         "MC2 but all_gather_into_tensor_1": (FUSED_512 + AG_US + MM_2048, FUSED_512 - MM_512 + AG_US),
     })
     assert choice.chosen.label == "all MC2" and choice.reasons == {}
-    overlap_stage(gm, NPU_SIM, "forward")
+    assert stages(gm, "forward") == []
     assert ops(gm).count(AG_MM) == 2 and not [o for o in ops(gm) if o.startswith("_c10d_functional")]
     t = simulate(gm)
     assert t.exposed_comm_us == pytest.approx(55.284, abs=1e-3) and t.mc2 == 2
-    assert rewrite_mc2(gm, "npu-sim") == []
 
 
 def test_no_site_no_choice(group):
@@ -172,7 +171,7 @@ def test_no_site_no_choice(group):
         return wait(c10d.all_gather_into_tensor(x, 8, group)).relu()
 
     gm = make_fx(f, tracing_mode="fake")(empty(512, 4096))
-    assert schedule.choose_mc2(gm, "npu-sim") is None
+    assert choose_mc2(gm, HCOM) is None
 
 
 def test_tiny_sites_stay_plain_and_are_bucketed(group):
@@ -184,11 +183,10 @@ def test_tiny_sites_stay_plain_and_are_bucketed(group):
         return wait(a) @ w1, wait(b) @ w2
 
     gm = make_fx(f, tracing_mode="fake")(empty(16, 256), empty(16, 256), empty(256, 64), empty(256, 64))
-    choice = schedule.choose_mc2(gm, "npu-sim")
+    choice = choose_mc2(gm, HCOM)
     assert choice.chosen.label == "no MC2"
-    overlap_stage(gm, NPU_SIM, "forward")
+    unfused = stages(gm, "forward")
     assert not [o for o in ops(gm) if o.startswith("npu.")]
     assert [o for o in ops(gm) if "all_gather" in o] == ["_c10d_functional.all_gather_into_tensor_out.default"]
-    unfused = rewrite_mc2(gm, "npu-sim")
     assert [u["reason"] for u in unfused] == [f"npu: MC2 not taken: {choice.reasons[s]}" for s in choice.sites]
-    assert len(unfused) == 2 and rewrite_mc2(gm, "npu-sim") == []
+    assert len(unfused) == 2

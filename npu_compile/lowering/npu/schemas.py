@@ -1,7 +1,7 @@
 """The torch_npu 2.13.0 op schemas the npu lowering emits: facts we must match, not code of ours.
 
 Each string is the ``func:`` line of ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`` in the
-torch-npu 2.13.0 wheel, verbatim; tests/lowering/test_schemas.py reads that yaml from the wheel and fails if
+torch-npu 2.13.0 wheel, verbatim; tests/lowering/test_npu_schemas.py reads that yaml from the wheel and fails if
 a string here, or any call in a lowered graph, stops binding to it. npu-sim defines exactly these under the
 ``npu`` namespace, so a graph lowered for the NPU runs unchanged on the CPU.
 """

@@ -1,4 +1,4 @@
-"""MC2 for the npu / npu-sim targets: a matmul and the collective next to it become one torch_npu op.
+"""MC2, the npu targets' aten stage: a matmul and the collective next to it become one torch_npu op.
 
     all_gather → mm        → npu_all_gather_base_mm(shard, w, hcom, world_size)   (and its gather_out)
     mm → reduce_scatter    → npu_mm_reduce_scatter_base(x, w, hcom, world_size)
@@ -8,7 +8,7 @@ On the device the fused op pipelines its communication with its matmul (tiles of
 done), so the collective hides behind the compute without any scheduling. Sites are found with Inductor's own
 matchers (``micro_pipeline_tp.find_all_gather_patterns`` / ``find_reduce_scatter_patterns``); the all-reduce
 site is matched here (Inductor has no mm → all-reduce matcher). Each site is taken only within torch_npu's
-documented constraints (shared/research/anchors.md section C and the torch_npu API pages):
+documented constraints (docs/npu_ops.md, MC2):
 
 - x1 and x2 float16 / bfloat16, the same dtype (the non-quantized path; fp32 is not supported);
 - AG / RS: x1 and x2 2-D, k ∈ [256, 65535), world size ∈ {2, 4, 8}, no bias (``bias`` must be None in this
@@ -16,21 +16,21 @@ documented constraints (shared/research/anchors.md section C and the torch_npu A
 - AR: x1 2-D or 3-D, x2 2-D, world size ∈ {1, 2, 4, 8}, reduce_op 'sum', bias 1-D of size n and x1's dtype;
 - all MC2 ops of one model use one communication domain (the first group taken; later groups are declined).
 
-Declined sites keep their plain mm + collective, and the reason goes to report.json ``unfused``, once: on targets
-npu and npu-sim the overlap stage rewrites first (``defer=True``, so that bucketing cannot hide a site) and
-lowering rewrites again; the graph keeps the communication domain, the sites fused and the sites declined
-(``gm.meta``), so the second pass fuses nothing twice, declines no site twice, and returns every decline made on
-this graph that was not returned before.
+Declined sites keep their plain mm + collective, and the reason goes to report.json ``unfused``. The stage
+(:func:`mc2_stage`) runs once per graph, after memory ordering and before the overlap scheduler, so that
+bucketing cannot merge a collective an MC2 op would take (a merged collective is no MC2 site) and the schedule
+is made for the ops that will run.
 
-Sites may also be left plain by choice (``leave``: collective node name → why): the overlap stage weighs, under
-the cost model, fusing a site against leaving its collective to the scheduler (``schedule.choose_mc2``). A site
-left so is reported as ``npu: MC2 not taken: <why>``, once, and the choice is kept on the graph: a later rewrite
-of it (lowering's) leaves that site plain too. Each fused op names its site in ``node.meta["mc2_site"]``.
+Sites may also be left plain by choice (``leave``: collective node name → why). With ``overlap`` on, the stage
+weighs, under the device cost model, fusing each site against leaving its collective to the overlap scheduler
+(:func:`choose_mc2`, which schedules and simulates each candidate with ``comm``'s generic scheduler). A site left
+so is reported as ``npu: MC2 not taken: <why>``. Each fused op names its site in ``node.meta["mc2_site"]`` and
+declares its collective to the cost model and simulator in ``node.meta[FUSED_COLLECTIVE]``.
 
-``hcom``: torch_npu wants the HCCL communicator name (``pg._get_backend(npu).get_hccl_comm_name(rank)``). On
-target npu it is resolved from the group at compile time; on npu-sim ``hcom`` is the c10d group name the
-``_c10d_functional`` op carried (``"0"`` for the default group), and the emulation runs the collective over that
-very process group (npu_sim_kernels.py).
+``hcom``: each target says what string names a group's communicator (``hcom`` below): torch_npu wants the
+HCCL communicator name (``pg._get_backend(npu).get_hccl_comm_name(rank)``, :func:`hccl_comm_name`), resolved at
+compile time; npu-sim takes the c10d group name the ``_c10d_functional`` op carried (``"0"`` for the default
+group) and its emulation runs the collective over that very process group.
 
 Views: Megatron's 3-D activations reach the mm as ``view(x, [s·b, h]) → mm → view([s, b, n])``. Gathering or
 scattering along dim 0 commutes with flattening the leading dims (given s % world_size == 0 for the scatter), so
@@ -41,13 +41,23 @@ tensor of the same shape, dtype and strides, which the rewrite reads through.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
-from npu_compile.sizes import SizeNodes
+
+from npu_compile.comm.schedule import MAX_EXTRA_BYTES, copy_module, peak_bytes, schedule_overlap
+from npu_compile.config import Options
+from npu_compile.device import cost
+from npu_compile.device.nodes import FUSED_COLLECTIVE, FusedCollective, resolve_group_size
+from npu_compile.device.profile import DeviceProfile, load
+from npu_compile.lowering.npu.emit import Emitter, npu_op
+
+log = logging.getLogger("npu_compile")
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -64,24 +74,36 @@ OP_RS = "npu_mm_reduce_scatter_base"
 OP_AR = "npu_mm_all_reduce_base"
 
 
-def sites(gm: GraphModule) -> dict[str, Node]:
+def fused_sites(gm: GraphModule) -> dict[str, Node]:
     """The MC2 ops of ``gm`` by the name of the collective node each replaced (its site)."""
     return {n.meta[SITE]: n for n in gm.graph.nodes if SITE in n.meta}
 
 
-def left_sites(gm: GraphModule) -> dict[str, str]:
-    """The sites left plain by choice on ``gm`` (collective node name → why)."""
-    state = gm.meta.get(_META_STATE)
-    return dict(state.left) if state is not None else {}
+# MC2 op -> (the collective it carries, its matmul operands' schema names)
+CARRIES = {OP_AG: ("all_gather", "self", "x2"), OP_RS: ("reduce_scatter", "self", "x2"),
+           OP_AR: ("all_reduce", "x1", "x2")}
 
 
-def copy_choices(src: GraphModule, dst: GraphModule) -> None:
-    """Give ``dst`` (a copy of ``src``'s graph) what ``src``'s rewrites so far decided, as its own copy."""
-    import copy
+def declare(node: Node, ranks: int | None = None) -> FusedCollective | None:
+    """Declare the collective the MC2 op ``node`` carries to the cost model and simulator
+    (``node.meta[FUSED_COLLECTIVE]``); ``ranks`` defaults to its ``world_size`` (mm-all-reduce has none: the
+    group its ``hcom`` names when that is a live c10d group, else unknown). None for any other node."""
+    target = node.target if node.op == "call_function" else None
+    name = target._opname if isinstance(target, torch._ops.OpOverload) and target.namespace == "npu" else None
+    if name not in CARRIES:
+        return None
+    kind, x1, x2 = CARRIES[name]
+    bound = dict(zip((a.name for a in target._schema.arguments), node.args)) | dict(node.kwargs)
+    if ranks is None:
+        ranks = bound.get("world_size") if kind != "all_reduce" else resolve_group_size(bound.get("hcom"))
+    carried = FusedCollective(kind, ranks, x1=x1, x2=x2, bias="bias" if bound.get("bias") is not None else None)
+    node.meta[FUSED_COLLECTIVE] = carried
+    return carried
 
-    for key in (_META, _META_STATE):
-        if key in src.meta:
-            dst.meta[key] = copy.deepcopy(src.meta[key])
+
+def declare_all(gm: GraphModule) -> int:
+    """:func:`declare` every MC2 op of ``gm`` (ops written into a graph by hand or traced, not by the rewrite)."""
+    return sum(declare(n) is not None for n in gm.graph.nodes)
 
 
 def _val(n: Any) -> Any:
@@ -159,13 +181,11 @@ def _world_size(group_name: Any) -> int | None:
         return None
 
 
-def hcom_for(group_name: Any, target: str) -> str:
-    """The ``hcom`` string for ``group_name`` on ``target``; raises ValueError when it cannot be had."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+Hcom = Callable[[torch.distributed.ProcessGroup], str]  # a group → the ``hcom`` string a target's MC2 ops take
 
-    pg = group_name if isinstance(group_name, torch.distributed.ProcessGroup) else _resolve_process_group(group_name)
-    if target == "npu-sim":
-        return pg.group_name
+
+def hccl_comm_name(pg: torch.distributed.ProcessGroup) -> str:
+    """Target npu's ``hcom``: the group's HCCL communicator name; raises ValueError when it has none."""
     try:
         backend = pg._get_backend(torch.device("npu"))
         return backend.get_hccl_comm_name(torch.distributed.get_rank(pg))
@@ -203,30 +223,6 @@ def _producer_matmul(n: Node) -> _Matmul | None:
     return None
 
 
-def _emit(gm: GraphModule, before: Node, like: Node, fake_mode: Any, target: Callable, *args: Any, **kwargs: Any
-          ) -> Node:
-    with gm.graph.inserting_before(before):
-        new = gm.graph.call_function(target, args, kwargs)
-    for key in ("stack_trace", "nn_module_stack", "seq_nr"):
-        if key in like.meta:
-            new.meta[key] = like.meta[key]
-    if fake_mode is not None:
-        vals = torch.fx.node.map_arg((args, kwargs), lambda a: a.meta.get("val"))
-        try:
-            if target is operator.getitem:
-                new.meta["val"] = target(*vals[0])
-            else:
-                with fake_mode:
-                    new.meta["val"] = target(*vals[0], **vals[1])
-        except Exception:
-            pass
-    return new
-
-
-def _npu(name: str) -> torch._ops.OpOverload:
-    return getattr(torch.ops.npu, name).default
-
-
 def _identity_copy(copy: Node, src: Node) -> bool:
     """``copy(empty(...), src)`` into a fresh tensor of ``src``'s shape, dtype and strides: ``src``'s values."""
     if copy.op != "call_function" or copy.target is not aten.copy.default or len(copy.args) != 2 or copy.kwargs:
@@ -257,68 +253,61 @@ def _x1_reader(src: Node, user: Node) -> tuple[Node | None, Node] | None:
     return None
 
 
-_META = "npu_compile_mc2"  # ops fused on this graph, in order
-_META_STATE = "npu_compile_mc2_state"  # what a later rewrite of this graph must know (see _State)
-
-
 SITE = "mc2_site"  # node.meta key of a fused op: the name of the collective node it replaced
 
 
-class _State:
-    """What one graph's rewrites share: the communication domain, the sites left plain by choice, and the declined
-    sites (by collective node name) with whether their reason was returned yet."""
-
-    def __init__(self) -> None:
-        self.domain: str | None = None  # the one group all MC2 ops of this model use
-        self.left: dict[str, str] = {}  # sites left plain by choice: collective node name → why
-        self.declined: dict[str, dict[str, str]] = {}
-        self.returned: set[str] = set()
-
-    def take(self) -> list[dict[str, str]]:
-        """The declines not returned before, in the order they were made."""
-        new = [site for site in self.declined if site not in self.returned]
-        self.returned.update(new)
-        return [self.declined[site] for site in new]
-
-
 class _Rewriter:
-    def __init__(self, gm: GraphModule, target: str):
+    """One rewrite of one graph: the communication domain its MC2 ops share, the sites it fuses, and the sites it
+    declines or leaves (collective node name → report.json ``unfused`` entry, in the order met)."""
+
+    def __init__(self, gm: GraphModule, hcom: Hcom, leave: Mapping[str, str]):
         from torch._guards import detect_fake_mode
 
-        self.gm, self.target = gm, target
-        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
-        self.state: _State = gm.meta.setdefault(_META_STATE, _State())
+        self.gm, self.hcom_of, self.leave = gm, hcom, leave
+        self.domain: str | None = None  # the one group all MC2 ops of this graph use
         self.fused: list[str] = []
-        self.sizes = SizeNodes(gm.graph)  # symbolic sizes in emitted arguments become nodes (dynamic shapes)
+        self.declined: dict[str, dict[str, str]] = {}
+        fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
+        # one emitter, re-aimed per insertion point: symbolic sizes in arguments become nodes once per graph
+        self.em = Emitter(gm, next(iter(gm.graph.nodes)), fake_mode)
 
     def decline(self, op: str, why: str, site: Node) -> None:
-        self.state.declined.setdefault(site.name, {"op": f"npu.{op}", "reason": f"npu: MC2 declined: {why}"})
+        self.declined.setdefault(site.name, {"op": f"npu.{op}", "reason": f"npu: MC2 declined: {why}"})
 
     def left(self, op: str, site: Node) -> bool:
-        """Whether ``site`` is to stay plain by choice (then recorded as a decline with the choice's reason)."""
-        why = self.state.left.get(site.name)
+        """Whether ``site`` is to stay plain by choice (then reported with the choice's reason)."""
+        why = self.leave.get(site.name)
         if why is not None:
-            self.state.declined.setdefault(site.name, {"op": f"npu.{op}", "reason": f"npu: MC2 not taken: {why}"})
+            self.declined.setdefault(site.name, {"op": f"npu.{op}", "reason": f"npu: MC2 not taken: {why}"})
         return why is not None
 
     def hcom(self, op: str, group_name: Any, site: Node) -> str | None:
         name = group_name.group_name if isinstance(group_name, torch.distributed.ProcessGroup) else str(group_name)
-        domain = self.state.domain
+        domain = self.domain
         if domain is not None and name != domain:
             self.decline(op, f"MC2 ops of one model must share one communication domain ({domain!r}), "
                              f"this site is on {name!r}", site)
             return None
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
         try:
-            hcom = hcom_for(group_name, self.target)
-        except (ValueError, RuntimeError) as e:
+            pg = group_name if isinstance(group_name, torch.distributed.ProcessGroup) else _resolve_process_group(
+                group_name)
+            hcom = self.hcom_of(pg)
+        except (ValueError, RuntimeError, KeyError) as e:
             self.decline(op, str(e), site)
             return None
-        self.state.domain = name
+        self.domain = name
         return hcom
 
     def emit(self, before: Node, like: Node, target: Callable, *args: Any, **kwargs: Any) -> Node:
-        args, kwargs = self.sizes.materialize(args), self.sizes.materialize(kwargs)
-        return _emit(self.gm, before, like, self.fake_mode, target, *args, **kwargs)
+        return self.em.at(before, like)(target, *args, **kwargs)
+
+    def fuse(self, op: str, node: Node, site: Node, ranks: int) -> None:
+        """Mark ``node`` as the MC2 op that took ``site`` and declare the collective it carries."""
+        node.meta[SITE] = site.name
+        declare(node, ranks)
+        self.fused.append(op)
 
     # ---- all-gather → mm --------------------------------------------------------------------------------------
     def all_gather(self, match: Any) -> None:
@@ -360,8 +349,8 @@ class _Rewriter:
         others = [u for u in res.users if u is not (view if view is not None else mm_node)]
         if view is not None:
             others += [u for u in view.users if u is not mm_node]
-        fused = self.emit(mm_node, mm_node, _npu(OP_AG), x1, mm.x2, hcom, ws, gather_output=bool(others))
-        fused.meta[SITE] = ag.name
+        fused = self.emit(mm_node, mm_node, npu_op(OP_AG), x1, mm.x2, hcom, ws, gather_output=bool(others))
+        self.fuse(OP_AG, fused, ag, ws)
         out = self.emit(mm_node, mm_node, operator.getitem, fused, 0)
         mm_node.replace_all_uses_with(out)
         self.gm.graph.erase_node(mm_node)
@@ -375,7 +364,6 @@ class _Rewriter:
         for n in (view, res, ag):
             if n is not None and not n.users:
                 self.gm.graph.erase_node(n)
-        self.fused.append(OP_AG)
 
     # ---- mm → reduce-scatter -------------------------------------------------------------------------------------
     def reduce_scatter(self, match: Any) -> None:
@@ -406,8 +394,8 @@ class _Rewriter:
         hcom = self.hcom(OP_RS, match.group_name, rs)
         if hcom is None:
             return
-        out = self.emit(wait, wait, _npu(OP_RS), mm.x1, mm.x2, hcom, ws)
-        out.meta[SITE] = rs.name
+        out = self.emit(wait, wait, npu_op(OP_RS), mm.x1, mm.x2, hcom, ws)
+        self.fuse(OP_RS, out, rs, ws)
         if mm.out_view is not None:
             shape = list(_val(mm.out_view).shape)
             out = self.emit(wait, wait, aten.view.default, out, [shape[0] // ws, *shape[1:]])
@@ -415,7 +403,6 @@ class _Rewriter:
         for n in (wait, rs, mm.out_view, mm.mm):
             if n is not None and not n.users:
                 self.gm.graph.erase_node(n)
-        self.fused.append(OP_RS)
 
     # ---- mm → all-reduce -------------------------------------------------------------------------------------------
     def all_reduce(self, ar: Node) -> None:
@@ -446,37 +433,28 @@ class _Rewriter:
         if hcom is None:
             return
         kwargs = {"reduce_op": reduce_op} | ({"bias": mm.bias} if mm.bias is not None else {})
-        out = self.emit(wait, wait, _npu(OP_AR), mm.x1, mm.x2, hcom, **kwargs)
-        out.meta[SITE] = ar.name
+        out = self.emit(wait, wait, npu_op(OP_AR), mm.x1, mm.x2, hcom, **kwargs)
+        self.fuse(OP_AR, out, ar, ws)
         if mm.out_view is not None:
             out = self.emit(wait, wait, aten.view.default, out, list(_val(mm.out_view).shape))
         wait.replace_all_uses_with(out)
         for n in (wait, ar, mm.out_view, mm.mm):
             if n is not None and not n.users:
                 self.gm.graph.erase_node(n)
-        self.fused.append(OP_AR)
 
 
-def rewrite_mc2(gm: GraphModule, target: str, *, defer: bool = False,
-                leave: Mapping[str, str] | None = None) -> list[dict[str, str]]:
-    """Fuse the MC2 sites of ``gm`` in place for ``target`` ('npu' or 'npu-sim'); returns report.json ``unfused``
-    entries for the sites declined on this graph and not returned by an earlier call (``defer``: keep them for a
-    later call, return none). ``leave``: sites to keep plain, by the name of their collective node, each with why
-    (reported as "npu: MC2 not taken: <why>"; a site outside torch_npu's constraints is declined for that instead);
-    the choice stays on ``gm`` for later calls. The ``npu`` ops must be defined (torch_npu, or npu-sim's
-    registration)."""
+def rewrite_mc2(gm: GraphModule, hcom: Hcom, *, leave: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    """Fuse the MC2 sites of ``gm`` in place, naming communicators with ``hcom``; returns report.json ``unfused``
+    entries for the sites declined or left plain. ``leave``: sites to keep plain, by the name of their collective
+    node, each with why (reported as "npu: MC2 not taken: <why>"; a site outside torch_npu's constraints is
+    declined for that instead). The ``npu`` ops must be defined (torch_npu, or npu-sim's registration)."""
     from torch._inductor.fx_passes.micro_pipeline_tp import find_all_gather_patterns, find_reduce_scatter_patterns
 
     graph = gm.graph
-    if leave:
-        state: _State = gm.meta.setdefault(_META_STATE, _State())
-        for site, why in leave.items():
-            state.left.setdefault(site, why)
     if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
                for n in graph.nodes):
-        state = gm.meta.get(_META_STATE)
-        return [] if defer or state is None else state.take()
-    rw = _Rewriter(gm, target)
+        return []
+    rw = _Rewriter(gm, hcom, dict(leave or {}))
     for match in find_all_gather_patterns(graph):
         if match.ag_node.graph is graph and match.ag_node in graph.nodes:
             rw.all_gather(match)
@@ -492,5 +470,147 @@ def rewrite_mc2(gm: GraphModule, target: str, *, defer: bool = False,
         stable_topological_sort(graph)  # a reader of the gathered tensor may precede the matmul it now follows
         graph.lint()
         gm.recompile()
-    gm.meta[_META] = gm.meta.get(_META, []) + rw.fused
-    return [] if defer else rw.state.take()
+    return list(rw.declined.values())
+
+
+# ==== which sites to fuse: the cost model weighs MC2 against the overlap scheduler =============================
+
+MAX_MC2_EVALUATIONS = 16  # candidate graphs the MC2 choice may simulate beyond its first three
+# report.json ``unfused`` reason of a site left plain by choice (after "npu: MC2 not taken: "); the graph's figures
+NOT_TAKEN = ("the cost model finds the graph faster with this collective left to the overlap scheduler "
+             "(exposed {mc2:.1f} µs as MC2 vs {plain:.1f} µs scheduled)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MC2Candidate:
+    """One way to rewrite a graph: the MC2 sites left plain, and the graph's simulated figures after the MC2
+    rewrite and :func:`schedule_overlap`."""
+
+    label: str
+    left: frozenset[str]  # sites (collective node names) left plain
+    total_us: float
+    exposed_comm_us: float
+    comm_us: float
+    peak_bytes: int
+    fits: bool  # peak within the scheduler's memory cap over the original graph's peak
+
+    def key(self) -> tuple:
+        """Least simulated time, then least exposed comm, then the most sites fused; within the cap first."""
+        return not self.fits, round(self.total_us, 6), round(self.exposed_comm_us, 6), len(self.left)
+
+
+@dataclasses.dataclass
+class MC2Choice:
+    sites: dict[str, cost.MC2Cost]  # every site the rewrite fuses, by collective node name, in graph order
+    comm_bound: list[str]  # sites whose matmul is shorter than their collective
+    candidates: list[MC2Candidate]  # in the order tried
+    chosen: MC2Candidate
+    reasons: dict[str, str]  # the chosen candidate's left sites → why (report.json ``unfused``)
+
+
+def _describe(left: frozenset[str], sites: Sequence[str], comm_bound: Sequence[str]) -> str:
+    if not left:
+        return "all MC2"
+    if left == set(sites):
+        return "no MC2"
+    if left == set(comm_bound):
+        return "MC2 but the comm-bound sites"
+    return "MC2 but " + ", ".join(s for s in sites if s in left)
+
+
+def choose_mc2(
+    gm: torch.fx.GraphModule,
+    hcom: Hcom,
+    profile: DeviceProfile | dict | None = None,
+    *,
+    max_extra_bytes: int = MAX_EXTRA_BYTES,
+    max_evaluations: int = MAX_MC2_EVALUATIONS,
+) -> MC2Choice | None:
+    """Which MC2 sites of ``gm`` to fuse, by the cost model; ``gm`` is not changed (None: no site to fuse).
+
+    Each candidate is a copy of ``gm`` rewritten with some sites left plain (:func:`rewrite_mc2` ``leave``), then
+    scheduled (:func:`schedule_overlap`), then simulated. Tried first: (a) MC2 on every site, (b) no MC2, (c) MC2
+    on all but the comm-bound sites (matmul shorter than the collective, :func:`cost.mc2_cost`); then, greedily,
+    the best so far with one site's choice flipped (comm-bound sites first), while that improves it and at most
+    ``max_evaluations`` more. The least simulated total time wins (tie: least exposed comm, then the most sites
+    fused) among candidates whose peak live bytes stay within ``max_extra_bytes`` of the original order's.
+
+    A site left plain gets as its reason the graph's exposed comm of the best candidate tried that fuses it
+    against the chosen one's."""
+    profile = load(profile)
+
+    def rewritten(left: frozenset[str]) -> torch.fx.GraphModule:
+        copy = copy_module(gm)
+        rewrite_mc2(copy, hcom, leave={site: "" for site in left})
+        return copy
+
+    full = rewritten(frozenset())
+    parts = {site: cost.mc2_cost(node, profile) for site, node in fused_sites(full).items()}
+    if not parts:
+        return None
+    sites = list(parts)
+    comm_bound = [s for s in sites if parts[s].matmul_us < parts[s].comm_us]
+    cap = peak_bytes(gm.graph, gm.graph.nodes) + max_extra_bytes
+    tried: dict[frozenset[str], MC2Candidate] = {}
+
+    def evaluate(left: frozenset[str]) -> MC2Candidate:
+        if left not in tried:
+            candidate = full if not left else rewritten(left)
+            timeline = schedule_overlap(candidate, profile, max_extra_bytes=max_extra_bytes).after
+            peak = peak_bytes(candidate.graph, candidate.graph.nodes)
+            tried[left] = MC2Candidate(_describe(left, sites, comm_bound), left, timeline.total_us,
+                                       timeline.exposed_comm_us, timeline.comm_us, peak, peak <= cap)
+            log.debug("MC2 candidate %s: total %.1f µs, exposed comm %.1f µs, peak %d B", tried[left].label,
+                      timeline.total_us, timeline.exposed_comm_us, peak)
+        return tried[left]
+
+    for left in (frozenset(), frozenset(sites), frozenset(comm_bound)):
+        evaluate(left)
+    best = min(tried.values(), key=MC2Candidate.key)
+    flips = comm_bound + [s for s in sites if s not in comm_bound]
+    budget = max_evaluations
+    improved = True
+    while improved and budget > 0:
+        improved = False
+        for site in flips:
+            left = best.left ^ {site}
+            if left in tried:
+                continue
+            if budget == 0:
+                break
+            budget -= 1
+            if evaluate(left).key() < best.key():
+                best, improved = tried[left], True
+    reasons = {}
+    for site in sorted(best.left, key=sites.index):
+        fused = min((c for c in tried.values() if site not in c.left), key=MC2Candidate.key)
+        reasons[site] = NOT_TAKEN.format(mc2=fused.exposed_comm_us, plain=best.exposed_comm_us)
+    return MC2Choice(parts, comm_bound, list(tried.values()), best, reasons)
+
+
+def mc2_stage(gm: GraphModule, opts: Options, kind: str, *, hcom: Hcom,
+              profile: DeviceProfile | dict | None = None) -> list[dict[str, str]]:
+    """The npu targets' aten stage (any ``kind`` of graph): fuse the MC2 sites of ``gm``; returns report.json
+    ``unfused`` entries for the sites declined or left plain.
+
+    With ``opts.overlap`` the sites fused are chosen by the cost model (:func:`choose_mc2`): a site whose
+    collective the scheduler hides better (e.g. a comm-bound one with independent compute beside it) stays a plain
+    matmul + collective for the overlap stage after this one. Without it every site within torch_npu's constraints
+    is fused. ``profile``: the device profile the choice costs with (default: ``device.profile.DEFAULT``)."""
+    choice = None
+    if opts.overlap:
+        try:
+            choice = choose_mc2(gm, hcom, profile)
+        except Exception:
+            log.warning("npu_compile: the MC2 choice for the %s graph failed; every site is fused", kind,
+                        exc_info=True)
+    unfused = rewrite_mc2(gm, hcom, leave=choice.reasons if choice else None)
+    if choice is not None:
+        log.info(
+            "MC2 for the %s graph: %s (%d of %d sites fused): total %.1f µs, exposed comm %.1f µs; tried %s",
+            kind, choice.chosen.label, len(choice.sites) - len(choice.chosen.left), len(choice.sites),
+            choice.chosen.total_us, choice.chosen.exposed_comm_us,
+            "; ".join(f"{c.label}: {c.total_us:.1f} / {c.exposed_comm_us:.1f} µs"
+                      + ("" if c.fits else " (over the memory cap)") for c in choice.candidates),
+        )
+    return unfused

@@ -1,4 +1,4 @@
-"""Per-node cost in microseconds on a :class:`~npu_compile.comm.profile.DeviceProfile`.
+"""Per-node cost in microseconds on a :class:`~npu_compile.device.profile.DeviceProfile`.
 
 - Matmul-class ops (mm, addmm, bmm, baddbmm, ``npu_compile.fused_attention`` and its backward, anything in
   torch's flop registry): FLOPs counted from the shapes in ``node.meta["val"]`` over the cube rate, against
@@ -6,8 +6,8 @@
 - Everything else that computes: bytes moved over HBM bandwidth against one vector op per output element.
 - Views, ``getitem``, ``wait_tensor``: free.
 - Collectives: the profile's algorithm for that kind of collective (:func:`collective_us`).
-- MC2 ops (a matmul and a collective in one torch_npu kernel): their pipelined time (:func:`mc2_cost`), on the
-  compute stream; the simulator also holds the link for it.
+- A matmul fused with a collective (Ascend's MC2 kernels; :func:`nodes.fused_collective`): its pipelined time
+  (:func:`mc2_cost`), on the compute stream; the simulator also holds the link for it.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
-from npu_compile.comm import nodes
-from npu_compile.comm.profile import DeviceProfile, load
+from npu_compile.device import nodes
+from npu_compile.device.profile import DeviceProfile, load
+from npu_compile.ops.layout import BNSD_DIMS
 
 aten = torch.ops.aten
 
@@ -55,10 +56,6 @@ def _shape(arg) -> tuple[int, ...]:
     return tuple(_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
 
 
-# [b, n, s, d] positions of each fused_attention layout (the op's documented conventions).
-_BNSD = {"bnsd": (0, 1, 2, 3), "sbnd": (1, 2, 0, 3), "bsnd": (0, 2, 1, 3)}
-
-
 def _attention_flops(node: torch.fx.Node, backward: bool) -> int:
     """QKᵀ and PV: 2·b·n·sq·sk·(d + dv); the backward recomputes QKᵀ and makes dV, dP, dQ, dK:
     2·b·n·sq·sk·(3d + 2dv). A causal mask skips about half of the score tiles."""
@@ -66,7 +63,7 @@ def _attention_flops(node: torch.fx.Node, backward: bool) -> int:
     q, k, v = (_shape(node.args[i]) for i in (q_at, k_at, v_at))
     if not (len(q) == len(k) == len(v) == 4):
         return 0
-    bi, ni, si, di = _BNSD.get(node.kwargs.get("layout", "bnsd"), _BNSD["bnsd"])
+    bi, ni, si, di = BNSD_DIMS.get(node.kwargs.get("layout", "bnsd"), BNSD_DIMS["bnsd"])
     b, n, sq, d = q[bi], q[ni], q[si], q[di]
     sk, dv = k[si], v[di]
     flops = 2 * b * n * sq * sk * ((3 * d + 2 * dv) if backward else (d + dv))
@@ -140,7 +137,7 @@ def compute_us(node: torch.fx.Node, profile: DeviceProfile) -> float:
     """Roofline time of a compute node: max(FLOPs / rate, bytes / HBM bandwidth); an MC2 node's fused time."""
     if is_free(node) or nodes.is_collective(node):
         return 0.0
-    if nodes.is_mc2(node):
+    if nodes.fused_collective(node) is not None:
         return mc2_cost(node, profile).fused_us
     dtype = _dtype(node)
     memory_s = bytes_moved(node) / profile.hbm_bytes_per_s
@@ -180,13 +177,14 @@ def _bound(node: torch.fx.Node) -> dict:
 
 
 def mc2_cost(node: torch.fx.Node, profile: DeviceProfile | None = None) -> MC2Cost:
-    """The parts of an MC2 node (:func:`nodes.is_mc2`). An *estimate*: torch_npu documents no timing model.
+    """The parts of a matmul fused with a collective (:func:`nodes.fused_collective`: an MC2 op). An *estimate*:
+    torch_npu documents no timing model.
 
     matmul m: the roofline of the whole matmul — for all-gather-mm the gathered one, x1's rows × world size;
     for mm-reduce-scatter the full product before the scatter; for mm-all-reduce x1 (2-D or 3-D) @ x2 [+ bias].
     comm c: :func:`collective_us` of the collective it carries — all-gather of the gathered x1, reduce-scatter /
-    all-reduce of the matmul's output — over its world size (mm-all-reduce names no world size: the group its
-    ``hcom`` names when that is a live c10d group, as on npu-sim, else the profile's ``ranks_per_node``).
+    all-reduce of the matmul's output — over the ranks its emitter declared (the collective's group size; the
+    profile's ``ranks_per_node`` where it could not say).
 
     The op splits its work into T chunks (``profile.mc2_chunks``, 0 = one per rank; see the profile), and runs
     chunk i's matmul beside chunk i+1's communication (all-gather: receive, then multiply; reduce-scatter /
@@ -203,21 +201,19 @@ def mc2_cost(node: torch.fx.Node, profile: DeviceProfile | None = None) -> MC2Co
     the device, which this ignores).
     """
     profile = load(profile)
-    name = node.target._opname
+    fc = nodes.fused_collective(node)
     call = _bound(node)
-    x1_node = call["self"] if "self" in call else call["x1"]  # all-gather / reduce-scatter name it self
-    x1, x2 = _shape(x1_node), _shape(call["x2"])
+    x1_node = call[fc.x1]
+    x1, x2 = _shape(x1_node), _shape(call[fc.x2])
     dtype = x1_node.meta["val"].dtype
     size = torch.empty((), dtype=dtype).element_size()
-    kind = nodes.MC2_KINDS[name]
+    kind, ranks = fc.kind, fc.ranks or profile.ranks_per_node
     k, n = x2[0], x2[1]
     if kind == "all_reduce":
-        ranks = nodes.resolve_group_size(call["hcom"]) or profile.ranks_per_node
         rows = math.prod(x1[:-1])
-        bias = call.get("bias")
+        bias = call.get(fc.bias) if fc.bias else None
         extra = nodes.nbytes(bias.meta.get("val")) if isinstance(bias, torch.fx.Node) else 0
     else:
-        ranks = call["world_size"]
         rows = x1[0] * ranks if kind == "all_gather" else x1[0]
         extra = 0
     matrix = 2 * rows * k * n

@@ -1,19 +1,20 @@
-"""What a node is to the comm room: a collective (and which), the wait that completes one, its bytes and group.
+"""What a node is to the cost model: a collective (and which), the wait that completes one, its bytes and group.
 
 Collectives are functional collectives (``_c10d_functional``) as Dynamo and aot_autograd emit them: the op
-returns at once and ``wait_tensor`` on its result completes it. MC2 ops (torch_npu's matmul fused with a
-collective, :mod:`npu_compile.comm.mc2`) are not collectives here: they complete on the compute stream, and
-:func:`is_mc2` / :func:`mc2_kind` say which collective they carry.
+returns at once and ``wait_tensor`` on its result completes it. A compute op that carries a collective (a
+matmul fused with one: Ascend's MC2 kernels) is not a collective here: it completes on the compute stream and
+holds the link while it runs. Whatever stage emits such an op declares it in ``node.meta[FUSED_COLLECTIVE]``
+(:class:`FusedCollective`); :func:`fused_collective` reads it back. The cost model and the simulator need
+nothing else from it, so they know no target.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-from npu_compile.comm.mc2 import OP_AG, OP_AR, OP_RS
 
 _C10D = "_c10d_functional"
 
@@ -31,8 +32,21 @@ KINDS = {
 }
 
 
-# MC2 op name (namespace ``npu``) -> the collective it carries
-MC2_KINDS = {OP_AG: "all_gather", OP_RS: "reduce_scatter", OP_AR: "all_reduce"}
+FUSED_COLLECTIVE = "fused_collective"  # node.meta key of a compute op that carries a collective
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedCollective:
+    """A matmul fused with the collective next to it, as its emitter declares it (``node.meta[FUSED_COLLECTIVE]``).
+
+    The operands are named by the op's schema arguments, so that the cost model reads their shapes off the node
+    itself (a copied graph keeps them right)."""
+
+    kind: str  # all_gather | reduce_scatter | all_reduce: the collective it carries
+    ranks: int | None  # the collective's group size (None: unknown, the profile's ``ranks_per_node``)
+    x1: str  # schema argument name of the matmul's left operand (for an all-gather: the local shard)
+    x2: str  # ... and of its right operand
+    bias: str | None = None  # ... and of a bias added to the product, if the op takes one
 
 
 def _opname(node: torch.fx.Node) -> str | None:
@@ -52,17 +66,12 @@ def is_wait(node: torch.fx.Node) -> bool:
     return _opname(node) == "wait_tensor"
 
 
-def is_mc2(node: torch.fx.Node) -> bool:
-    """An MC2 op (``npu.npu_all_gather_base_mm``, ``npu.npu_mm_reduce_scatter_base``, ``npu.npu_mm_all_reduce_base``):
-    a matmul and a collective in one kernel."""
-    target = node.target if node.op == "call_function" else None
-    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "npu"
-            and target._opname in MC2_KINDS)
-
-
-def mc2_kind(node: torch.fx.Node) -> str:
-    """all_gather | reduce_scatter | all_reduce: the collective an MC2 node carries."""
-    return MC2_KINDS[node.target._opname]
+def fused_collective(node: torch.fx.Node) -> FusedCollective | None:
+    """The collective a compute node carries (a matmul fused with it), as its emitter declared it; else None."""
+    if node.op != "call_function":
+        return None
+    value = node.meta.get(FUSED_COLLECTIVE)
+    return value if isinstance(value, FusedCollective) else None
 
 
 def kind(node: torch.fx.Node) -> str:

@@ -7,8 +7,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import npu_compile.ops  # noqa: F401  (registers npu_compile.fused_attention)
-from npu_compile.comm import cost, profile
-from npu_compile.comm.profile import ASCEND_910B
+from npu_compile.device import cost, profile
+from npu_compile.device.profile import ASCEND_910B
 
 c10d = torch.ops._c10d_functional
 MiB = 2**20

@@ -1,0 +1,51 @@
+"""Target ``npu``: every fused op becomes the torch_npu call Ascend runs, and torchair runs the graph.
+
+    emit         the node being lowered (Call), the one emitter (Emitter), a table row (Mapping), the table's loop
+    attention    fused_attention → npu_fusion_attention (per graph mode), and its backward
+    norms        rms_norm, add_rms_norm, add_layer_norm → the npu norm kernels
+    activations  bias_gelu → npu_gelu / npu_fast_gelu, swiglu → npu_swiglu
+    rotary       rotary → npu_rotary_mul
+    dropout_add  bias_dropout_add → aten adds (no torch_npu kernel)
+    mc2          the aten stage fusing a matmul with its collective (npu_all_gather_base_mm & co.)
+    graph_modes  how the lowered graph runs: torchair GE, aclgraph, or op by op
+    schemas      the torch_npu 2.13.0 schemas of every op emitted
+
+:data:`TABLE` maps each ``npu_compile`` op to one row (a check: can the NPU take this node? if not, why; and an
+emitter: the ``torch.ops.npu`` calls, plus the views and casts that fit them to the op's outputs), each family's
+rows registered beside their emitters. A node whose check fails keeps its reference kernel, which is plain torch
+and runs on the NPU too; the reason goes to report.json ``unfused``. npu-sim lowers with this very table and
+stage, so the graph proven on the CPU is the graph the NPU runs. What the torch_npu ops compute, with its
+sources: docs/npu_ops.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from torch.fx import GraphModule
+
+from npu_compile.config import Options
+from npu_compile.lowering import Target
+from npu_compile.lowering.npu import activations, attention, dropout_add, graph_modes, mc2, norms, rotary
+from npu_compile.lowering.npu.emit import lower_fused_ops  # noqa: F401  (npu-sim lowers with it too)
+
+TABLE = {**attention.ROWS, **norms.ROWS, **activations.ROWS, **rotary.ROWS, **dropout_add.ROWS}
+
+
+def lower(gm: GraphModule, opts: Options) -> list[dict[str, str]]:
+    """Rewrite ``gm``'s fused ops for the NPU and plan how it runs; report.json ``unfused`` entries."""
+    unfused = lower_fused_ops(gm, TABLE, opts)
+    plan = graph_modes.plan_graph(gm, opts.graph_mode)
+    gm.meta[graph_modes.PLAN_META] = plan
+    return unfused + [{"op": op, "reason": f"npu: {why}"} for op, why in plan.reasons]
+
+
+TARGET = Target(
+    name="npu",
+    prepare=lambda: importlib.import_module("torch_npu"),  # defines torch.ops.npu (config checked it imports)
+    stages=(("mc2", functools.partial(mc2.mc2_stage, hcom=mc2.hccl_comm_name)),),
+    table=TABLE,
+    lower=lower,
+    executor=graph_modes.executor,
+)

@@ -1,0 +1,215 @@
+"""Attention on the npu targets: ``fused_attention`` / ``_backward`` → ``npu_fusion_attention`` / ``_grad``.
+
+Semantics of the torch_npu ops: docs/npu_ops.md. Decisions:
+
+- **Forward and backward lowered graph by graph.** Our ``fused_attention`` already returns what
+  npu_fusion_attention_grad needs from the forward: out (its attention_in), softmax_max and softmax_sum with the
+  device's definitions (row max of the masked, scaled scores; Σ exp(s − max)), and the seed tensor the backward
+  op takes. The partitioner therefore saves exactly the grad's inputs, and each half maps 1:1: the forward keeps
+  column 0 of the device's [B, N, Sq, 8] statistics (a view, so the saved statistics still hold all 8
+  columns), the backward broadcasts it back to 8 columns (a view; the 8 columns are copies of one value). No
+  lse translation is involved and the min-cut partition is untouched. Dropout: the device returns its Philox
+  (seed, offset) as host ints, which cannot cross from one compiled graph to the other (torch_npu's meta kernel
+  even folds them to 0). Both halves instead read our seed tensor on the host and pass it as
+  npu_fusion_attention's ``seed`` (offset 0) and the grad's ``seed``/``offset`` with ``numels`` = B·N·Sq·Skv: the
+  same stream each way. Those inputs are new in torch_npu 2.13 and their effect on the device kernel is not
+  documented; npu-sim honours them. The host read rules out graph capture: such graphs run eagerly (see
+  graph_modes.py).
+- **Layouts.** sbnd (Megatron's [s, b, n, d]) → SBH as a free view; bsnd → BSH (the same bytes as BSND, and
+  one of the two layouts torchair's GE converter takes); bnsd → BNSD.
+- **Masks.** Causal without a mask → sparse_mode 2 with the compressed 2048×2048 upper-triangular mask, as
+  MindSpeed does. An explicit bool mask (True = masked, our polarity) → sparse_mode 0, broadcast to one of the
+  forms the kernel takes (SS, 11SS, B1SS, BNSS), or-ed with the causal triangle when both apply
+  (next_tockens 0). Megatron's ``fill`` (−10000) is taken as removal: exp(fill − max) underflows to exactly 0
+  in fp32 once a row has a visible score above fill + 104 (any real score), so the two agree everywhere
+  except on fully masked rows, where Megatron averages all values and the device has no such mode. With an
+  explicit mask we cannot prove there is no such row, so those calls pass inner_precise=2 (the kernel's
+  "invalid row" computation, an empty row's output is 0 rather than undefined); causal-only calls have none and
+  keep inner_precise 0.
+- **attn_bias** becomes pse = attn_bias / scale (the device adds pse before scaling). Its gradient stays on
+  the reference kernel: torch_npu's meta kernel gives dpse no shape. A bias with dropout is left alone in both
+  halves, so the forward and backward never draw their dropout from different generators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_or
+from npu_compile.config import Options
+from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, dtype_problem, fused, npu_op
+from npu_compile.ops.layout import bnsd_shape
+from npu_compile.sizes import is_static
+
+aten = torch.ops.aten
+
+NPU_LAYOUT = {"sbnd": "SBH", "bsnd": "BSH", "bnsd": "BNSD"}
+MAX_TOKENS = 2147483647  # pre_tockens / next_tockens: unbounded
+COMPRESSED_MASK_SIZE = 2048
+FILL_AS_REMOVAL = -1.0e4  # a fill at or below this leaves exp(fill − max) == 0 in fp32 (see module doc)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    b: int
+    nq: int
+    sq: int
+    d: int
+    nkv: int
+    sk: int
+    dv: int
+
+
+def _attention_dims(c: Call) -> _Dims:
+    layout = c["layout"]
+    b, nq, sq, d = bnsd_shape(c.val("query").shape, layout)
+    _, nkv, sk, _ = bnsd_shape(c.val("key").shape, layout)
+    dv = c.val("value").shape[-1]
+    return _Dims(b, nq, sq, d, nkv, sk, dv)
+
+
+def check_attention(c: Call) -> str | None:
+    q = c.val("query")
+    dims = _attention_dims(c)
+    if problem := dtype_problem("npu_fusion_attention", q.dtype):
+        return problem
+    if dims.d > 768 or dims.dv > dims.d:
+        return f"npu_fusion_attention needs head dims Dk >= Dv, Dk <= 768; got Dk={dims.d}, Dv={dims.dv}"
+    if dims.nq > 256:
+        return f"npu_fusion_attention takes at most 256 query heads, got {dims.nq}"
+    if dims.sq > 1 << 20 or dims.sk > 1 << 20:  # symbolic: a guard, the graph serves lengths up to 1M
+        return f"npu_fusion_attention takes sequences up to 1M, got {dims.sq}, {dims.sk}"
+    fill = c["fill"]
+    if fill is not None and fill > FILL_AS_REMOVAL:
+        return (f"fill={fill} gives masked positions real weight; npu_fusion_attention removes them, which equals "
+                f"a fill only at or below {FILL_AS_REMOVAL}")
+    bias = c.val("attn_bias")
+    if bias is not None:
+        if bias.dtype != q.dtype:
+            return f"npu_fusion_attention's pse must have the query's dtype {q.dtype}, got {bias.dtype}"
+        if c["dropout_p"] > 0.0:
+            return ("attn_bias with dropout: the bias gradient stays on the reference kernel, and its dropout "
+                    "mask must come from the same generator as the forward's")
+    if c.args.get("bias_grad"):
+        return "the gradient of attn_bias (npu_fusion_attention_grad's dpse has no shape in torch_npu's meta kernel)"
+    return None
+
+
+def _heads_flat(em: Emitter, t: Node, layout: str) -> Node:
+    """[x, y, n, d] → [x, y, n·d] for the H layouts (a view where the strides allow, else a copy first)."""
+    if layout == "bnsd":
+        return t
+    val = t.meta["val"]
+    x, y, n, d = val.shape
+    # a view needs the n and d dims to merge; with symbolic strides, only where that is provable (no guard)
+    if not statically_known_true(sym_or(n == 1, d == 1, val.stride(2) == d * val.stride(3))):
+        t = em(aten.clone.default, t, memory_format=torch.contiguous_format)
+    return em(aten.view.default, t, [x, y, n * d])
+
+
+def _heads_split(em: Emitter, t: Node, layout: str, like: torch.Tensor) -> Node:
+    """The inverse of :func:`_heads_flat` for a contiguous device output: the shape of ``like``."""
+    return t if layout == "bnsd" else em(aten.view.default, t, list(like.shape))
+
+
+def _causal_triangle(sq: int, sk: int) -> Callable[[torch.device], torch.Tensor]:
+    return lambda device: torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
+
+
+def _device_mask(em: Emitter, mask: Node, dims: _Dims) -> Node:
+    """A bool mask broadcastable to [b, nq, sq, sk], in one of the forms the kernel takes: SS, 11SS, B1SS, BNSS."""
+    shape = tuple(mask.meta["val"].shape)
+    if shape == (dims.sq, dims.sk):
+        return mask
+    shape4 = (1,) * (4 - len(shape)) + shape
+    if shape4 != shape:
+        mask = em(aten.view.default, mask, list(shape4))
+    target = [dims.b, dims.nq, dims.sq, dims.sk] if shape4[1] != 1 else [shape4[0], 1, dims.sq, dims.sk]
+    return mask if list(shape4) == target else em(aten.expand.default, mask, target)
+
+
+def _device_pse(em: Emitter, bias: Node, dims: _Dims, scale: float) -> Node:
+    """pse = attn_bias / scale, broadcast to one of BNSS, BN1Skv, 1NSS."""
+    shape = tuple(bias.meta["val"].shape)
+    shape4 = (1,) * (4 - len(shape)) + shape
+    pse = em(aten.div.Tensor, bias, scale)
+    if shape4 != shape:
+        pse = em(aten.view.default, pse, list(shape4))
+    if shape4[0] == 1:
+        target = [1, dims.nq, dims.sq, dims.sk]
+    else:
+        target = [dims.b, dims.nq, 1 if shape4[2] == 1 else dims.sq, dims.sk]
+    return pse if list(shape4) == target else em(aten.expand.default, pse, target)
+
+
+def _attention_arguments(em: Emitter, c: Call, dims: _Dims, scale: float) -> dict[str, Any]:
+    """The arguments npu_fusion_attention and its grad share: mask, sparse mode, pse, dropout."""
+    kw: dict[str, Any] = {}
+    mask, causal, device = c["attn_mask"], c["causal"], c.val("query").device
+    if mask is None and causal:
+        kw["atten_mask"] = em.constant(
+            "npu_compressed_causal_mask", _causal_triangle(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE), device)
+        kw.update(sparse_mode=2, pre_tockens=MAX_TOKENS, next_tockens=0)
+    elif mask is not None:
+        atten_mask = _device_mask(em, mask, dims)
+        if causal:
+            if is_static(dims.sq) and is_static(dims.sk):
+                triangle = em.constant(f"npu_causal_mask_{dims.sq}x{dims.sk}", _causal_triangle(int(dims.sq), int(dims.sk)),
+                                       device)
+            else:  # sizes known only at run time: the triangle is made there
+                ones = em(aten.ones.default, [dims.sq, dims.sk], dtype=torch.bool, device=device)
+                triangle = em(aten.triu.default, ones, 1)
+            atten_mask = em(aten.bitwise_or.Tensor, atten_mask, triangle)
+        kw.update(atten_mask=atten_mask, sparse_mode=0, pre_tockens=MAX_TOKENS,
+                  next_tockens=0 if causal else MAX_TOKENS, inner_precise=2)
+    if c["attn_bias"] is not None:
+        kw["pse"] = _device_pse(em, c["attn_bias"], dims, scale)
+    p = c["dropout_p"]
+    kw["keep_prob"] = 1.0 - p
+    if p > 0.0:
+        kw.update(seed=em.host_int(c["seed"]), offset=0)
+    return kw
+
+
+def _scale(c: Call, dims: _Dims) -> float:
+    return 1.0 / math.sqrt(dims.d) if c["scale"] is None else c["scale"]
+
+
+def emit_attention(em: Emitter, c: Call, opts: Options) -> Outputs:
+    layout, dims = c["layout"], _attention_dims(c)
+    scale = _scale(c, dims)
+    q, k, v = (_heads_flat(em, c[n], layout) for n in ("query", "key", "value"))
+    call = em(npu_op("npu_fusion_attention"), q, k, v, dims.nq, NPU_LAYOUT[layout], scale=scale,
+              **_attention_arguments(em, c, dims, scale))
+    out, softmax_max, softmax_sum = em.outputs(call, 3)
+    # Our statistics are [b, n, sq]: column 0 of the device's 8 equal columns.
+    return (_heads_split(em, out, layout, c.node.meta["val"][0]),
+            em(aten.select.int, softmax_max, -1, 0), em(aten.select.int, softmax_sum, -1, 0))
+
+
+def emit_attention_backward(em: Emitter, c: Call, opts: Options) -> Outputs:
+    layout, dims = c["layout"], _attention_dims(c)
+    scale = _scale(c, dims)
+    q, k, v, dy, out = (_heads_flat(em, c[n], layout) for n in ("query", "key", "value", "grad_out", "out"))
+    stats = [dims.b, dims.nq, dims.sq, 8]
+    softmax_max, softmax_sum = (em(aten.expand.default, em(aten.unsqueeze.default, c[n], -1), stats)
+                                for n in ("softmax_max", "softmax_sum"))
+    kw = _attention_arguments(em, c, dims, scale)
+    if c["dropout_p"] > 0.0:
+        kw.update(numels=dims.b * dims.nq * dims.sq * dims.sk)
+    call = em(npu_op("npu_fusion_attention_grad"), q, k, v, dy, dims.nq, NPU_LAYOUT[layout],
+              softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out, scale_value=scale, **kw)
+    grads = em.outputs(call, 3)
+    return (*(_heads_split(em, g, layout, c.val(n)) for g, n in zip(grads, ("query", "key", "value"))), None)
+
+
+ROWS = {
+    fused.fused_attention.default: Mapping(("npu_fusion_attention",), check_attention, emit_attention),
+    fused.fused_attention_backward.default: Mapping(
+        ("npu_fusion_attention_grad",), check_attention, emit_attention_backward),
+}

@@ -1,0 +1,130 @@
+"""How target npu runs a lowered graph: torchair GE, torchair aclgraph (npugraph_ex), or op by op.
+
+:func:`plan_graph` takes the requested ``graph_mode`` and demotes it, ge → aclgraph → eager, where the graph
+holds what the mode cannot run (an op torchair has no GE converter for, a host read); each demotion names its
+op and reason in report.json ``unfused``. The plan rides on the graph (``gm.meta[PLAN_META]``) to
+:func:`executor`, which hands the graph to torchair or runs it op by op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from npu_compile.config import Options
+from npu_compile.executor import boxed_executor
+from npu_compile.lowering.npu.emit import Call, op_name
+
+aten = torch.ops.aten
+
+PLAN_META = "npu_compile_graph_plan"
+
+# torch_npu ops with a GE converter in torchair 2.13 (torch_npu/dynamo/torchair/_ge_concrete_graph/ge_converter/
+# custom/); npu_add_layer_norm and its backward have none.
+GE_CONVERTERS = frozenset({
+    "npu_fusion_attention", "npu_fusion_attention_grad", "npu_rms_norm", "npu_rms_norm_backward",
+    "npu_add_rms_norm", "npu_gelu", "npu_gelu_backward", "npu_fast_gelu", "npu_fast_gelu_backward",
+    "npu_swiglu", "npu_swiglu_backward", "npu_rotary_mul", "npu_rotary_mul_backward",
+    # MC2: torchair 2.13 registers GE converters for all three (ge_converter/custom/all_gather_matmul.py,
+    # matmul_reduce_scatter.py, matmul_all_reduce.py).
+    "npu_all_gather_base_mm", "npu_mm_reduce_scatter_base", "npu_mm_all_reduce_base",
+})
+GE_ATTENTION_LAYOUTS = ("BSH", "BNSD")
+TORCHAIR_MODES = {"ge": "max-autotune", "aclgraph": "npugraph_ex"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPlan:
+    """How target npu runs one lowered graph: the graph mode after demotions, and why it was demoted."""
+
+    requested: str
+    graph_mode: str
+    reasons: tuple[tuple[str, str], ...] = ()  # (op, why this graph left the requested mode)
+    device: str = "npu"
+    collectives: str = "hccl"  # functional collectives: HcomAllReduce & co. in GE, the HCCL process group otherwise
+
+    def torchair_settings(self) -> dict[str, Any]:
+        """torchair CompilerConfig fields (dotted names) for this plan; empty when the graph runs op by op."""
+        if self.graph_mode == "eager":
+            return {}
+        return {"mode": TORCHAIR_MODES[self.graph_mode]}
+
+
+def _ge_blockers(node: Node) -> list[str]:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return []
+    ns, name = target.namespace, target._schema.name.split("::")[-1]
+    if ns == "npu_compile":
+        return ["a reference kernel (Python custom op) has no GE converter"]
+    if ns != "npu":
+        return []
+    if name not in GE_CONVERTERS:
+        return [f"torchair has no GE converter for {name}"]
+    if name.startswith("npu_fusion_attention"):
+        call = dict(zip((a.name for a in target._schema.arguments), node.args)) | dict(node.kwargs)
+        problems = []
+        if call.get("input_layout") not in GE_ATTENTION_LAYOUTS:
+            problems.append(
+                f"torchair's GE converter takes input_layout BSH or BNSD only, got {call['input_layout']!r}")
+        if call.get("keep_prob", 1.0) != 1.0:
+            problems.append(f"torchair's GE converter takes keep_prob == 1 only, got {call['keep_prob']}")
+        if call.get("pse") is not None:
+            problems.append("torchair's GE converter drops pse")
+        return problems
+    return []
+
+
+def _capture_blockers(node: Node) -> list[str]:
+    target = node.target
+    if target is aten._local_scalar_dense.default:
+        return ["a host read of the dropout seed cannot be captured"]
+    if getattr(target, "namespace", None) == "npu_compile":
+        call = Call(node)
+        if call.args.get("dropout_p", 0.0) > 0.0 or call.args.get("p", 0.0) > 0.0:
+            return ["a reference kernel with dropout reads its seed on the host"]
+    return []
+
+
+def plan_graph(gm: GraphModule, graph_mode: str) -> GraphPlan:
+    """``graph_mode`` for ``gm``, demoted ge → aclgraph → eager where the graph holds what the mode cannot run."""
+    reasons: list[tuple[str, str]] = []
+    mode = graph_mode
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    if mode == "ge":
+        found = [(op_name(n.target), why) for n in nodes for why in _ge_blockers(n)]
+        if found:
+            reasons += [(op, f"graph_mode 'ge' -> 'aclgraph': {why}") for op, why in dict.fromkeys(found)]
+            mode = "aclgraph"
+    if mode == "aclgraph":
+        found = [(op_name(n.target), why) for n in nodes for why in _capture_blockers(n)]
+        if found:
+            reasons += [(op, f"graph_mode 'aclgraph' -> 'eager': {why}") for op, why in dict.fromkeys(found)]
+            mode = "eager"
+    return GraphPlan(requested=graph_mode, graph_mode=mode, reasons=tuple(reasons))
+
+
+def torchair_compile(gm: GraphModule, example_inputs: Sequence[Any], plan: GraphPlan) -> Callable:
+    """Hand ``gm`` to torchair's per-graph compiler (the one torchair's own backend gives aot_autograd)."""
+    import torchair  # installed by torch_npu; only the npu target gets here
+
+    config = torchair.CompilerConfig()
+    for dotted, value in plan.torchair_settings().items():
+        *path, leaf = dotted.split(".")
+        owner = config
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, leaf, value)
+    return torchair.get_compiler(config)(gm, list(example_inputs))
+
+
+def executor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Callable:
+    """Target npu: the graph as its plan says, torchair's GE or aclgraph, or op by op."""
+    plan: GraphPlan | None = gm.meta.get(PLAN_META)
+    if plan is None or plan.graph_mode == "eager":
+        return boxed_executor(gm)
+    return torchair_compile(gm, example_inputs, plan)

@@ -1,0 +1,280 @@
+"""npu_fusion_attention and npu_fusion_attention_grad on the CPU, from their documented semantics.
+
+Where the documentation is silent, the choice made here:
+- a row with no visible key (fully masked) gives out = 0, softmax_max = softmax_sum = 0 and zero gradients,
+  what inner_precise=2 ("invalid-row computation") is for on the device.
+- Dropout bits: the device draws its mask with Philox from (seed, offset); here a torch.Generator seeded from
+  the pair stands in. Only the contract is emulated: forward and grad given the same (seed, offset, numels)
+  drop the same elements. numels = B·N·Sq·Skv (inferred from the kernel's mask length).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from npu_compile.lowering.npu_sim.common import ACC, check, check_float, unsupported
+
+
+_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
+# The compressed mask of sparse modes 2 and 3: the kernel reads the causal structure from a fixed 2048×2048
+# upper-triangular (True = masked) tile, whatever the sequence lengths.
+COMPRESSED_MASK_SIZE = 2048
+_MAX_HEAD_DIM, _MAX_HEADS, _MAX_SEQ = 768, 256, 1 << 20
+
+
+class _Attention:
+    """One call's problem in [B, N, S, D] fp32 form, with the visible-position mask."""
+
+    def __init__(self, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
+                 keep_prob, pre_tockens, next_tockens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+                 sink):
+        unsupported(input_layout in _LAYOUTS, f"input_layout {input_layout!r} (emulated: {_LAYOUTS})")
+        unsupported(padding_mask is None, "padding_mask (the device does not support it either)")
+        unsupported(prefix is None and actual_seq_qlen is None and actual_seq_kvlen is None,
+                     "prefix / varlen sequence lists")
+        unsupported(sink is None, "sink")
+        check_float(query=query, key=key, value=value)
+        check(query.dtype == key.dtype == value.dtype, "query, key and value must share a dtype")
+        check(0.0 < keep_prob <= 1.0, f"keep_prob must lie in (0, 1], got {keep_prob}")
+        self.layout = input_layout
+        self.dtype = query.dtype
+        if input_layout in ("BSH", "SBH"):
+            check(query.dim() == key.dim() == value.dim() == 3, f"{input_layout} takes 3-D query, key, value")
+            check(query.shape[-1] % head_num == 0, f"hidden {query.shape[-1]} is not a multiple of head_num")
+            d = query.shape[-1] // head_num
+            check(key.shape[-1] % d == 0, f"key hidden {key.shape[-1]} is not a multiple of the head dim {d}")
+            nkv = key.shape[-1] // d
+            check(value.shape[-1] % nkv == 0, f"value hidden {value.shape[-1]} does not split into {nkv} heads")
+            heads = (head_num, nkv, nkv)
+        else:
+            check(query.dim() == key.dim() == value.dim() == 4, f"{input_layout} takes 4-D query, key, value")
+            heads = (None, None, None)
+        self.q, self.k, self.v = (self.to_bnsd(t, n) for t, n in zip((query, key, value), heads))
+        self.b, self.n, self.sq, self.d = self.q.shape
+        _, self.nkv, self.sk, dk = self.k.shape
+        self.dv = self.v.shape[-1]
+        check(self.n == head_num, f"query has {self.n} heads, head_num is {head_num}")
+        check(dk == self.d and self.dv <= self.d <= _MAX_HEAD_DIM,
+               f"head dims must satisfy Dq = Dk >= Dv, D <= {_MAX_HEAD_DIM}: got {self.d}, {dk}, {self.dv}")
+        check(self.k.shape[:3] == self.v.shape[:3], "key and value must have the same batch, heads and length")
+        check(self.n <= _MAX_HEADS and self.n % self.nkv == 0,
+               f"Nq must be at most {_MAX_HEADS} and a multiple of Nkv: got {self.n}, {self.nkv}")
+        check(self.sq <= _MAX_SEQ and self.sk <= _MAX_SEQ, "sequence lengths must be at most 1M")
+        self.group = self.n // self.nkv
+        self.scale = scale
+        self.keep_prob = keep_prob
+        self.pse = None if pse is None else self._pse(pse)
+        self.visible = self._visible(atten_mask, pre_tockens, next_tockens, sparse_mode)
+
+    def to_bnsd(self, t: Tensor, heads: Optional[int]) -> Tensor:
+        t = t.to(ACC)
+        if self.layout == "BNSD":
+            return t
+        if self.layout == "BSND":
+            return t.transpose(1, 2)
+        if self.layout == "BSH":
+            b, s, h = t.shape
+            return t.reshape(b, s, heads, h // heads).transpose(1, 2)
+        s, b, h = t.shape
+        return t.reshape(s, b, heads, h // heads).permute(1, 2, 0, 3)
+
+    def from_bnsd(self, t: Tensor) -> Tensor:
+        """A [B, N, S, D] result, contiguous in the call's layout and dtype."""
+        b, n, s, d = t.shape
+        if self.layout == "BSND":
+            t = t.transpose(1, 2)
+        elif self.layout == "BSH":
+            t = t.transpose(1, 2).reshape(b, s, n * d)
+        elif self.layout == "SBH":
+            t = t.permute(2, 0, 1, 3).reshape(s, b, n * d)
+        return t.to(self.dtype).contiguous()
+
+    def _pse(self, pse: Tensor) -> Tensor:
+        check(pse.dtype == self.dtype, f"pse must have the query's dtype {self.dtype}, got {pse.dtype}")
+        forms = {(self.b, self.n, self.sq, self.sk): "BNSS", (self.b, self.n, 1, self.sk): "BN1S",
+                 (1, self.n, self.sq, self.sk): "1NSS"}
+        check(pse.dim() == 4 and tuple(pse.shape) in forms,
+               f"pse {tuple(pse.shape)} must be BNSS, BN1Skv or 1NSS for {(self.b, self.n, self.sq, self.sk)}")
+        return pse.to(ACC)
+
+    def _visible(self, mask, pre, nxt, sparse_mode) -> Optional[Tensor]:
+        """Bool, broadcastable to [B, N, Sq, Skv]: True where a key takes part. None: everything does."""
+        if mask is None:  # the documented rule: no mask means full attention, sparse_mode and tokens ignored
+            return None
+        check(mask.dtype in (torch.bool, torch.uint8), f"atten_mask must be bool or uint8, got {mask.dtype}")
+        i = torch.arange(self.sq).unsqueeze(-1)
+        j = torch.arange(self.sk)
+        if sparse_mode in (2, 3):
+            size = COMPRESSED_MASK_SIZE
+            check(tuple(mask.shape) == (size, size) and torch.equal(
+                mask.bool(), torch.ones(size, size, dtype=torch.bool).triu(1)),
+                f"sparse_mode {sparse_mode} takes the compressed {size}x{size} upper-triangular mask")
+            return j <= i if sparse_mode == 2 else j <= i + (self.sk - self.sq)
+        unsupported(sparse_mode in (0, 1), f"sparse_mode {sparse_mode} (emulated: 0, 1, 2, 3)")
+        forms = [(self.sq, self.sk), (1, 1, self.sq, self.sk), (self.b, 1, self.sq, self.sk),
+                 (self.b, self.n, self.sq, self.sk)]
+        check(tuple(mask.shape) in forms, f"atten_mask {tuple(mask.shape)} must be SS, 11SS, B1SS or BNSS: {forms}")
+        keep = ~mask.bool()
+        if sparse_mode == 0:  # the band i - pre <= j <= i + next, and the mask
+            keep = keep & (j >= i - pre) & (j <= i + nxt)
+        return keep
+
+    def kv_heads(self, t: Tensor) -> Tensor:
+        """[B, Nkv, S, D] -> [B, Nq, S, D]: query head h reads kv head h // (Nq / Nkv)."""
+        return t.repeat_interleave(self.group, dim=1)
+
+    def per_kv_head(self, t: Tensor) -> Tensor:
+        """[B, Nq, S, D] -> [B, Nkv, S, D]: the gradients of the query heads sharing a kv head, summed."""
+        return t.unflatten(1, (self.nkv, self.group)).sum(2)
+
+    def scores(self) -> Tensor:
+        """S = scale · (Q Kᵀ + pse), with removed positions at -inf."""
+        s = self.q @ self.kv_heads(self.k).transpose(-1, -2)
+        if self.pse is not None:
+            s = s + self.pse
+        s = s * self.scale
+        if self.visible is not None:
+            s = s.masked_fill(~self.visible, -math.inf)
+        return s
+
+    def keep_mask(self, seed: int, offset: int) -> Optional[Tensor]:
+        """The dropout keep mask [B, N, Sq, Skv] for (seed, offset); None when nothing is dropped."""
+        if self.keep_prob == 1.0:
+            return None
+        return dropout_keep_mask(seed, offset, (self.b, self.n, self.sq, self.sk), self.keep_prob)
+
+    @property
+    def numels(self) -> int:
+        return self.b * self.n * self.sq * self.sk
+
+
+def dropout_keep_mask(seed: int, offset: int, shape: tuple[int, ...], keep_prob: float) -> Tensor:
+    """npu-sim's stand-in for the device's Philox stream: True = kept, P(kept) = keep_prob."""
+    generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + offset) % (1 << 63))
+    return torch.rand(shape, generator=generator) < keep_prob
+
+
+def _stat(rows: Tensor) -> Tensor:
+    """A [B, N, Sq] statistic as the device stores it: fp32 [B, N, Sq, 8], the value repeated."""
+    return rows.unsqueeze(-1).expand(*rows.shape, 8).contiguous()
+
+
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                         scale=1.0, keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
+                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None,
+                         seed=0, offset=0):
+    unsupported(dropout_mask is None, "an explicit dropout_mask")
+    a = _Attention(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
+                   pre_tockens, next_tockens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, sink)
+    s = a.scores()
+    row_max = s.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), 0.0, row_max)  # a fully masked row: nothing visible
+    e = torch.exp(s - row_max)
+    row_sum = e.sum(-1, keepdim=True)
+    p = torch.where(row_sum > 0, e / row_sum, 0.0)
+    keep = a.keep_mask(seed, offset)
+    if keep is not None:
+        p = p * keep / keep_prob
+    out = p @ a.kv_heads(a.v)
+    softmax_out = query.new_empty((0,))
+    return (a.from_bnsd(out), _stat(row_max.squeeze(-1)), _stat(row_sum.squeeze(-1)), softmax_out,
+            seed, offset, a.numels)
+
+
+def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
+                              atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+                              attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=2147483647,
+                              next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+                              actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                              sync=False, softmax_layout="", sink=None):
+    """The flash backward from the forward's statistics: P = exp(S − max) / sum, D = rowsum(dO ∘ O)."""
+    unsupported(softmax_max is not None and softmax_sum is not None and attention_in is not None,
+                 "a grad call without softmax_max, softmax_sum and attention_in (torch_npu's autograd passes all)")
+    a = _Attention(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value,
+                   keep_prob, pre_tockens, next_tockens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+                   sink)
+    stat_shape = (a.b, a.n, a.sq, 8)
+    check(tuple(softmax_max.shape) == stat_shape == tuple(softmax_sum.shape),
+           f"softmax_max/softmax_sum must be {stat_shape}, got {tuple(softmax_max.shape)}, "
+           f"{tuple(softmax_sum.shape)}")
+    if keep_prob < 1.0:
+        check(numels == a.numels, f"numels must be the forward's B·N·Sq·Skv = {a.numels}, got {numels}")
+    row_max = softmax_max[..., :1].to(ACC)
+    row_sum = softmax_sum[..., :1].to(ACC)
+    s = a.scores()
+    p = torch.exp(s - row_max) / row_sum
+    if a.visible is not None:
+        p = torch.where(a.visible, p, 0.0)  # a fully masked row has sum 0: its 0/0 is never used
+    grad_out = a.to_bnsd(dy, a.n)
+    out = a.to_bnsd(attention_in, a.n)
+    v = a.kv_heads(a.v)
+    keep = a.keep_mask(seed, offset)
+    dropped = p if keep is None else p * keep / keep_prob
+    grad_v = a.per_kv_head(dropped.transpose(-1, -2) @ grad_out)
+    grad_p = grad_out @ v.transpose(-1, -2)
+    if keep is not None:
+        grad_p = grad_p * keep / keep_prob
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    grad_s = p * (grad_p - delta)
+    grad_q = (grad_s @ a.kv_heads(a.k)) * a.scale
+    grad_k = a.per_kv_head(grad_s.transpose(-1, -2) @ a.q) * a.scale
+    if pse is None:
+        grad_pse = query.new_empty((0,))
+    else:
+        grad_pse = (grad_s * a.scale).sum_to_size(pse.shape).to(pse.dtype).contiguous()
+    return (a.from_bnsd(grad_q), a.from_bnsd(grad_k), a.from_bnsd(grad_v), grad_pse, query.new_empty((0,)))
+
+
+def _attention_batch_heads_seq(query, head_num, input_layout) -> tuple[int, int, int]:
+    if input_layout == "BNSD":
+        return query.shape[0], head_num, query.shape[2]
+    if input_layout == "SBH":
+        return query.shape[1], head_num, query.shape[0]
+    return query.shape[0], head_num, query.shape[1]  # BSH, BSND
+
+
+def _value_out_shape(query, key, value, head_num, input_layout) -> tuple[int, ...]:
+    """attention_out's shape: the query's layout with the value's head dim."""
+    if input_layout in ("BSH", "SBH"):
+        d = query.shape[-1] // head_num
+        dv = value.shape[-1] // (key.shape[-1] // d)
+        return (*query.shape[:2], head_num * dv)
+    return (*query.shape[:3], value.shape[-1])
+
+
+def _npu_fusion_attention_fake(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+                               atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=2147483647,
+                               next_tockens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
+                               actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
+                               softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0):
+    unsupported(input_layout in _LAYOUTS, f"input_layout {input_layout!r} (emulated: {_LAYOUTS})")
+    b, n, sq = _attention_batch_heads_seq(query, head_num, input_layout)
+    sk = key.shape[2] if input_layout == "BNSD" else key.shape[0] if input_layout == "SBH" else key.shape[1]
+    stat = query.new_empty((b, n, sq, 8), dtype=torch.float32)
+    numels = b * n * sq * sk
+    if isinstance(numels, torch.SymInt):
+        # An int output cannot carry a symbolic size without a guard on it (which would fix the length);
+        # torch_npu's own meta kernel returns 0 here at any size (op_plugin/meta/_meta_registrations.py,
+        # npu_fusion_attention_forward). Lowering computes numels itself (npu.py, emit_attention_backward).
+        numels = 0
+    return (query.new_empty(_value_out_shape(query, key, value, head_num, input_layout)), stat,
+            torch.empty_like(stat), query.new_empty((0,)), seed, offset, numels)
+
+
+def _npu_fusion_attention_grad_fake(query, key, value, dy, head_num, input_layout, **kwargs):
+    pse = kwargs.get("pse")
+    grad_pse = query.new_empty((0,)) if pse is None else torch.empty_like(pse)
+    return (torch.empty_like(query, memory_format=torch.contiguous_format),
+            torch.empty_like(key, memory_format=torch.contiguous_format),
+            torch.empty_like(value, memory_format=torch.contiguous_format), grad_pse, query.new_empty((0,)))
+
+
+KERNELS = {  # op name -> (CPU kernel, fake kernel giving torch_npu's output shapes and dtypes)
+    "npu_fusion_attention": (npu_fusion_attention, _npu_fusion_attention_fake),
+    "npu_fusion_attention_grad": (npu_fusion_attention_grad, _npu_fusion_attention_grad_fake),
+}
