@@ -6,11 +6,11 @@ parallelism) are scored by one simulator (npu_compile.comm) in these ways:
     none             the order as captured: every collective waited on at once
     ours             npu_compile.comm.schedule_overlap
     inductor         torch._inductor's schedule_overlap_bucketing, fed the same cost model
-    mc2              the MC2 rewrite for target npu-sim (npu_compile.comm.mc2), in the captured order
+    mc2              the MC2 rewrite for target npu-sim (npu_compile.lowering.npu.mc2), in the captured order
     mc2 + ours       the MC2 rewrite of every site, then our scheduler
     mc2 + inductor   the MC2 rewrite of every site, then Inductor's scheduler
-    mc2 chosen + ours  what the overlap stage does on npu / npu-sim: MC2 on the sites the cost model picks
-                     (npu_compile.comm.schedule.choose_mc2: the least simulated time among all MC2, no MC2, MC2
+    mc2 chosen + ours  what the npu targets' stages do: MC2 on the sites the cost model picks
+                     (npu_compile.lowering.npu.mc2.choose_mc2: the least simulated time among all MC2, no MC2, MC2
                      but the comm-bound sites, and greedy single-site flips), then our scheduler
     limit            the physical limit max(compute, comm), and the dependency limit of each graph (as captured,
                      MC2-rewritten, and as the stage chose)
@@ -43,12 +43,12 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 import npu_compile.ops  # noqa: E402,F401  (npu_compile.fused_attention)
 from bench.harness import write_result  # noqa: E402
-from npu_compile import comm, config  # noqa: E402
-from npu_compile.comm import cost  # noqa: E402
-from npu_compile.comm.mc2 import SITE, rewrite_mc2  # noqa: E402
-from npu_compile.device.nodes import is_collective, is_mc2  # noqa: E402
-from npu_compile.comm.schedule import MAX_EXTRA_BYTES, choose_mc2, peak_bytes  # noqa: E402
+from npu_compile import comm, config, device, lowering  # noqa: E402
+from npu_compile.comm.schedule import MAX_EXTRA_BYTES, peak_bytes  # noqa: E402
+from npu_compile.device import cost  # noqa: E402
+from npu_compile.device.nodes import fused_collective, is_collective  # noqa: E402
 from npu_compile.lowering import npu_sim  # noqa: E402
+from npu_compile.lowering.npu.mc2 import SITE, choose_mc2, rewrite_mc2  # noqa: E402
 
 TP, HIDDEN, HEADS, SEQ, BATCH, DTYPE = 8, 4096, 32, 4096, 1, torch.bfloat16
 FFN = 4 * HIDDEN
@@ -198,7 +198,7 @@ def _inductor_on_our_cost_model():
 def our_costs_ms(node: torch.fx.Node, override_size: int | None) -> float:
     """Inductor's custom_runtime_estimation interface (milliseconds; ``override_size`` resizes a collective)."""
     if is_collective(node):
-        return cost.comm_us(node, comm.load(), nbytes=override_size) / 1e3
+        return cost.comm_us(node, device.load(), nbytes=override_size) / 1e3
     return cost.node_us(node) / 1e3
 
 
@@ -220,16 +220,19 @@ def mc2(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The MC2 rewrite for target npu-sim (its ops defined by npu-sim's emulation); declined sites are kept in
     ``gm.meta["bench_mc2_declined"]``."""
     npu_sim.register()
-    gm.meta["bench_mc2_declined"] = rewrite_mc2(gm, "npu-sim")
+    gm.meta["bench_mc2_declined"] = rewrite_mc2(gm, npu_sim.c10d_group_name)
     return gm
 
 
 def mc2_chosen(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The overlap stage for target npu-sim (the MC2 sites it chooses, then our scheduler); the sites it leaves plain
-    or declines, as lowering's MC2 pass reports them, are kept in ``gm.meta["bench_mc2_declined"]``."""
-    npu_sim.register()
-    comm.overlap_stage(gm, config.Options(target="npu-sim", overlap=True), "bench")
-    gm.meta["bench_mc2_declined"] = rewrite_mc2(gm, "npu-sim")
+    """What the backend runs for target npu-sim between memory ordering and lowering: its MC2 stage (the sites the
+    cost model chooses), then the overlap stage (our scheduler); the sites the MC2 stage leaves plain or declines
+    are kept in ``gm.meta["bench_mc2_declined"]``."""
+    target = lowering.target("npu-sim")
+    target.prepare()
+    opts = config.Options(target="npu-sim", overlap=True)
+    gm.meta["bench_mc2_declined"] = [e for _, stage in target.stages for e in stage(gm, opts, "bench") or []]
+    comm.overlap_stage(gm, opts, "bench")
     return gm
 
 
@@ -270,14 +273,14 @@ def measure(graphs: dict[str, torch.fx.GraphModule]) -> dict:
             peaks[name] = max(peaks[name], peak_bytes(gm.graph, gm.graph.nodes))
             if name == CHOSEN:
                 chosen[kind] = gm
-    choices = {kind: choose_mc2(gm, "npu-sim") for kind, gm in graphs.items()}
+    choices = {kind: choose_mc2(gm, npu_sim.c10d_group_name) for kind, gm in graphs.items()}
     chosen_dependency = {kind: comm.exposed_comm_lower_bound(gm) for kind, gm in chosen.items()}
     not_taken = [(kind, d) for kind, gm in chosen.items() for d in gm.meta["bench_mc2_declined"]]
     dependency = {kind: comm.exposed_comm_lower_bound(gm) for kind, gm in graphs.items()}
     rewritten = {kind: mc2(copy_graph(gm)) for kind, gm in graphs.items()}
     mc2_dependency = {kind: comm.exposed_comm_lower_bound(gm) for kind, gm in rewritten.items()}
     mc2_ops = [(kind, n.target._opname, cost.mc2_cost(n), n.meta[SITE]) for kind, gm in rewritten.items()
-               for n in gm.graph.nodes if is_mc2(n)]
+               for n in gm.graph.nodes if fused_collective(n) is not None]
     declined = [d for gm in rewritten.values() for d in gm.meta["bench_mc2_declined"]]
     return {"timelines": timelines, "peaks": peaks, "dependency_limit_us": dependency, "choices": choices,
             "chosen_dependency_limit_us": chosen_dependency, "chosen_not_taken": not_taken,
@@ -522,11 +525,11 @@ def timeline_plot(result: dict, path: Path) -> Path:
 
 
 def header() -> str:
-    profile = comm.load()
+    profile = device.load()
     return (
         f"# Comm/compute overlap: one Megatron GPT layer, TP={TP} + SP\n\n"
         f"hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, micro-batch {BATCH}, {str(DTYPE).removeprefix('torch.')}; "
-        f"forward + backward of one layer on one rank. Costs: the npu_compile.comm cost model, profile "
+        f"forward + backward of one layer on one rank. Costs: the npu_compile.device cost model, profile "
         f"`{profile.name}` (estimates: {profile.matrix_flops['bfloat16'] / 1e12:.0f} TFLOPS bf16 cube, "
         f"{profile.hbm_bytes_per_s / 1e12:.1f} TB/s HBM, HCCS {profile.link_bytes_per_s / 1e9:.0f} GB/s per link, "
         f"{profile.link_latency_us} µs per step, full-mesh collectives). Every row is scored by the same "
@@ -537,9 +540,9 @@ def header() -> str:
         f"npu-sim; an MC2 op is costed as its collective pipelined with its matmul, "
         f"{f'{profile.mc2_chunks} chunks' if profile.mc2_chunks else 'one chunk per rank'} (an estimate, "
         f"`cost.mc2_cost`), runs on the compute "
-        f"stream holding the link, and counts fused − matmul as exposed comm. mc2 chosen + ours: the overlap stage "
-        f"itself (`comm.overlap_stage`, target npu-sim), which fuses the sites `choose_mc2` picks by simulated time "
-        f"and schedules the rest with ours.\n"
+        f"stream holding the link, and counts fused − matmul as exposed comm. mc2 chosen + ours: the backend's "
+        f"stages themselves (target npu-sim's MC2 stage, then `comm.overlap_stage`), which fuse the sites "
+        f"`choose_mc2` picks by simulated time and schedule the rest with ours.\n"
     )
 
 
