@@ -2,9 +2,11 @@
 
     out = residual + dropout(x + bias, p)
 
-torch_npu has no such op (anchors §C); the NPU lowering composes it from an add, the device's dropout and an
-add, or from MindSpeed-style fused kernels. The op exists so that rules can replace Megatron's
-`bias_dropout_add` as one node whose backward saves nothing but a seed.
+torch_npu 2.13 has no such op (docs/npu_ops.md). On the npu targets (npu_compile/lowering/npu/dropout_add.py)
+p == 0 lowers to plain aten adds, and p > 0 keeps this op's reference kernel: its keep mask is regenerated from
+the seed by our counter RNG (npu_compile/ops/rng.py), which no device dropout reproduces, so forward and
+backward must both run it. The op exists so that rules can replace Megatron's `bias_dropout_add` as one node
+whose backward saves nothing but a seed.
 
 Decisions:
 - Dropout is regenerated from the seed (a 0-dim int64 tensor the caller draws) in the backward instead of

@@ -113,8 +113,9 @@ def trace_inference(fn: Callable, args: Sequence[Any], *, get_decomp_fn: Callabl
 
 
 def normalize(graph: torch.fx.Graph, mode: str) -> None:
-    """Bring a model graph into the form patterns are traced in (research: leaving out a step, or reordering
-    them, loses matches: a dead ``new_empty_strided`` left by functionalization blocks view folding)."""
+    """Bring a model graph into the form patterns are traced in. Every step is needed, in this order: leaving
+    one out, or reordering them, loses matches (a dead ``new_empty_strided`` left by functionalization blocks
+    view folding)."""
     canonical_sizes(graph)
     remove_noop_ops(graph)
     fold_full_slice_backwards(graph)
