@@ -1,7 +1,29 @@
-"""Attention on the npu targets: ``fused_attention`` / ``_backward`` → ``npu_fusion_attention`` / ``_grad``.
+"""Attention on the npu targets: ``fused_attention`` / ``_backward`` → ``npu_fusion_attention`` / ``_grad``, or
+their graph-mode versions ``npu_fusion_attention_v3`` / ``_grad_v3``, chosen by the requested graph mode.
 
 Semantics of the torch_npu ops: docs/npu_ops.md. Decisions:
 
+- **Per graph mode** (:func:`attention_variant`; forward and backward choose alike, the choice lands in
+  report.json ``unfused`` as a note on each fused op, except in eager):
+
+  - ``eager`` → npu_fusion_attention in SBH / BSH / BNSD (free views of sbnd / bsnd / bnsd), as before.
+  - ``ge`` → npu_fusion_attention in BSH or BNSD, where torchair's GE converter takes the call: torchair has a
+    converter for npu_fusion_attention / _grad only, none for the _v3 pair
+    (torch_npu/dynamo/torchair/_ge_concrete_graph/ge_converter/custom/npu_fusion_attention.py), and it takes
+    input_layout BSH or BNSD with keep_prob == 1 and passes no pse (real_shift / pse_shift None). sbnd is
+    therefore transposed to BSH in the graph. A call with dropout or pse is out of the converter's reach: it
+    takes the aclgraph choice below, and plan_graph demotes the graph to aclgraph (no GE converter for _v3).
+  - ``aclgraph`` → npu_fusion_attention_v3 / _grad_v3 in BNSD (transposes in the graph): the constraints of
+    npu_fusion_attention say it supports neither graph mode nor aclgraph, and npu_fusion_attention_v3 is
+    documented as its graph-mode version, aclgraph supporting input_layout BNSD (torch_npu/_op_plugin_docs.py,
+    the entries npu_fusion_attention, 约束说明, and npu_fusion_attention_v3, 功能描述).
+  - **Dropout under aclgraph (and ge)**: npu_fusion_attention_v3 takes no seed or offset; it returns the
+    Philox seed and offset its generator drew as tensors (its outputs 5 and 6), which npu_fusion_attention_grad_v3
+    takes. Those would have to be saved for the backward, but lowering runs graph by graph after the partitioner
+    fixed what the forward saves (our seed tensor), so they cannot reach the backward graph, and the two halves
+    would drop different elements. Such calls keep npu_fusion_attention with its seed read on the host (below);
+    plan_graph runs those graphs eagerly, and the note says why. v3 needs no host read, so without dropout the
+    aclgraph graphs stay aclgraph.
 - **Forward and backward lowered graph by graph.** Our ``fused_attention`` already returns what
   npu_fusion_attention_grad needs from the forward: out (its attention_in), softmax_max and softmax_sum with the
   device's definitions (row max of the masked, scaled scores; Σ exp(s − max)), and the seed tensor the backward
@@ -15,8 +37,9 @@ Semantics of the torch_npu ops: docs/npu_ops.md. Decisions:
   same stream each way. Those inputs are new in torch_npu 2.13 and their effect on the device kernel is not
   documented; npu-sim honours them. The host read rules out graph capture: such graphs run eagerly (see
   graph_modes.py).
-- **Layouts.** sbnd (Megatron's [s, b, n, d]) → SBH as a free view; bsnd → BSH (the same bytes as BSND, and
-  one of the two layouts torchair's GE converter takes); bnsd → BNSD.
+- **Layouts.** eager: sbnd (Megatron's [s, b, n, d]) → SBH as a free view; bsnd → BSH (the same bytes as BSND,
+  and one of the two layouts torchair's GE converter takes); bnsd → BNSD. ge: sbnd → BSH (a transpose, made
+  contiguous). v3: all → BNSD. Outputs and gradients are transposed back, contiguous.
 - **Masks.** Causal without a mask → sparse_mode 2 with the compressed 2048×2048 upper-triangular mask, as
   MindSpeed does. An explicit bool mask (True = masked, our polarity) → sparse_mode 0, broadcast to one of the
   forms the kernel takes (SS, 11SS, B1SS, BNSS), or-ed with the causal triangle when both apply
