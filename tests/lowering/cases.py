@@ -80,19 +80,29 @@ def _rotary_inputs(rotated: int, grad: bool) -> list[torch.Tensor]:
 
 
 ATTENTION = ("npu.npu_fusion_attention", "npu.npu_fusion_attention_grad")
+V3 = ("npu.npu_fusion_attention_v3", "npu.npu_fusion_attention_grad_v3")  # the graph-mode versions (aclgraph)
+ACLGRAPH, EAGER = {"graph_mode": "aclgraph"}, {"graph_mode": "eager"}
 CASES: dict[str, Case] = {
     "attention_sbnd_causal_gqa": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION),
     "attention_bsnd_mask_megatron_fill": Case(
         _attention("bsnd", fill=-10000.0), lambda: [*_qkv("bsnd"), _mask(B, 1, S, S)], ATTENTION),
-    "attention_bnsd_mask_causal_bias": Case(
+    "attention_bnsd_mask_causal_bias": Case(  # graph_mode ge: GE's converter drops pse, so v3 for aclgraph
         _attention("bnsd", causal=True, scale=0.3),
-        lambda: [*_qkv("bnsd", dv=8), _mask(S, S), _t(1, N, S, S, grad=False)], ATTENTION),
+        lambda: [*_qkv("bnsd", dv=8), _mask(S, S), _t(1, N, S, S, grad=False)], V3),
+    "attention_bnsd_mask_causal_bias_eager": Case(
+        _attention("bnsd", causal=True, scale=0.3),
+        lambda: [*_qkv("bnsd", dv=8), _mask(S, S), _t(1, N, S, S, grad=False)], ATTENTION, EAGER),
+    "attention_sbnd_causal_gqa_eager": Case(
+        _attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION, EAGER),
+    "attention_sbnd_causal_gqa_aclgraph": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), V3, ACLGRAPH),
+    "attention_bsnd_mask_megatron_fill_aclgraph": Case(
+        _attention("bsnd", fill=-10000.0), lambda: [*_qkv("bsnd"), _mask(B, 1, S, S)], V3, ACLGRAPH),
     "attention_bnsd_empty_row": Case(
         _attention("bnsd"), lambda: [*_qkv("bnsd"), _mask(B, 1, S, S, empty_row=3)], ATTENTION),
     "attention_sbnd_causal_bf16": Case(
         _attention("sbnd", causal=True), lambda: _qkv("sbnd", dtype=torch.bfloat16), ATTENTION, tolerance=2e-2),
     "attention_bias_grad": Case(  # the forward lowers; the backward keeps its reference kernel
-        _attention("bnsd"), lambda: [*_qkv("bnsd"), None, _t(B, N, S, S)], ("npu.npu_fusion_attention",)),
+        _attention("bnsd"), lambda: [*_qkv("bnsd"), None, _t(B, N, S, S)], ("npu.npu_fusion_attention_v3",)),
     "attention_small_fill": Case(_attention("sbnd", fill=-1.0), lambda: [*_qkv("sbnd"), _mask(S, S)], ()),
     "rms_norm": Case(lambda x, w: F.rms_norm(x, w, 1e-5)[0], lambda: [_t(S, B, H), _t(H)],
                      ("npu.npu_rms_norm", "npu.npu_rms_norm_backward")),

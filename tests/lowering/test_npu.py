@@ -64,7 +64,8 @@ def _calls(r, name):
 
 
 def test_attention_arguments_follow_the_device_conventions():
-    causal = _calls(run("attention_sbnd_causal_gqa"), "npu_fusion_attention")[0]
+    """graph_mode eager: npu_fusion_attention on free views of our layouts (graph modes: test_attention_modes)."""
+    causal = _calls(run("attention_sbnd_causal_gqa_eager"), "npu_fusion_attention")[0]
     assert causal.args[3:5] == (N, "SBH")  # head_num is the query's; kv heads come from key's shape (GQA)
     assert causal.kwargs["sparse_mode"] == 2 and causal.kwargs["next_tockens"] == 0
     assert tuple(causal.kwargs["atten_mask"].meta["val"].shape) == (2048, 2048)
@@ -75,12 +76,12 @@ def test_attention_arguments_follow_the_device_conventions():
     assert masked.args[4] == "BSH" and masked.kwargs["sparse_mode"] == 0 and masked.kwargs["inner_precise"] == 2
     assert tuple(masked.kwargs["atten_mask"].meta["val"].shape) == (B, 1, S, S)  # B1SS
 
-    biased = _calls(run("attention_bnsd_mask_causal_bias"), "npu_fusion_attention")[0]
+    biased = _calls(run("attention_bnsd_mask_causal_bias_eager"), "npu_fusion_attention")[0]
     assert biased.args[4] == "BNSD" and biased.kwargs["next_tockens"] == 0  # the mask or-ed with the triangle
     assert biased.kwargs["atten_mask"].target is torch.ops.aten.bitwise_or.Tensor
     assert biased.kwargs["pse"].meta["val"].shape == (1, N, S, S)  # 1NSS, pse = bias / scale
 
-    grad = _calls(run("attention_sbnd_causal_gqa"), "npu_fusion_attention_grad")[0]
+    grad = _calls(run("attention_sbnd_causal_gqa_eager"), "npu_fusion_attention_grad")[0]
     assert grad.kwargs["softmax_max"].meta["val"].shape == (B, N, S, 8)
     assert {"softmax_sum", "attention_in", "scale_value"} <= grad.kwargs.keys()
 
@@ -149,12 +150,17 @@ def _plans(name, mode="ge"):
 def test_graph_mode_plans_follow_torchair_limits():
     # BNSD, no dropout, no pse: GE takes both graphs.
     assert [p.graph_mode for p in _plans("attention_bnsd_empty_row")] == ["ge", "ge"]
-    # Megatron's SBH is not among the GE converter's layouts: aclgraph, with the reason.
-    plans = _plans("attention_sbnd_causal_gqa")
+    # Lowered for ge, Megatron's sbnd goes to the GE converter in BSH; lowered for eager, its SBH is not among the
+    # GE converter's layouts: aclgraph, with the reason.
+    assert [p.graph_mode for p in _plans("attention_sbnd_causal_gqa")] == ["ge", "ge"]
+    plans = _plans("attention_sbnd_causal_gqa_eager")
     assert [p.graph_mode for p in plans] == ["aclgraph", "aclgraph"]
     assert "input_layout BSH or BNSD only, got 'SBH'" in plans[0].reasons[0][1]
-    # The GE converter drops pse.
-    assert any("drops pse" in why for _, why in _plans("attention_bnsd_mask_causal_bias")[0].reasons)
+    # The GE converter drops pse: lowered for ge, a biased call takes v3, which has no GE converter.
+    assert any("drops pse" in why for _, why in _plans("attention_bnsd_mask_causal_bias_eager")[0].reasons)
+    assert _plans("attention_bnsd_mask_causal_bias")[0].reasons == (
+        ("npu.npu_fusion_attention_v3", "graph_mode 'ge' -> 'aclgraph': torchair has no GE converter for "
+                                        "npu_fusion_attention_v3"),)
     # npu_add_layer_norm has no GE converter; a reference kernel has none either.
     assert _plans("add_layer_norm")[0].graph_mode == "aclgraph"
     assert _plans("swiglu_not_contiguous")[0].graph_mode == "aclgraph"
@@ -195,7 +201,7 @@ def test_torchair_hand_off(monkeypatch):
 
 def test_npu_target_records_the_plan_in_the_report():
     """npu.lower: the table (as npu-sim) plus the plan, whose demotions land in report.json ``unfused``."""
-    gm = run("attention_sbnd_causal_gqa").graphs[0]
+    gm = run("attention_sbnd_causal_gqa_eager").graphs[0]  # SBH: lowered for graph_mode eager
     copy = torch.fx.GraphModule(gm, gm.graph)
     entries = npu.lower(copy, config.validate({"graph_mode": "ge"}))
     assert copy.meta[graph_modes.PLAN_META].graph_mode == "aclgraph"

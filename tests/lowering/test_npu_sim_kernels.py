@@ -318,3 +318,34 @@ def test_outputs_have_the_fakes_strides_for_strided_inputs():
         real, fake = (r if isinstance(r, tuple) else (r,) for r in (real, fake))
         for r, f in zip(real, fake):
             assert r.shape == f.shape and r.stride() == f.stride(), (op, r.stride(), f.stride())
+
+
+# ---- npu_fusion_attention_v3 / _grad_v3 (the graph-mode versions) -------------------------------------------
+
+def test_v3_returns_its_seed_and_offset_and_its_grad_drops_what_the_forward_dropped():
+    """v3 draws its own dropout seed and returns (seed, offset) as int64 tensors; given them, grad_v3 equals
+    npu_fusion_attention / _grad run with the same pair as ints, values and gradients."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(B, N, SQ, D), torch.randn(B, NKV, SK, D), torch.randn(B, NKV, SK, D)
+    g = torch.randn(B, N, SQ, D)
+    out, smax, ssum, _, seed, offset = npu.npu_fusion_attention_v3(q, k, v, N, "BNSD", scale=0.3, keep_prob=0.8)
+    assert seed.dtype == offset.dtype == torch.int64 and seed.shape == offset.shape == (1,)
+    want = npu.npu_fusion_attention(q, k, v, N, "BNSD", scale=0.3, keep_prob=0.8, seed=int(seed), offset=int(offset))
+    for got, expected in zip((out, smax, ssum), want[:3]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    grads = npu.npu_fusion_attention_grad_v3(q, k, v, g, N, "BNSD", softmax_max=smax, softmax_sum=ssum,
+                                             attention_in=out, scale_value=0.3, keep_prob=0.8, seed=seed,
+                                             offset=offset)
+    expected = npu.npu_fusion_attention_grad(q, k, v, g, N, "BNSD", softmax_max=smax, softmax_sum=ssum,
+                                             attention_in=out, scale_value=0.3, keep_prob=0.8, seed=int(seed),
+                                             offset=int(offset), numels=B * N * SQ * SK)
+    for got, want_ in zip(grads[:3], expected[:3]):
+        torch.testing.assert_close(got, want_, rtol=0, atol=0)
+    # without dropout nothing is drawn: the pair is 0, and the global random stream is left alone
+    state = torch.get_rng_state()
+    *_, seed0, offset0 = npu.npu_fusion_attention_v3(q, k, v, N, "BNSD", scale=0.3)
+    assert (int(seed0), int(offset0)) == (0, 0) and torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(ValueError, match="^npu-sim: keep_prob < 1 needs the seed and offset tensors "
+                                         "npu_fusion_attention_v3 returned$"):
+        npu.npu_fusion_attention_grad_v3(q, k, v, g, N, "BNSD", softmax_max=smax, softmax_sum=ssum,
+                                         attention_in=out, keep_prob=0.8)

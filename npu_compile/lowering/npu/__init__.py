@@ -1,7 +1,7 @@
 """Target ``npu``: every fused op becomes the torch_npu call Ascend runs, and torchair runs the graph.
 
     emit         the node being lowered (Call), the one emitter (Emitter), a table row (Mapping), the table's loop
-    attention    fused_attention → npu_fusion_attention (per graph mode), and its backward
+    attention    fused_attention → npu_fusion_attention or its graph-mode _v3 (per graph mode), and its backward
     norms        rms_norm, add_rms_norm, add_layer_norm → the npu norm kernels
     activations  bias_gelu → npu_gelu / npu_fast_gelu, swiglu → npu_swiglu
     rotary       rotary → npu_rotary_mul
@@ -33,9 +33,15 @@ from npu_compile.lowering.npu.emit import lower_fused_ops  # noqa: F401  (npu-si
 TABLE = {**attention.ROWS, **norms.ROWS, **activations.ROWS, **rotary.ROWS, **dropout_add.ROWS}
 
 
+def lower_table(gm: GraphModule, opts: Options) -> list[dict[str, str]]:
+    """Rewrite ``gm``'s fused ops for ``opts.graph_mode`` (npu and npu-sim alike); report.json ``unfused``
+    entries: the nodes left on their reference kernel, and which attention op the graph mode got and why."""
+    return lower_fused_ops(gm, TABLE, opts) + attention.mode_notes(gm)
+
+
 def lower(gm: GraphModule, opts: Options) -> list[dict[str, str]]:
     """Rewrite ``gm``'s fused ops for the NPU and plan how it runs; report.json ``unfused`` entries."""
-    unfused = lower_fused_ops(gm, TABLE, opts)
+    unfused = lower_table(gm, opts)
     plan = graph_modes.plan_graph(gm, opts.graph_mode)
     gm.meta[graph_modes.PLAN_META] = plan
     return unfused + [{"op": op, "reason": f"npu: {why}"} for op, why in plan.reasons]

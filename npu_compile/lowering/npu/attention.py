@@ -1,7 +1,29 @@
-"""Attention on the npu targets: ``fused_attention`` / ``_backward`` → ``npu_fusion_attention`` / ``_grad``.
+"""Attention on the npu targets: ``fused_attention`` / ``_backward`` → ``npu_fusion_attention`` / ``_grad``, or
+their graph-mode versions ``npu_fusion_attention_v3`` / ``_grad_v3``, chosen by the requested graph mode.
 
 Semantics of the torch_npu ops: docs/npu_ops.md. Decisions:
 
+- **Per graph mode** (:func:`attention_variant`; forward and backward choose alike, the choice lands in
+  report.json ``unfused`` as a note on each fused op, except in eager):
+
+  - ``eager`` → npu_fusion_attention in SBH / BSH / BNSD (free views of sbnd / bsnd / bnsd), as before.
+  - ``ge`` → npu_fusion_attention in BSH or BNSD, where torchair's GE converter takes the call: torchair has a
+    converter for npu_fusion_attention / _grad only, none for the _v3 pair
+    (torch_npu/dynamo/torchair/_ge_concrete_graph/ge_converter/custom/npu_fusion_attention.py), and it takes
+    input_layout BSH or BNSD with keep_prob == 1 and passes no pse (real_shift / pse_shift None). sbnd is
+    therefore transposed to BSH in the graph. A call with dropout or pse is out of the converter's reach: it
+    takes the aclgraph choice below, and plan_graph demotes the graph to aclgraph (no GE converter for _v3).
+  - ``aclgraph`` → npu_fusion_attention_v3 / _grad_v3 in BNSD (transposes in the graph): the constraints of
+    npu_fusion_attention say it supports neither graph mode nor aclgraph, and npu_fusion_attention_v3 is
+    documented as its graph-mode version, aclgraph supporting input_layout BNSD (torch_npu/_op_plugin_docs.py,
+    the entries npu_fusion_attention, 约束说明, and npu_fusion_attention_v3, 功能描述).
+  - **Dropout under aclgraph (and ge)**: npu_fusion_attention_v3 takes no seed or offset; it returns the
+    Philox seed and offset its generator drew as tensors (its outputs 5 and 6), which npu_fusion_attention_grad_v3
+    takes. Those would have to be saved for the backward, but lowering runs graph by graph after the partitioner
+    fixed what the forward saves (our seed tensor), so they cannot reach the backward graph, and the two halves
+    would drop different elements. Such calls keep npu_fusion_attention with its seed read on the host (below);
+    plan_graph runs those graphs eagerly, and the note says why. v3 needs no host read, so without dropout the
+    aclgraph graphs stay aclgraph.
 - **Forward and backward lowered graph by graph.** Our ``fused_attention`` already returns what
   npu_fusion_attention_grad needs from the forward: out (its attention_in), softmax_max and softmax_sum with the
   device's definitions (row max of the masked, scaled scores; Σ exp(s − max)), and the seed tensor the backward
@@ -15,8 +37,9 @@ Semantics of the torch_npu ops: docs/npu_ops.md. Decisions:
   same stream each way. Those inputs are new in torch_npu 2.13 and their effect on the device kernel is not
   documented; npu-sim honours them. The host read rules out graph capture: such graphs run eagerly (see
   graph_modes.py).
-- **Layouts.** sbnd (Megatron's [s, b, n, d]) → SBH as a free view; bsnd → BSH (the same bytes as BSND, and
-  one of the two layouts torchair's GE converter takes); bnsd → BNSD.
+- **Layouts.** eager: sbnd (Megatron's [s, b, n, d]) → SBH as a free view; bsnd → BSH (the same bytes as BSND,
+  and one of the two layouts torchair's GE converter takes); bnsd → BNSD. ge: sbnd → BSH (a transpose, made
+  contiguous). v3: all → BNSD. Outputs and gradients are transposed back, contiguous.
 - **Masks.** Causal without a mask → sparse_mode 2 with the compressed 2048×2048 upper-triangular mask, as
   MindSpeed does. An explicit bool mask (True = masked, our polarity) → sparse_mode 0, broadcast to one of the
   forms the kernel takes (SS, 11SS, B1SS, BNSS), or-ed with the causal triangle when both apply
@@ -42,13 +65,14 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_or
 from npu_compile.config import Options
-from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, dtype_problem, fused, npu_op
+from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, dtype_problem, fused, npu_op, op_name
 from npu_compile.ops.layout import bnsd_shape
 from npu_compile.sizes import is_static
 
 aten = torch.ops.aten
 
-NPU_LAYOUT = {"sbnd": "SBH", "bsnd": "BSH", "bnsd": "BNSD"}
+NPU_LAYOUT = {"sbnd": "SBH", "bsnd": "BSH", "bnsd": "BNSD"}  # eager: each a free view of ours
+GE_LAYOUT = {"sbnd": "BSH", "bsnd": "BSH", "bnsd": "BNSD"}  # ge: the layouts torchair's GE converter takes
 MAX_TOKENS = 2147483647  # pre_tockens / next_tockens: unbounded
 COMPRESSED_MASK_SIZE = 2048
 FILL_AS_REMOVAL = -1.0e4  # a fill at or below this leaves exp(fill − max) == 0 in fp32 (see module doc)
@@ -100,9 +124,18 @@ def check_attention(c: Call) -> str | None:
     return None
 
 
-def _heads_flat(em: Emitter, t: Node, layout: str) -> Node:
-    """[x, y, n, d] → [x, y, n·d] for the H layouts (a view where the strides allow, else a copy first)."""
-    if layout == "bnsd":
+# Each device layout as the order of our 4-D dims (the H layouts then merge n and d).
+_DEVICE_ORDER = {"SBH": "sbnd", "BSH": "bsnd", "BNSD": "bnsd"}
+
+
+def _to_device(em: Emitter, t: Node, layout: str, device_layout: str) -> Node:
+    """Our [.., n, d] tensor in ``layout`` as the device's ``device_layout``: a view where the layouts agree on
+    the dim order (a copy first where the strides do not allow it), else a transpose made contiguous."""
+    order = _DEVICE_ORDER[device_layout]
+    if order != layout:
+        t = em(aten.permute.default, t, [layout.index(ch) for ch in order])
+        t = em(aten.clone.default, t, memory_format=torch.contiguous_format)
+    if device_layout == "BNSD":
         return t
     val = t.meta["val"]
     x, y, n, d = val.shape
@@ -112,9 +145,15 @@ def _heads_flat(em: Emitter, t: Node, layout: str) -> Node:
     return em(aten.view.default, t, [x, y, n * d])
 
 
-def _heads_split(em: Emitter, t: Node, layout: str, like: torch.Tensor) -> Node:
-    """The inverse of :func:`_heads_flat` for a contiguous device output: the shape of ``like``."""
-    return t if layout == "bnsd" else em(aten.view.default, t, list(like.shape))
+def _from_device(em: Emitter, t: Node, layout: str, device_layout: str, like: torch.Tensor) -> Node:
+    """The inverse of :func:`_to_device` for a contiguous device output: ``like``'s shape, contiguous."""
+    order = _DEVICE_ORDER[device_layout]
+    if device_layout != "BNSD":
+        t = em(aten.view.default, t, [like.shape[layout.index(ch)] for ch in order])
+    if order != layout:
+        t = em(aten.permute.default, t, [order.index(ch) for ch in layout])
+        t = em(aten.clone.default, t, memory_format=torch.contiguous_format)
+    return t
 
 
 def _causal_triangle(sq: int, sk: int) -> Callable[[torch.device], torch.Tensor]:
@@ -180,32 +219,103 @@ def _scale(c: Call, dims: _Dims) -> float:
     return 1.0 / math.sqrt(dims.d) if c["scale"] is None else c["scale"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Which torch_npu attention op pair a call becomes under a graph mode, in which layout, and why."""
+
+    forward: str
+    backward: str
+    layout: str  # the device's input_layout
+    why: str | None  # said in report.json; None: the op's own mode, nothing to explain
+
+    @property
+    def v3(self) -> bool:
+        return self.forward == "npu_fusion_attention_v3"
+
+
+_V3_DOC = ("npu_fusion_attention does not support graph mode or aclgraph; npu_fusion_attention_v3 is its graph-mode "
+           "version, aclgraph for BNSD only: torch_npu/_op_plugin_docs.py, npu_fusion_attention and "
+           "npu_fusion_attention_v3 constraints")
+_V3_DROPOUT = ("npu_fusion_attention_v3 takes no seed: it returns the (seed, offset) its generator drew, which "
+               "cannot reach the backward graph once the partition is fixed")
+_GE_DOC = "torchair's GE converter for npu_fusion_attention (ge_converter/custom/npu_fusion_attention.py)"
+
+
+def _aclgraph_variant(c: Call, mode: str) -> Variant:
+    if c["dropout_p"] > 0.0:
+        return Variant("npu_fusion_attention", "npu_fusion_attention_grad", NPU_LAYOUT[c["layout"]],
+                       f"graph_mode '{mode}': npu_fusion_attention with its seed read on the host, so the graph "
+                       f"runs eagerly ({_V3_DROPOUT})")
+    return Variant("npu_fusion_attention_v3", "npu_fusion_attention_grad_v3", "BNSD",
+                   f"graph_mode '{mode}': npu_fusion_attention_v3 in BNSD, for aclgraph ({_V3_DOC})")
+
+
+def attention_variant(c: Call, opts: Options) -> Variant:
+    """The ops a forward or backward call becomes under ``opts.graph_mode`` (both halves choose alike)."""
+    mode = opts.graph_mode
+    if mode == "eager":
+        return Variant("npu_fusion_attention", "npu_fusion_attention_grad", NPU_LAYOUT[c["layout"]], None)
+    if mode == "ge":
+        blockers = [f"keep_prob {1.0 - c['dropout_p']}" if c["dropout_p"] > 0.0 else None,
+                    "pse (it drops it)" if c["attn_bias"] is not None else None]
+        blockers = [b for b in blockers if b]
+        if not blockers:
+            layout = GE_LAYOUT[c["layout"]]
+            return Variant("npu_fusion_attention", "npu_fusion_attention_grad", layout,
+                           f"graph_mode 'ge': npu_fusion_attention in {layout} ({_GE_DOC} takes input_layout BSH or "
+                           f"BNSD with keep_prob 1)")
+        fallback = _aclgraph_variant(c, "ge")
+        return dataclasses.replace(fallback, why=f"{fallback.why}; {_GE_DOC} takes keep_prob 1 without pse, not "
+                                                 f"{' and '.join(blockers)}")
+    return _aclgraph_variant(c, mode)
+
+
+NOTES_META = "npu_compile_attention_notes"
+
+
+def _note(em: Emitter, c: Call, variant: Variant) -> None:
+    if variant.why is not None:
+        notes = em.gm.meta.setdefault(NOTES_META, {})
+        notes[(op_name(c.node.target), f"npu: {variant.why}")] = None
+
+
+def mode_notes(gm: torch.fx.GraphModule) -> list[dict[str, str]]:
+    """report.json ``unfused`` entries saying which attention op each graph mode got, once per (op, reason)."""
+    return [{"op": op, "reason": why} for op, why in gm.meta.pop(NOTES_META, {})]
+
+
 def emit_attention(em: Emitter, c: Call, opts: Options) -> Outputs:
     layout, dims = c["layout"], _attention_dims(c)
+    variant = attention_variant(c, opts)
+    _note(em, c, variant)
     scale = _scale(c, dims)
-    q, k, v = (_heads_flat(em, c[n], layout) for n in ("query", "key", "value"))
-    call = em(npu_op("npu_fusion_attention"), q, k, v, dims.nq, NPU_LAYOUT[layout], scale=scale,
+    q, k, v = (_to_device(em, c[n], layout, variant.layout) for n in ("query", "key", "value"))
+    call = em(npu_op(variant.forward), q, k, v, dims.nq, variant.layout, scale=scale,
               **_attention_arguments(em, c, dims, scale))
     out, softmax_max, softmax_sum = em.outputs(call, 3)
     # Our statistics are [b, n, sq]: column 0 of the device's 8 equal columns.
-    return (_heads_split(em, out, layout, c.node.meta["val"][0]),
+    return (_from_device(em, out, layout, variant.layout, c.node.meta["val"][0]),
             em(aten.select.int, softmax_max, -1, 0), em(aten.select.int, softmax_sum, -1, 0))
 
 
 def emit_attention_backward(em: Emitter, c: Call, opts: Options) -> Outputs:
     layout, dims = c["layout"], _attention_dims(c)
+    variant = attention_variant(c, opts)
+    _note(em, c, variant)
     scale = _scale(c, dims)
-    q, k, v, dy, out = (_heads_flat(em, c[n], layout) for n in ("query", "key", "value", "grad_out", "out"))
+    q, k, v, dy, out = (_to_device(em, c[n], layout, variant.layout)
+                        for n in ("query", "key", "value", "grad_out", "out"))
     stats = [dims.b, dims.nq, dims.sq, 8]
     softmax_max, softmax_sum = (em(aten.expand.default, em(aten.unsqueeze.default, c[n], -1), stats)
                                 for n in ("softmax_max", "softmax_sum"))
     kw = _attention_arguments(em, c, dims, scale)
-    if c["dropout_p"] > 0.0:
+    if c["dropout_p"] > 0.0:  # never with v3 (see attention_variant)
         kw.update(numels=dims.b * dims.nq * dims.sq * dims.sk)
-    call = em(npu_op("npu_fusion_attention_grad"), q, k, v, dy, dims.nq, NPU_LAYOUT[layout],
+    call = em(npu_op(variant.backward), q, k, v, dy, dims.nq, variant.layout,
               softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out, scale_value=scale, **kw)
     grads = em.outputs(call, 3)
-    return (*(_heads_split(em, g, layout, c.val(n)) for g, n in zip(grads, ("query", "key", "value"))), None)
+    return (*(_from_device(em, g, layout, variant.layout, c.val(n)) for g, n in zip(grads, ("query", "key", "value"))),
+            None)
 
 
 ROWS = {

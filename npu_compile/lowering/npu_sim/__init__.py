@@ -8,7 +8,7 @@ graph: GE and aclgraph need the device, so this target proves the graph and its 
 compilation of it.
 
     common       argument checks, dense outputs
-    attention    npu_fusion_attention, npu_fusion_attention_grad
+    attention    npu_fusion_attention, npu_fusion_attention_grad (+ _v3, the graph-mode versions)
     norms        npu_rms_norm, npu_add_rms_norm, npu_add_layer_norm (+ backwards)
     activations  npu_gelu, npu_fast_gelu, npu_swiglu (+ backwards)
     rotary       npu_rotary_mul (+ backward)
@@ -73,6 +73,6 @@ TARGET = Target(
     prepare=register,
     stages=(("mc2", functools.partial(npu_mc2.mc2_stage, hcom=c10d_group_name)),),
     table=npu.TABLE,
-    lower=lambda gm, opts: npu.lower_fused_ops(gm, npu.TABLE, opts),
+    lower=npu.lower_table,  # the npu emission for opts.graph_mode; the plan is target npu's (no torchair here)
     executor=lambda gm, example_inputs, opts: boxed_executor(gm),
 )

@@ -1,4 +1,5 @@
-"""npu_fusion_attention and npu_fusion_attention_grad on the CPU, from their documented semantics.
+"""npu_fusion_attention and npu_fusion_attention_grad (and their graph-mode versions, ``_v3``) on the CPU, from
+their documented semantics.
 
 Where the documentation is silent, the choice made here:
 - a row with no visible key (fully masked) gives out = 0, softmax_max = softmax_sum = 0 and zero gradients,
@@ -6,6 +7,12 @@ Where the documentation is silent, the choice made here:
 - Dropout bits: the device draws its mask with Philox from (seed, offset); here a torch.Generator seeded from
   the pair stands in. Only the contract is emulated: forward and grad given the same (seed, offset, numels)
   drop the same elements. numels = B·N·Sq·Skv (inferred from the kernel's mask length).
+- ``npu_fusion_attention_v3`` takes no seed: it returns the Philox (seed, offset) the device drew, as tensors
+  (torch_npu/_op_plugin_docs.py, npu_fusion_attention_v3, outputs 5 and 6; their shape is not documented: here
+  int64 [1]). The emulated device draws the seed from torch's default generator, offset 0, and only when
+  keep_prob < 1 (no dropout draws nothing, so the global random stream is left alone); with keep_prob 1 both
+  are 0. ``npu_fusion_attention_grad_v3`` given those tensors drops what the forward dropped: the same mask as
+  npu_fusion_attention / _grad for that (seed, offset).
 """
 
 from __future__ import annotations
@@ -274,7 +281,63 @@ def _npu_fusion_attention_grad_fake(query, key, value, dy, head_num, input_layou
             torch.empty_like(value, memory_format=torch.contiguous_format), grad_pse, query.new_empty((0,)))
 
 
+def _numels(query, key, head_num, input_layout) -> int:
+    b, n, sq = _attention_batch_heads_seq(query, head_num, input_layout)
+    sk = key.shape[2] if input_layout == "BNSD" else key.shape[0] if input_layout == "SBH" else key.shape[1]
+    return b * n * sq * sk
+
+
+def _philox_pair(tensor: Optional[Tensor], name: str) -> int:
+    if tensor is None:
+        return 0
+    check(tensor.numel() == 1, f"{name} must hold one value, got shape {tuple(tensor.shape)}")
+    return int(tensor.reshape(-1)[0])
+
+
+def npu_fusion_attention_v3(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                            scale=1.0, keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647,
+                            inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                            sparse_mode=0, gen_mask_parallel=True, sync=False, softmax_layout="", sink=None):
+    """npu_fusion_attention with the device's own dropout seed, returned as tensors (see the module doc)."""
+    seed = int(torch.randint(0, 1 << 62, ())) if keep_prob < 1.0 else 0
+    out, softmax_max, softmax_sum, softmax_out, *_ = npu_fusion_attention(
+        query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob, pre_tockens,
+        next_tockens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, gen_mask_parallel,
+        sync, softmax_layout, sink, None, seed, 0)
+    pair = (torch.tensor([seed], dtype=torch.int64), torch.tensor([0], dtype=torch.int64))
+    return (out, softmax_max, softmax_sum, softmax_out, *pair)
+
+
+def npu_fusion_attention_grad_v3(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
+                                 atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+                                 attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=2147483647,
+                                 next_tockens=2147483647, inner_precise=0, seed=None, offset=None, prefix=None,
+                                 actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                                 sync=False, softmax_layout="", sink=None):
+    """npu_fusion_attention_grad with the forward's (seed, offset) tensors; numels is implied by the shapes."""
+    if keep_prob < 1.0:
+        check(seed is not None and offset is not None,
+              "keep_prob < 1 needs the seed and offset tensors npu_fusion_attention_v3 returned")
+    return npu_fusion_attention_grad(
+        query, key, value, dy, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
+        softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
+        scale_value=scale_value, keep_prob=keep_prob, pre_tockens=pre_tockens, next_tockens=next_tockens,
+        inner_precise=inner_precise, seed=_philox_pair(seed, "seed"), offset=_philox_pair(offset, "offset"),
+        numels=_numels(query, key, head_num, input_layout), prefix=prefix, actual_seq_qlen=actual_seq_qlen,
+        actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, gen_mask_parallel=gen_mask_parallel, sync=sync,
+        softmax_layout=softmax_layout, sink=sink)
+
+
+def _npu_fusion_attention_v3_fake(query, key, value, head_num, input_layout, *args, **kwargs):
+    out, softmax_max, softmax_sum, softmax_out, *_ = _npu_fusion_attention_fake(
+        query, key, value, head_num, input_layout)
+    pair = (query.new_empty((1,), dtype=torch.int64), query.new_empty((1,), dtype=torch.int64))
+    return (out, softmax_max, softmax_sum, softmax_out, *pair)
+
+
 KERNELS = {  # op name -> (CPU kernel, fake kernel giving torch_npu's output shapes and dtypes)
     "npu_fusion_attention": (npu_fusion_attention, _npu_fusion_attention_fake),
     "npu_fusion_attention_grad": (npu_fusion_attention_grad, _npu_fusion_attention_grad_fake),
+    "npu_fusion_attention_v3": (npu_fusion_attention_v3, _npu_fusion_attention_v3_fake),
+    "npu_fusion_attention_grad_v3": (npu_fusion_attention_grad_v3, _npu_fusion_attention_grad_fake),
 }
