@@ -1,9 +1,12 @@
 """Counter-based dropout keep masks shared by the fused ops that drop.
 
 A fused op that drops must drop the same elements in its forward and in its backward without saving the mask.
-Both kernels therefore rebuild the mask from the op's seed input (a 0-dim int64 tensor the caller draws, e.g.
-with `torch.randint`) and a block index: block `i` of an op's mask comes from a `torch.Generator` seeded with
-`mix(seed, i)`. Blocks keep the working memory of the reference kernels bounded (one block of the mask at a
+Both kernels therefore rebuild the mask from the op's seed input and a block index: block `i` of an op's mask
+comes from a `torch.Generator` seeded with `mix(seed, i)`. The seed input is an int64 tensor the caller draws
+(e.g. with `torch.randint`): 0-dim (the seed), or a generator state of two, (seed, offset), whose int is
+`mix(seed, offset)`. Attention draws the pair: it is the slot an NPU lowering fills with the (seed, offset) its
+device generator drew, so that the backward graph reads it where the forward wrote it
+(lowering/npu/attention.py). Blocks keep the working memory of the reference kernels bounded (one block of the mask at a
 time) and let a kernel make the blocks in whatever order it computes.
 
 Only the reference kernels use this. They read the seed on the host (one sync per call on an accelerator).
@@ -18,14 +21,19 @@ _MASK64 = (1 << 64) - 1
 
 
 def seed_value(seed: Tensor | None, p: float) -> int:
-    """The Python int behind a seed tensor; checks that a dropping op was given one."""
+    """The Python int behind a seed tensor (0-dim, or a (seed, offset) pair); checks that a dropping op was given
+    one."""
     if p == 0.0:
         return 0
     if seed is None:
-        raise ValueError(f"dropout p={p} needs a seed tensor (0-dim int64), got None")
-    if seed.dim() != 0 or seed.dtype != torch.int64:
-        raise ValueError(f"seed must be a 0-dim int64 tensor, got {tuple(seed.shape)} {seed.dtype}")
-    return int(seed.item())
+        raise ValueError(f"dropout p={p} needs a seed tensor (0-dim int64, or int64 (seed, offset)), got None")
+    if seed.dtype != torch.int64 or tuple(seed.shape) not in ((), (2,)):
+        raise ValueError(f"seed must be a 0-dim int64 tensor or an int64 (seed, offset) pair of shape (2,), got "
+                         f"{tuple(seed.shape)} {seed.dtype}")
+    if seed.dim() == 0:
+        return int(seed.item())
+    value, offset = (int(v) for v in seed.tolist())
+    return mix(value, offset)
 
 
 def mix(seed: int, block: int) -> int:

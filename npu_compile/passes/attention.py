@@ -30,9 +30,9 @@ Tracing a variant costs a fraction of a second, so each rule's ``wanted`` looks 
 spelling is traced only once a graph holds a site it could match.
 
 The replacement returns what the pattern returned, in the memory layout the rest of the graph was traced
-against. Dropout draws a fresh 0-dim int64 seed in the graph with ``torch.randint``. The engine marks such
-draws to be saved for the backward (engine.save_random_inputs), because recomputing one there would draw a
-different mask.
+against. Dropout draws a fresh (seed, offset) int64 pair in the graph with ``torch.randint`` (draw_seed). The
+engine marks such draws to be saved for the backward (engine.save_random_inputs), because recomputing one there
+would draw a different mask.
 
 After the pass, every ``_softmax``, ``_safe_softmax`` or CPU SDPA op still in the graph is reported as an
 unfused site; ``check`` supplies the reason when a match was declined.
@@ -91,8 +91,10 @@ def variant(body: Callable, params: tuple[str, ...], **knobs) -> Callable:
 
 
 def draw_seed(device) -> torch.Tensor:
-    """A dropout seed: one draw from torch's generator, so torch.manual_seed reproduces a compiled step."""
-    return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
+    """A dropout generator state (seed, offset): one draw from torch's generator, so torch.manual_seed reproduces
+    a compiled step. A pair, not a seed alone: it is the slot an NPU lowering fills with the state its device
+    generator drew (ops/rng.py)."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
 def fused(query, key, value, mask=None, bias=None, *, layout, scale=None, dropout_p=0.0, causal=False, fill=None):

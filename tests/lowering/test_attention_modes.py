@@ -16,7 +16,9 @@ V3_DOC = ("npu_fusion_attention does not support graph mode or aclgraph; npu_fus
           "npu_fusion_attention_v3 constraints")
 GE_DOC = "torchair's GE converter for npu_fusion_attention (ge_converter/custom/npu_fusion_attention.py)"
 V3_DROPOUT = ("npu_fusion_attention_v3 takes no seed: it returns the (seed, offset) its generator drew, which "
-              "cannot reach the backward graph once the partition is fixed")
+              "reaches npu_fusion_attention_grad_v3 only through a (seed, offset) state the forward saves for "
+              "this call alone")
+aten_local_scalar = torch.ops.aten._local_scalar_dense.default
 FWD, BWD = "npu_compile.fused_attention", "npu_compile.fused_attention_backward"
 
 
@@ -55,48 +57,89 @@ def test_plans_of_each_mode_keep_what_was_asked():
                 if n.target is torch.ops.aten._local_scalar_dense.default]
 
 
-@pytest.mark.parametrize("mode", ["eager", "ge", "aclgraph"])
-def test_dropout_is_carried_forward_to_backward_in_every_mode(mode):
-    """With dropout, every mode's graphs draw the same mask forward and backward: the compiled result equals
-    dense attention under the emulator's keep mask for (seed, offset 0), values and gradients; v3 takes no seed,
-    so the graphs keep npu_fusion_attention and run eagerly (the note says so)."""
-    p, seed = 0.3, 1234
+CARRIED = "; its (seed, offset) saved for npu_fusion_attention_grad_v3 in the call's dropout state"
+EAGER_DROPOUT = f"npu_fusion_attention with its seed read on the host, so the graph runs eagerly ({V3_DROPOUT})"
+
+
+def _dropout_run(mode, state, monkeypatch):
+    """fused_attention with dropout compiled for npu-sim under ``mode``, its dropout state an input; returns the
+    compiled values and gradients, the dense reference under the keep mask the emulated device drew (the
+    (seed, offset) every forward and backward kernel was given, which must be one pair), the lowered graphs and
+    the attention notes of report.json."""
+    from npu_compile.debug.report import collect
+
+    p = 0.3
+    drawn = []
+    keep_mask = npu_sim.attention.dropout_keep_mask
+
+    def recording(seed, offset, shape, keep_prob):
+        drawn.append((seed, offset))
+        return keep_mask(seed, offset, shape, keep_prob)
+
+    monkeypatch.setattr(npu_sim.attention, "dropout_keep_mask", recording)
     torch.manual_seed(0)
     q, k, v = torch.randn(S, B, N, D), torch.randn(S, B, NKV, D), torch.randn(S, B, NKV, D)
 
-    def fn(q, k, v, seed):
-        return F.fused_attention(q, k, v, None, None, seed, layout="sbnd", causal=True, dropout_p=p)[0]
-
-    from npu_compile.debug.report import collect
+    def fn(q, k, v, state):
+        return F.fused_attention(q, k, v, None, None, state, layout="sbnd", causal=True, dropout_p=p)[0]
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch._dynamo.reset()
     with collect() as reports, lowered_graphs() as graphs:
-        out = torch.compile(fn, backend="ascend", options={"target": "npu-sim", "graph_mode": mode})(
-            *leaves, torch.tensor(seed))
+        out = torch.compile(fn, backend="ascend", options={"target": "npu-sim", "graph_mode": mode})(*leaves, state)
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
     torch._dynamo.reset()
+    assert len(set(drawn)) == 1 and len(drawn) == 2, drawn  # forward and backward: one (seed, offset)
 
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     qb, kb, vb = (t.permute(1, 2, 0, 3).repeat_interleave(N // t.shape[2], 1) for t in ref)
     scores = (qb @ kb.transpose(-1, -2)) * D ** -0.5
     scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    keep = npu_sim.attention.dropout_keep_mask(seed, 0, (B, N, S, S), 1 - p)
+    keep = keep_mask(*drawn[0], (B, N, S, S), 1 - p)
     expected = ((scores.softmax(-1) * keep / (1 - p)) @ vb).permute(2, 0, 1, 3)
     expected.backward(grad_out)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     for got, want in zip(leaves, ref):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+    notes = [u for r in reports for u in r.unfused if u["op"] in (FWD, BWD)]
+    return drawn[0], graphs, notes
+
+
+@pytest.mark.parametrize("mode", ["ge", "aclgraph"])
+def test_v3_carries_its_dropout_state_from_forward_to_backward(mode, monkeypatch):
+    """Under ge and aclgraph a call whose dropout state is a (seed, offset) pair (what the attention rules draw)
+    runs npu_fusion_attention_v3: the forward graph returns, in the state's saved slot, the pair the emulated
+    device drew, and the backward's grad_v3 drops with it. No host read: the graphs stay captured (aclgraph;
+    ge demoted to aclgraph, torchair has no GE converter for v3)."""
+    drawn, graphs, notes = _dropout_run(mode, torch.tensor([1234, 7]), monkeypatch)
+    assert drawn[0] != 1234 and drawn[1] == 0  # the device's draw, not the input state
+    targets = [n.target for gm in graphs for n in gm.graph.nodes]
+    assert npu.npu_fusion_attention_v3.default in targets and npu.npu_fusion_attention_grad_v3.default in targets
+    assert npu.npu_fusion_attention.default not in targets
+    assert aten_local_scalar not in targets
+    assert [graph_modes.plan_graph(gm, mode).graph_mode for gm in graphs] == ["aclgraph", "aclgraph"]
+    why = f"npu: graph_mode '{mode}': npu_fusion_attention_v3 in BNSD, for aclgraph ({V3_DOC}){CARRIED}"
+    if mode == "ge":
+        why += f"; {GE_DOC} takes keep_prob 1 without pse, not keep_prob 0.7"
+    assert notes == [{"op": FWD, "reason": why}, {"op": BWD, "reason": why}]
+
+
+def test_eager_mode_passes_the_dropout_state_as_seed_and_offset(monkeypatch):
+    drawn, graphs, notes = _dropout_run("eager", torch.tensor([1234, 7]), monkeypatch)
+    assert drawn == (1234, 7) and notes == []
     targets = [n.target for gm in graphs for n in gm.graph.nodes]
     assert npu.npu_fusion_attention.default in targets and npu.npu_fusion_attention_grad.default in targets
-    assert [graph_modes.plan_graph(gm, mode).graph_mode for gm in graphs] == ["eager", "eager"]
-    notes = [u for r in reports for u in r.unfused if u["op"] in (FWD, BWD)]
-    if mode == "eager":
-        assert notes == []
-    else:
-        why = f"npu: graph_mode '{mode}': npu_fusion_attention with its seed read on the host, so the graph runs " \
-              f"eagerly ({V3_DROPOUT})"
-        if mode == "ge":
-            why += f"; {GE_DOC} takes keep_prob 1 without pse, not keep_prob 0.7"
-        assert notes == [{"op": FWD, "reason": why}, {"op": BWD, "reason": why}]
+    assert [graph_modes.plan_graph(gm, "eager").graph_mode for gm in graphs] == ["eager", "eager"]
+
+
+def test_a_bare_seed_cannot_carry_v3s_state(monkeypatch):
+    """A 0-dim seed has no slot for v3's (seed, offset): aclgraph keeps npu_fusion_attention with the seed read on
+    the host, the graphs run eagerly, and the note says why."""
+    drawn, graphs, notes = _dropout_run("aclgraph", torch.tensor(1234), monkeypatch)
+    assert drawn == (1234, 0)
+    targets = [n.target for gm in graphs for n in gm.graph.nodes]
+    assert npu.npu_fusion_attention.default in targets and npu.npu_fusion_attention_v3.default not in targets
+    assert [graph_modes.plan_graph(gm, "aclgraph").graph_mode for gm in graphs] == ["eager", "eager"]
+    why = f"npu: graph_mode 'aclgraph': {EAGER_DROPOUT}"
+    assert notes == [{"op": FWD, "reason": why}, {"op": BWD, "reason": why}]

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -186,8 +187,9 @@ def _device_pse(em: Emitter, bias: Node, dims: _Dims, scale: float) -> Node:
     return pse if list(shape4) == target else em(aten.expand.default, pse, target)
 
 
-def _attention_arguments(em: Emitter, c: Call, dims: _Dims, scale: float) -> dict[str, Any]:
-    """The arguments npu_fusion_attention and its grad share: mask, sparse mode, pse, dropout."""
+def _attention_arguments(em: Emitter, c: Call, dims: _Dims, scale: float, v3: bool = False) -> dict[str, Any]:
+    """The arguments npu_fusion_attention and its grad share: mask, sparse mode, pse, dropout (for the v3 pair
+    the caller passes the generator state)."""
     kw: dict[str, Any] = {}
     mask, causal, device = c["attn_mask"], c["causal"], c.val("query").device
     if mask is None and causal:
@@ -210,8 +212,13 @@ def _attention_arguments(em: Emitter, c: Call, dims: _Dims, scale: float) -> dic
         kw["pse"] = _device_pse(em, c["attn_bias"], dims, scale)
     p = c["dropout_p"]
     kw["keep_prob"] = 1.0 - p
-    if p > 0.0:
-        kw.update(seed=em.host_int(c["seed"]), offset=0)
+    if p > 0.0 and not v3:
+        seed = c["seed"]
+        if tuple(c.val("seed").shape) == (2,):  # a (seed, offset) state (passes.attention.draw_seed)
+            kw.update(seed=em.host_int(em(aten.select.int, seed, 0, 0)),
+                      offset=em.host_int(em(aten.select.int, seed, 0, 1)))
+        else:
+            kw.update(seed=em.host_int(seed), offset=0)
     return kw
 
 
@@ -237,17 +244,30 @@ _V3_DOC = ("npu_fusion_attention does not support graph mode or aclgraph; npu_fu
            "version, aclgraph for BNSD only: torch_npu/_op_plugin_docs.py, npu_fusion_attention and "
            "npu_fusion_attention_v3 constraints")
 _V3_DROPOUT = ("npu_fusion_attention_v3 takes no seed: it returns the (seed, offset) its generator drew, which "
-               "cannot reach the backward graph once the partition is fixed")
+               "reaches npu_fusion_attention_grad_v3 only through a (seed, offset) state the forward saves for "
+               "this call alone")
 _GE_DOC = "torchair's GE converter for npu_fusion_attention (ge_converter/custom/npu_fusion_attention.py)"
 
 
+def carries_state(c: Call) -> bool:
+    """Whether the call's dropout state can carry v3's (seed, offset) from forward to backward: an int64 pair
+    (passes.attention.draw_seed) that feeds this one attention call of its graph (forward or backward alike), so
+    the forward can save the pair its generator drew in that slot (:func:`_save_state`)."""
+    seed = c["seed"]
+    if not isinstance(seed, Node) or tuple(c.val("seed").shape) != (2,):
+        return False
+    return sum(u.op == "call_function" and u.target in ROWS for u in seed.users) == 1
+
+
 def _aclgraph_variant(c: Call, mode: str) -> Variant:
-    if c["dropout_p"] > 0.0:
+    if c["dropout_p"] > 0.0 and not carries_state(c):
         return Variant("npu_fusion_attention", "npu_fusion_attention_grad", NPU_LAYOUT[c["layout"]],
                        f"graph_mode '{mode}': npu_fusion_attention with its seed read on the host, so the graph "
                        f"runs eagerly ({_V3_DROPOUT})")
+    carried = ("; its (seed, offset) saved for npu_fusion_attention_grad_v3 in the call's dropout state"
+               if c["dropout_p"] > 0.0 else "")
     return Variant("npu_fusion_attention_v3", "npu_fusion_attention_grad_v3", "BNSD",
-                   f"graph_mode '{mode}': npu_fusion_attention_v3 in BNSD, for aclgraph ({_V3_DOC})")
+                   f"graph_mode '{mode}': npu_fusion_attention_v3 in BNSD, for aclgraph ({_V3_DOC}){carried}")
 
 
 def attention_variant(c: Call, opts: Options) -> Variant:
@@ -284,6 +304,16 @@ def mode_notes(gm: torch.fx.GraphModule) -> list[dict[str, str]]:
     return [{"op": op, "reason": why} for op, why in gm.meta.pop(NOTES_META, {})]
 
 
+def _save_state(em: Emitter, c: Call, call: Node) -> None:
+    """v3's (seed, offset) outputs (its 5th and 6th) as the call's (seed, offset) state, in the slot the forward
+    graph returns for the backward: the saved state is what the device drew, and the backward's grad_v3 reads it
+    there. In a graph that saves no state (an inference graph) nothing is returned."""
+    seed, offset = (em(aten.view.default, em(operator.getitem, call, i), [1]) for i in (4, 5))
+    state = em(aten.cat.default, [em.cast(seed, torch.int64), em.cast(offset, torch.int64)])
+    (output,) = em.gm.graph.find_nodes(op="output")
+    output.args = torch.fx.node.map_arg(output.args, lambda n: state if n is c["seed"] else n)
+
+
 def emit_attention(em: Emitter, c: Call, opts: Options) -> Outputs:
     layout, dims = c["layout"], _attention_dims(c)
     variant = attention_variant(c, opts)
@@ -291,8 +321,10 @@ def emit_attention(em: Emitter, c: Call, opts: Options) -> Outputs:
     scale = _scale(c, dims)
     q, k, v = (_to_device(em, c[n], layout, variant.layout) for n in ("query", "key", "value"))
     call = em(npu_op(variant.forward), q, k, v, dims.nq, variant.layout, scale=scale,
-              **_attention_arguments(em, c, dims, scale))
+              **_attention_arguments(em, c, dims, scale, v3=variant.v3))
     out, softmax_max, softmax_sum = em.outputs(call, 3)
+    if variant.v3 and c["dropout_p"] > 0.0:
+        _save_state(em, c, call)
     # Our statistics are [b, n, sq]: column 0 of the device's 8 equal columns.
     return (_from_device(em, out, layout, variant.layout, c.node.meta["val"][0]),
             em(aten.select.int, softmax_max, -1, 0), em(aten.select.int, softmax_sum, -1, 0))
@@ -308,8 +340,10 @@ def emit_attention_backward(em: Emitter, c: Call, opts: Options) -> Outputs:
     stats = [dims.b, dims.nq, dims.sq, 8]
     softmax_max, softmax_sum = (em(aten.expand.default, em(aten.unsqueeze.default, c[n], -1), stats)
                                 for n in ("softmax_max", "softmax_sum"))
-    kw = _attention_arguments(em, c, dims, scale)
-    if c["dropout_p"] > 0.0:  # never with v3 (see attention_variant)
+    kw = _attention_arguments(em, c, dims, scale, v3=variant.v3)
+    if c["dropout_p"] > 0.0 and variant.v3:  # the state the forward's v3 drew (see _save_state)
+        kw.update(seed=em(aten.slice.Tensor, c["seed"], 0, 0, 1), offset=em(aten.slice.Tensor, c["seed"], 0, 1, 2))
+    elif c["dropout_p"] > 0.0:
         kw.update(numels=dims.b * dims.nq * dims.sq * dims.sk)
     call = em(npu_op(variant.backward), q, k, v, dy, dims.nq, variant.layout,
               softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out, scale_value=scale, **kw)
