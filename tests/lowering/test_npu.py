@@ -1,4 +1,4 @@
-"""lowering/npu.py: fused ops → torch_npu calls (run here by npu-sim), the checks that refuse, graph-mode plans,
+"""lowering/npu/ (the table, graph_modes): fused ops → torch_npu calls (run here by npu-sim), the checks that refuse, graph-mode plans,
 and the hand-off to torchair."""
 
 import sys

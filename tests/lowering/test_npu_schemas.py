@@ -57,3 +57,42 @@ def test_every_call_binds_at_symbolic_sizes():
         for got, want in zip([*r.outputs, *r.grads], [*r.expected_outputs, *r.expected_grads]):
             if want is not None:
                 torch.testing.assert_close(got, want, rtol=CASES[name].tolerance, atol=CASES[name].tolerance)
+
+
+def test_every_mc2_call_the_stage_emits_binds():
+    """The MC2 stage's calls go through the same check: all-gather → mm, mm → reduce-scatter, addmm → all-reduce
+    (Megatron's 3-D view → mm → view forms), rewritten by target npu-sim's stage over a fake 8-rank group."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from npu_compile import config, lowering
+    from npu_compile.lowering.npu.schemas import MC2
+
+    c10d = torch.ops._c10d_functional
+    bf16 = torch.bfloat16
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    try:
+        group = dist.group.WORLD.group_name
+
+        def f(x, w_in, w_out, b, w_ar):
+            full = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 8, group))  # [s, b, h] gathered on s
+            h = (full.view(-1, 512) @ w_in).view(32, 4, 512)
+            scattered = c10d.wait_tensor(c10d.reduce_scatter_tensor(h.view(-1, 512) @ w_out, "sum", 8, group))
+            reduced = c10d.wait_tensor(c10d.all_reduce(torch.addmm(b, scattered, w_ar), "sum", group))
+            return reduced
+
+        empty = lambda *shape: torch.empty(*shape, dtype=bf16)  # noqa: E731
+        gm = make_fx(f, tracing_mode="fake")(empty(4, 4, 512), empty(512, 512), empty(512, 512), empty(256),
+                                             empty(512, 256))
+        target = lowering.target("npu-sim")
+        target.prepare()
+        opts = config.Options(target="npu-sim", overlap=False)  # every site within the constraints is fused
+        unfused = [e for _, stage in target.stages for e in stage(gm, opts, "forward") or []]
+    finally:
+        dist.destroy_process_group()
+    assert unfused == []
+    assert_calls_bind(gm)
+    called = {n.target._schema.name.split("::")[1] for n in gm.graph.nodes
+              if getattr(n.target, "namespace", None) == "npu"}
+    assert called == set(MC2)

@@ -19,11 +19,14 @@ Semantics of the torch_npu ops: docs/npu_ops.md. Decisions:
     the entries npu_fusion_attention, 约束说明, and npu_fusion_attention_v3, 功能描述).
   - **Dropout under aclgraph (and ge)**: npu_fusion_attention_v3 takes no seed or offset; it returns the
     Philox seed and offset its generator drew as tensors (its outputs 5 and 6), which npu_fusion_attention_grad_v3
-    takes. Those would have to be saved for the backward, but lowering runs graph by graph after the partitioner
-    fixed what the forward saves (our seed tensor), so they cannot reach the backward graph, and the two halves
-    would drop different elements. Such calls keep npu_fusion_attention with its seed read on the host (below);
-    plan_graph runs those graphs eagerly, and the note says why. v3 needs no host read, so without dropout the
-    aclgraph graphs stay aclgraph.
+    takes. Lowering runs graph by graph after the partitioner fixed what the forward saves, so the pair travels in
+    a slot the partition already has: the call's dropout state. The attention rules draw it as an int64
+    (seed, offset) pair (passes.attention.draw_seed) and the partitioner saves it for the backward; the lowered
+    forward returns v3's pair in that slot instead (:func:`_save_state`), and the lowered backward passes its two
+    halves to grad_v3 as seed and offset. No host read: the graphs stay captured. Where the state cannot carry
+    the pair (a 0-dim seed, or one state feeding several calls; :func:`carries_state` decides alike in both
+    halves), the call keeps npu_fusion_attention with its seed read on the host (below); plan_graph runs those
+    graphs eagerly, and the note says why.
 - **Forward and backward lowered graph by graph.** Our ``fused_attention`` already returns what
   npu_fusion_attention_grad needs from the forward: out (its attention_in), softmax_max and softmax_sum with the
   device's definitions (row max of the masked, scaled scores; Σ exp(s − max)), and the seed tensor the backward

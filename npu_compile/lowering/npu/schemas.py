@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-# Ops npu-sim emulates (kernels in npu_sim_kernels.py), by name.
+# Ops npu-sim emulates (kernels in lowering/npu_sim/, one module per family), by name.
 EMULATED: dict[str, str] = {
     "npu_fusion_attention": (
         "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
