@@ -45,18 +45,18 @@ demo: $(STAMP)
 	$(PY) -m megatron_glue.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not fuzz and not training"
+	$(PY) -m pytest -q --durations=25 -m "not fuzz and not training"
 
 # The training job over gloo processes: every parallel layout, checkpoints, mixed precision, the seed script.
 test-training: $(STAMP)
-	$(PY) -m pytest -q -m "training and not fuzz" tests/megatron_glue
+	$(PY) -m pytest -q --durations=25 -m "training and not fuzz" tests/megatron_glue
 
 # The Megatron tests on megatron-core 0.12.1: the Megatron folders (less what is marked any_megatron_line: the
 # converter's own checks, the same on every line), and of tests/passes those that build on megatron-core
 # (megatron_glue.testing's --megatron-only).
 test-mcore012: $(STAMP012)
-	$(PY012) -m pytest -q -m "not fuzz and not any_megatron_line" tests/megatron_glue tests/lowering/test_megatron.py
-	$(PY012) -m pytest -q -m "not fuzz" -p megatron_glue.testing --megatron-only tests/passes
+	$(PY012) -m pytest -q --durations=25 -m "not fuzz and not any_megatron_line" tests/megatron_glue tests/lowering/test_megatron.py
+	$(PY012) -m pytest -q --durations=25 -m "not fuzz" -p megatron_glue.testing --megatron-only tests/passes
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz
