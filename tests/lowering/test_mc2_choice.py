@@ -190,3 +190,26 @@ def test_tiny_sites_stay_plain_and_are_bucketed(group):
     assert [o for o in ops(gm) if "all_gather" in o] == ["_c10d_functional.all_gather_into_tensor_out.default"]
     assert [u["reason"] for u in unfused] == [f"npu: MC2 not taken: {choice.reasons[s]}" for s in choice.sites]
     assert len(unfused) == 2
+
+
+def test_every_mc2_call_the_stage_emits_binds(group):
+    """The MC2 stage's calls go through the schema check every other call does: all-gather → mm, mm →
+    reduce-scatter, addmm → all-reduce (Megatron's 3-D view → mm → view forms), each bound to the torch-npu
+    2.13.0 wheel's schema."""
+    from npu_compile.lowering.npu.schemas import MC2
+
+    from .wheel import assert_calls_bind
+
+    def f(x, w_in, w_out, b, w_ar):
+        full = wait(c10d.all_gather_into_tensor(x, 8, group))  # [s, b, h] gathered on s
+        h = (full.view(-1, 512) @ w_in).view(32, 4, 512)
+        scattered = wait(c10d.reduce_scatter_tensor(h.view(-1, 512) @ w_out, "sum", 8, group))
+        return wait(c10d.all_reduce(torch.addmm(b, scattered, w_ar), "sum", group))
+
+    gm = make_fx(f, tracing_mode="fake")(empty(4, 4, 512), empty(512, 512), empty(512, 512), empty(256),
+                                         empty(512, 256))
+    opts = config.Options(target="npu-sim", overlap=False)  # every site within the constraints is fused
+    assert mc2_stage(gm, opts, "forward", hcom=HCOM) == []
+    assert_calls_bind(gm)
+    assert {n.target._schema.name.split("::")[1] for n in gm.graph.nodes
+            if getattr(n.target, "namespace", None) == "npu"} == set(MC2)
