@@ -39,7 +39,7 @@ and seed may be None.
 
 Fast path: where the semantics are identical, both kernels call torch's own fused attention instead of the
 tiles (on CPU `aten._scaled_dot_product_flash_attention_for_cpu` and its backward, which hold no Sq×Sk tensor
-either): dropout_p == 0, CPU tensors of fp32/fp64/bf16/fp16, v's head dim equal to q's, no bias gradient
+either): dropout_p == 0, CPU tensors of fp32/fp64 (bf16/fp16 stay tiled, see _FAST_DTYPES), v's head dim equal to q's, no bias gradient
 (backward), and, with `fill`, no row that every key is masked from (checked on the mask; the filled uniform
 row is not what the flash kernel computes, so such calls take the tiles). attn_mask, attn_bias and causal
 become the kernel's additive float mask (0 / −inf) and is_causal; GQA is the kernel's own. Its forward returns
@@ -69,7 +69,9 @@ QUERY_TILE = 256
 # Whether calls whose semantics torch's fused attention kernels reproduce exactly use them (module docstring).
 FAST_PATH = True
 
-_FAST_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# fp32/fp64 only: for bf16/fp16 the CPU kernel rounds the probabilities to the input dtype before P·V and its
+# backward takes rowsum(dO ∘ O) from the rounded O, beyond the one rounding these kernels hold to.
+_FAST_DTYPES = (torch.float32, torch.float64)
 
 
 def resolve_scale(scale: Optional[float], head_dim) -> float:
@@ -201,7 +203,7 @@ class _FastMask:
 
     def __init__(self, pb: "_Problem"):
         self.causal = pb.causal
-        mask_dtype = pb.q.dtype if pb.q.dtype in (torch.float32, torch.float64) else torch.float32
+        mask_dtype = pb.q.dtype
         add = None if pb.bias4 is None else pb.bias4.to(mask_dtype)
         if pb.mask4 is not None:
             add = torch.where(pb.mask4, -math.inf, torch.zeros((), dtype=mask_dtype) if add is None else add)

@@ -540,13 +540,15 @@ FLASH_BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
     (dict(mask="dead_row", fill=-10000.0), False),  # a filled fully masked row averages v: the tiles
     (dict(causal=True, dropout_p=0.1), False),  # the drop mask is rng.drop_mask's, per tile
     (dict(value_dim=6), False),  # the flash kernel needs v's head dim = q's
+    (dict(causal=True, dtype=torch.bfloat16), False),  # its bf16 kernel rounds P before P·V
 ])
 def test_which_calls_take_the_fast_path(kwargs, fast):
     kwargs = dict(kwargs)
     gen = torch.Generator().manual_seed(7)
     b, n, s, d = 2, 2, 6, 4
-    q, k = (leaf(torch.randn(b, n, s, d, generator=gen)) for _ in range(2))
-    v = leaf(torch.randn(b, n, s, kwargs.pop("value_dim", d), generator=gen))
+    dtype = kwargs.pop("dtype", torch.float32)
+    q, k = (leaf(torch.randn(b, n, s, d, generator=gen), dtype) for _ in range(2))
+    v = leaf(torch.randn(b, n, s, kwargs.pop("value_dim", d), generator=gen), dtype)
     mask_kind = kwargs.pop("mask", None)
     mask = None
     if mask_kind == "padding":
@@ -581,7 +583,7 @@ def test_a_learnable_bias_takes_the_tiled_backward_from_fast_forward_statistics(
         assert_matches(got, want, torch.float32, "grad")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fast_backward_takes_the_devices_max_and_sum(dtype):
     """The statistics of the tiled forward (the device's definitions: row max, Σexp(s − max)), Megatron's
     −10000 rows included, give the fast backward the gradients they give the tiled one."""
@@ -590,7 +592,7 @@ def test_fast_backward_takes_the_devices_max_and_sum(dtype):
     k, v = k[:, :2], v[:, :2]  # GQA
     mask = torch.rand(2, 1, 33, 33, generator=gen) < 0.3
     mask[..., 0] = False
-    bias = 3 * torch.randn(1, 4, 33, 33, generator=gen)
+    bias = (3 * torch.randn(1, 4, 33, 33, generator=gen)).to(dtype)
     with fast_path(False):
         out, smax, ssum = fused_attention(q, k, v, mask, bias, None, scale=0.4)
         want = fused_attention_backward(g, q, k, v, out, smax, ssum, mask, bias, None, scale=0.4)
