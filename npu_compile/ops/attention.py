@@ -36,8 +36,21 @@ Dropout: the drop mask of query tile i is `rng.drop_mask(seed, i, [b, nq, rows, 
 backward both regenerate it, so only the 0-dim seed is saved. The mask therefore depends on QUERY_TILE, which
 is read once per call and must not change between a forward and its backward. With p == 0 no RNG is touched
 and seed may be None.
+
+Fast path: where the semantics are identical, both kernels call torch's own fused attention instead of the
+tiles (on CPU `aten._scaled_dot_product_flash_attention_for_cpu` and its backward, which hold no Sq×Sk tensor
+either): dropout_p == 0, CPU tensors of fp32/fp64 (bf16/fp16 stay tiled, see _FAST_DTYPES), v's head dim equal to q's, no bias gradient
+(backward), and, with `fill`, no row that every key is masked from (checked on the mask; the filled uniform
+row is not what the flash kernel computes, so such calls take the tiles). attn_mask, attn_bias and causal
+become the kernel's additive float mask (0 / −inf) and is_causal; GQA is the kernel's own. Its forward returns
+the statistics as (lse, 1), which satisfy p = exp(s − max)/sum as the device's (max, Σexp) do, and rows
+with no visible key get out = 0 and (0, 0) as above. Its backward takes either form: lse = max + log(sum)
+(0 where sum == 0; those rows' scores are all −inf, so their probabilities and gradients are 0 for any lse).
+Everything else (dropout_p > 0 above all: the mask must stay rng.drop_mask's) takes the tiled kernels.
+FAST_PATH = False sends every call to the tiles (tests and the benchmark compare the two).
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -52,6 +65,13 @@ from npu_compile.ops.layout import LAYOUTS, layout_shape, to_bnsd
 # Query rows per tile: big enough that each tile is a few large matmuls, small enough that the tile × Sk
 # working set stays a small fraction of Sq × Sk at training sequence lengths.
 QUERY_TILE = 256
+
+# Whether calls whose semantics torch's fused attention kernels reproduce exactly use them (module docstring).
+FAST_PATH = True
+
+# fp32/fp64 only: for bf16/fp16 the CPU kernel rounds the probabilities to the input dtype before P·V and its
+# backward takes rowsum(dO ∘ O) from the rounded O, beyond the one rounding these kernels hold to.
+_FAST_DTYPES = (torch.float32, torch.float64)
 
 
 def resolve_scale(scale: Optional[float], head_dim) -> float:
@@ -116,18 +136,25 @@ class _Problem:
 
     def __init__(self, query, key, value, attn_mask, attn_bias, layout, scale, causal, fill):
         self.q = to_bnsd(query, layout)
+        self.q_in, self.k_in, self.v_in = self.q, to_bnsd(key, layout), to_bnsd(value, layout)
         self.acc = acc_dtype(query.dtype)
-        # k and v are read by every tile: convert them once (O(S·D), not O(S²)).
-        self.k = to_bnsd(key, layout).to(self.acc)
-        self.v = to_bnsd(value, layout).to(self.acc)
         self.b, self.nq, self.sq, self.d = self.q.shape
-        self.nkv, self.sk = self.k.shape[1], self.k.shape[2]
+        self.nkv, self.sk = self.k_in.shape[1], self.k_in.shape[2]
         self.group = self.nq // self.nkv
         self.mask4 = _as_4d(attn_mask)
         self.bias4 = _as_4d(attn_bias)
         self.scale = resolve_scale(scale, self.d)
         self.causal = causal
         self.fill = fill
+
+    # k and v are read by every tile: convert them once (O(S·D), not O(S²)); the fast path never does.
+    @functools.cached_property
+    def k(self) -> Tensor:
+        return self.k_in.to(self.acc)
+
+    @functools.cached_property
+    def v(self) -> Tensor:
+        return self.v_in.to(self.acc)
 
     def tiles(self):
         for index, start in enumerate(range(0, self.sq, QUERY_TILE)):
@@ -161,6 +188,87 @@ class _Problem:
         return s, q_tile, masked
 
 
+# ---- fast path: torch's fused attention kernels --------------------------------------------------------
+
+def _fast_eligible(query: Tensor, value_head_dim: int, dropout_p: float) -> bool:
+    """What decides the fast path before looking at the mask's values (module docstring)."""
+    b, nq, sq, d = query.shape if query.dim() == 4 else (0, 0, 0, 0)
+    return (FAST_PATH and dropout_p == 0.0 and query.device.type == "cpu" and query.dtype in _FAST_DTYPES
+            and d == value_head_dim and query.numel() > 0)
+
+
+class _FastMask:
+    """attn_mask, attn_bias and causal as the flash kernel takes them: one additive float mask (None when
+    there is no tensor to add) plus is_causal, and the [b?, n?, sq] rows that no key is visible to."""
+
+    def __init__(self, pb: "_Problem"):
+        self.causal = pb.causal
+        mask_dtype = pb.q.dtype
+        add = None if pb.bias4 is None else pb.bias4.to(mask_dtype)
+        if pb.mask4 is not None:
+            add = torch.where(pb.mask4, -math.inf, torch.zeros((), dtype=mask_dtype) if add is None else add)
+        self.add = add
+        self.dead = None
+        if add is not None:
+            removed = add == -math.inf
+            if not pb.causal:
+                dead = removed.all(dim=-1)
+            else:
+                # Causal: row i sees keys 0..min(i, sk-1); it is dead iff none of those is left visible.
+                seen = (~removed).cumsum(dim=-1, dtype=torch.int32)
+                last = torch.arange(pb.sq, device=add.device).clamp_(max=pb.sk - 1)
+                if seen.shape[2] == 1:
+                    dead = seen[:, :, 0, last] == 0
+                else:
+                    dead = seen.gather(-1, last.view(1, 1, -1, 1).expand(*seen.shape[:2], -1, 1)).squeeze(-1) == 0
+            self.dead = dead  # [mb, mn, sq or 1], broadcasts over [b, nq, sq]
+
+
+def _fast_mask(pb: "_Problem") -> Optional[_FastMask]:
+    """The kernel's mask, or None where the call must take the tiles (a filled row with no visible key)."""
+    fm = _FastMask(pb)
+    if pb.fill is not None and fm.dead is not None and bool(fm.dead.any()):
+        return None
+    return fm
+
+
+def _fast_inputs(pb: "_Problem"):
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (pb.q_in, pb.k_in, pb.v_in))
+    return q, k, v
+
+
+def _fast_forward(pb: "_Problem", fm: _FastMask, query: Tensor, layout: str):
+    q, k, v = _fast_inputs(pb)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, fm.causal, attn_mask=fm.add, scale=pb.scale)
+    lse = lse.to(pb.acc)
+    softmax_sum = torch.ones_like(lse)
+    if fm.dead is not None:
+        out = out.masked_fill(fm.dead.unsqueeze(-1), 0.0)
+        lse = lse.masked_fill(fm.dead, 0.0)
+        softmax_sum.masked_fill_(fm.dead, 0.0)
+    result = query.new_empty(layout_shape(layout, pb.b, pb.nq, pb.sq, pb.d))
+    to_bnsd(result, layout).copy_(out)
+    return result, lse, softmax_sum
+
+
+def _fast_backward(pb: "_Problem", fm: _FastMask, grad_out, query, key, value, out, softmax_max, softmax_sum,
+                   layout: str):
+    q, k, v = _fast_inputs(pb)
+    acc = pb.acc
+    row_sum = softmax_sum.to(acc)
+    lse = torch.where(row_sum > 0, softmax_max.to(acc) + row_sum.log(), 0.0)
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        to_bnsd(grad_out, layout), q, k, v, to_bnsd(out, layout), lse, 0.0, fm.causal, attn_mask=fm.add,
+        scale=pb.scale)
+    results = []
+    for grad, like in ((grad_q, query), (grad_k, key), (grad_v, value)):
+        r = like.new_empty(like.shape)
+        to_bnsd(r, layout).copy_(grad)
+        results.append(r)
+    return results
+
+
 @torch.library.custom_op("npu_compile::fused_attention", mutates_args=())
 def fused_attention(
     query: Tensor,
@@ -180,6 +288,10 @@ def fused_attention(
     _check(query, key, value, attn_mask, attn_bias, layout, dropout_p)
     pb = _Problem(query, key, value, attn_mask, attn_bias, layout, scale, causal, fill)
     seed_int = rng.seed_value(seed, dropout_p)
+    if _fast_eligible(pb.q, value.shape[-1], dropout_p):
+        fm = _fast_mask(pb)
+        if fm is not None:
+            return _fast_forward(pb, fm, query, layout)
     dv = pb.v.shape[-1]
     out = query.new_empty(layout_shape(layout, pb.b, pb.nq, pb.sq, dv))
     out_bnsd = to_bnsd(out, layout)
@@ -246,6 +358,12 @@ def fused_attention_backward(
                     dropout_p, bias_grad)
     pb = _Problem(query, key, value, attn_mask, attn_bias, layout, scale, causal, fill)
     seed_int = rng.seed_value(seed, dropout_p)
+    if not bias_grad and _fast_eligible(pb.q, value.shape[-1], dropout_p):
+        fm = _fast_mask(pb)
+        if fm is not None:
+            grad_q, grad_key, grad_value = _fast_backward(pb, fm, grad_out, query, key, value, out, softmax_max,
+                                                          softmax_sum, layout)
+            return grad_q, grad_key, grad_value, no_grad_placeholder(query)
     grad_out_bnsd = to_bnsd(grad_out, layout)
     grad_q = query.new_empty(query.shape)
     grad_q_bnsd = to_bnsd(grad_q, layout)

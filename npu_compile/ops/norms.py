@@ -196,6 +196,13 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Optional[T
     """sum = x + residual; returns ((sum − mean)·rstd·weight + bias, mean, rstd, sum), biased variance."""
     total = _add(x, residual)
     dims = _norm_dims(total, weight)
+    if total.device.type == "cpu" and (weight.dtype == total.dtype or (
+            total.dtype in LOW_PRECISION and weight.dtype == torch.float32)) and (
+            bias is None or bias.dtype == weight.dtype):
+        # torch's native kernel: fp32 statistics, the normalization in fp32, rounded once (one pass).
+        y, mean, rstd = torch.native_layer_norm(total, weight.shape, weight, bias, eps)
+        acc = acc_dtype(total.dtype)
+        return y.contiguous(), mean.to(acc).contiguous(), rstd.to(acc).contiguous(), total
     xf = total.to(acc_dtype(total.dtype))
     mean = xf.mean(dims, keepdim=True).contiguous()
     centered = xf - mean

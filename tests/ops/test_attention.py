@@ -21,6 +21,17 @@ LAYOUTS = ("sbnd", "bsnd", "bnsd")
 
 
 @contextlib.contextmanager
+def fast_path(enabled: bool):
+    """Whether eligible calls take torch's fused attention kernels (attention.FAST_PATH) or the tiles."""
+    saved = attention.FAST_PATH
+    attention.FAST_PATH = enabled
+    try:
+        yield
+    finally:
+        attention.FAST_PATH = saved
+
+
+@contextlib.contextmanager
 def query_tile(rows: int):
     """Small tiles let small test shapes cross many tile boundaries (and partial last tiles)."""
     saved = attention.QUERY_TILE
@@ -111,6 +122,7 @@ def attention_cases(draw, dropout=False):
         fill=draw(st.sampled_from([None, -10000.0])),
         scale=draw(st.sampled_from([None, 0.3, 1.0])),
         tile=draw(st.sampled_from([1, 4, 7, 256])),
+        fast=draw(st.booleans()),
         p=draw(st.sampled_from([0.1, 0.5, 0.9])) if dropout else 0.0,
         seed=draw(st.integers(0, 2**40)),
     )
@@ -148,7 +160,7 @@ def check_against_eager(case):
     with_bias_grad = attn_bias is not None and case["bias_grad"]
     inputs = [strided_leaf(q), strided_leaf(k), strided_leaf(v)] + ([leaf(attn_bias)] if with_bias_grad else [])
     bias = inputs[3] if with_bias_grad else attn_bias
-    with query_tile(case["tile"]):
+    with query_tile(case["tile"]), fast_path(case["fast"]):
         out, softmax_max, softmax_sum = fused_attention(*inputs[:3], attn_mask, bias, seed, **options)
         grads = torch.autograd.grad(out, inputs, grad_out)
         keep = recover_keep_mask(seed, p, case["b"], case["nq"], case["sq"], case["sk"]) if p > 0 else None
@@ -193,7 +205,7 @@ def test_layouts_agree(case, other_layout):
     def moved(t):
         return ref_from_bnsd(ref_to_bnsd(t, layout), other_layout).detach().requires_grad_()
 
-    with query_tile(case["tile"]):
+    with query_tile(case["tile"]), fast_path(case["fast"]):
         a_in = [strided_leaf(t) for t in (q, k, v)]
         a_out, *a_stats = fused_attention(*a_in, attn_mask, attn_bias, seed, layout=layout, **options)
         a_grads = torch.autograd.grad(a_out, a_in, grad_out)
@@ -506,3 +518,107 @@ def test_aot_autograd_sees_one_opaque_node_each_way():
     crossing = [node.meta["val"] for node in graphs["backward"].graph.find_nodes(op="placeholder")
                 if isinstance(node.meta.get("val"), torch.Tensor)]
     assert all(t.numel() < s * s * b * n for t in crossing)
+
+
+# ---- the fast path: torch's fused attention kernels where the semantics are the same -------------------
+
+def aten_ops_run(fn):
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
+FLASH_BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+
+
+@pytest.mark.parametrize("kwargs,fast", [
+    (dict(causal=True), True),
+    (dict(causal=True, fill=-10000.0), True),  # Megatron's causal call: no row is fully masked
+    (dict(mask="padding"), True),
+    (dict(mask="dead_row"), True),  # removed rows give 0 on the fast path too
+    (dict(mask="dead_row", fill=-10000.0), False),  # a filled fully masked row averages v: the tiles
+    (dict(causal=True, dropout_p=0.1), False),  # the drop mask is rng.drop_mask's, per tile
+    (dict(value_dim=6), False),  # the flash kernel needs v's head dim = q's
+    (dict(causal=True, dtype=torch.bfloat16), False),  # its bf16 kernel rounds P before P·V
+])
+def test_which_calls_take_the_fast_path(kwargs, fast):
+    kwargs = dict(kwargs)
+    gen = torch.Generator().manual_seed(7)
+    b, n, s, d = 2, 2, 6, 4
+    dtype = kwargs.pop("dtype", torch.float32)
+    q, k = (leaf(torch.randn(b, n, s, d, generator=gen), dtype) for _ in range(2))
+    v = leaf(torch.randn(b, n, s, kwargs.pop("value_dim", d), generator=gen), dtype)
+    mask_kind = kwargs.pop("mask", None)
+    mask = None
+    if mask_kind == "padding":
+        mask = torch.zeros(b, 1, 1, s, dtype=torch.bool)
+        mask[..., -2:] = True
+    elif mask_kind == "dead_row":
+        mask = torch.zeros(1, 1, s, s, dtype=torch.bool)
+        mask[..., 3, :] = True
+    seed = torch.tensor(1) if kwargs.get("dropout_p") else None
+    result = {}
+
+    def forward():
+        result["out"], *_ = fused_attention(q, k, v, mask, None, seed, **kwargs)
+
+    ran = aten_ops_run(forward)
+    assert (FLASH in ran) == fast, ran
+    ran = aten_ops_run(lambda: torch.autograd.grad(result["out"], (q, k, v), torch.ones_like(result["out"])))
+    assert (FLASH_BACKWARD in ran) == fast, ran
+
+
+def test_a_learnable_bias_takes_the_tiled_backward_from_fast_forward_statistics():
+    """bias_grad: the forward is fast and returns (lse, 1); the tiled backward recomputes p = exp(s − lse)."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (leaf(torch.randn(1, 2, 5, 4, generator=gen)) for _ in range(3))
+    bias = leaf(torch.randn(1, 2, 5, 5, generator=gen))
+    out, softmax_max, softmax_sum = fused_attention(q, k, v, None, bias, None, causal=True)
+    assert torch.equal(softmax_sum, torch.ones_like(softmax_sum))
+    grads = torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))
+    ref_in = [leaf(t) for t in (q, k, v, bias)]
+    ref = eager_attention(*ref_in[:3], attn_bias=ref_in[3], causal=True)
+    for got, want in zip(grads, torch.autograd.grad(ref, ref_in, torch.ones_like(ref))):
+        assert_matches(got, want, torch.float32, "grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fast_backward_takes_the_devices_max_and_sum(dtype):
+    """The statistics of the tiled forward (the device's definitions: row max, Σexp(s − max)), Megatron's
+    −10000 rows included, give the fast backward the gradients they give the tiled one."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, g = (torch.randn(2, 4, 33, 8, generator=gen).to(dtype) for _ in range(4))
+    k, v = k[:, :2], v[:, :2]  # GQA
+    mask = torch.rand(2, 1, 33, 33, generator=gen) < 0.3
+    mask[..., 0] = False
+    bias = (3 * torch.randn(1, 4, 33, 33, generator=gen)).to(dtype)
+    with fast_path(False):
+        out, smax, ssum = fused_attention(q, k, v, mask, bias, None, scale=0.4)
+        want = fused_attention_backward(g, q, k, v, out, smax, ssum, mask, bias, None, scale=0.4)
+    assert not torch.equal(ssum, torch.ones_like(ssum))
+    ran = {}
+
+    def backward():
+        ran["grads"] = fused_attention_backward(g, q, k, v, out, smax, ssum, mask, bias, None, scale=0.4)
+
+    assert FLASH_BACKWARD in aten_ops_run(backward)
+    for got, ref in zip(ran["grads"][:3], want[:3]):
+        assert_matches(got, ref.float(), dtype, "grad")
+
+
+def test_fast_path_working_memory_at_seq_2048():
+    """torch's flash kernel holds no S×S tensor either, forward or backward."""
+    b, n, s, d = 1, 4, 2048, 16
+    full = b * n * s * s * 4
+    q, k, v = (torch.randn(b, n, s, d, requires_grad=True) for _ in range(3))
+    result = {}
+
+    def forward():
+        result["out"], *_ = fused_attention(q, k, v, causal=True)
+
+    forward_peak, forward_largest = allocation_profile(forward)
+    grad_out = torch.randn_like(result["out"])
+    backward_peak, backward_largest = allocation_profile(
+        lambda: torch.autograd.grad(result["out"], (q, k, v), grad_out))
+    assert max(forward_peak, backward_peak, forward_largest, backward_largest) < full / 8
