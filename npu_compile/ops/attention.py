@@ -33,9 +33,10 @@ in Megatron. Without `fill` a row with no visible key gets out = 0, softmax_max 
 zero gradients (the flash convention of an empty row), never NaN; so do rows an attn_bias of -inf hides.
 
 Dropout: the drop mask of query tile i is `rng.drop_mask(seed, i, [b, nq, rows, sk], p)`; forward and
-backward both regenerate it, so only the 0-dim seed is saved. The mask therefore depends on QUERY_TILE, which
-is read once per call and must not change between a forward and its backward. With p == 0 no RNG is touched
-and seed may be None.
+backward both regenerate it, so only the seed is saved: an int64 tensor, 0-dim or the (seed, offset) pair the
+attention rules draw (ops/rng.py; the pair is the slot an NPU lowering fills with its device generator's state).
+The mask therefore depends on QUERY_TILE, which is read once per call and must not change between a forward and
+its backward. With p == 0 no RNG is touched and seed may be None.
 
 Fast path: where the semantics are identical, both kernels call torch's own fused attention instead of the
 tiles (on CPU `aten._scaled_dot_product_flash_attention_for_cpu` and its backward, which hold no Sq×Sk tensor
