@@ -51,11 +51,20 @@ def npu_ops():
 
 @pytest.fixture
 def group():
+    """A fake 8-rank default group; the session's single-process Megatron state (megatron_glue.testing's
+    megatron_cpu, when an earlier test set it up) is put back afterwards."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    megatron_state = dist.is_initialized()
+    if megatron_state:
+        from megatron_glue import models
+
+        models.teardown_single_process()
     dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
     yield dist.group.WORLD.group_name
     dist.destroy_process_group()
+    if megatron_state:
+        models.init_single_process()
 
 
 def empty(*shape):
