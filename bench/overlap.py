@@ -343,7 +343,7 @@ def table(result: dict) -> str:
                      f"{part.fused_us - part.matmul_us:.1f} |")
     lines += [
         "",
-        "The overlap stage's MC2 candidates (`choose_mc2`; each rewritten, then scheduled by ours, then simulated):",
+        "The MC2 stage's candidates (`choose_mc2`; each rewritten, then scheduled by ours, then simulated):",
         "",
         "| graph | candidate | MC2 ops | step µs | exposed comm µs | peak live MiB | |",
         "|---|---|---|---|---|---|---|",
@@ -423,7 +423,7 @@ def _beside(timeline: comm.Timeline, name: str) -> tuple[float, list[tuple[str, 
 
 
 def _chosen_text(result: dict, comm_us: float) -> str:
-    """What the overlap stage chose, per graph, and where the collectives it left plain hide."""
+    """What the MC2 stage chose, per graph, and where the collectives it left plain hide."""
     timelines, choices = result["timelines"], result["choices"]
     chosen = timelines[CHOSEN]
     total = _exposed(chosen)
@@ -446,13 +446,13 @@ def _chosen_text(result: dict, comm_us: float) -> str:
                         for site, why in c.reasons.items())
     cdep = sum(result["chosen_dependency_limit_us"].values())
     return (
-        f"The overlap stage weighs, per graph, MC2 against leaving sites to our scheduler (mc2 chosen + ours: "
+        f"The MC2 stage weighs, per graph, MC2 against leaving sites to our scheduler (mc2 chosen + ours: "
         f"`choose_mc2` simulates all MC2, no MC2, MC2 but the comm-bound sites, then flips one site at a time; "
         f"the least simulated time wins). It chooses {per_graph}. That leaves {total:.1f} µs of {comm_us:.0f} µs "
         f"comm exposed ({total / comm_us:.1%}), step {sum(t.total_us for t in chosen.values()):.1f} µs; the "
         f"chosen graphs' dependency limit is {cdep:.1f} µs ({cdep / comm_us:.1%}), a mix of plain and fused sites "
         f"being another graph than either above. "
-        + (f"The collectives it leaves plain overlap: {'; '.join(hidden)}. Lowering reports them in report.json "
+        + (f"The collectives it leaves plain overlap: {'; '.join(hidden)}. The MC2 stage reports them in report.json "
            f"`unfused`, {len(not_taken)} entries for {len(hidden)} sites, as \"npu: MC2 not taken: the cost model "
            f"finds the graph faster with this collective left to the overlap scheduler (exposed X µs as MC2 vs Y µs "
            f"scheduled)\", the graph's exposed comm in the best candidate that fuses the site against the chosen "

@@ -31,6 +31,28 @@ def megatron_cpu():
     models.teardown_single_process()
 
 
+@contextlib.contextmanager
+def fake_process_group(world_size: int = 8):
+    """A fake default process group of ``world_size`` ranks (torch's ``fake`` backend: collectives trace, nothing
+    runs) for the block, yielding the group. The session's single-process Megatron state (:func:`megatron_cpu`),
+    where an earlier test set it up, is taken down for the block and put back after it."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    megatron_state = dist.is_initialized()
+    if megatron_state:
+        from megatron_glue import models
+
+        models.teardown_single_process()
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+        if megatron_state:
+            models.init_single_process()
+
+
 @pytest.fixture
 def fresh_dynamo():
     """Dynamo caches cleared before and after: every test compiles its own model, and GPTModel.forward

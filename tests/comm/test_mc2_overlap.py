@@ -4,7 +4,6 @@ stage buckets."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -17,6 +16,7 @@ from npu_compile.device.cost import MC2Cost
 from npu_compile.device.profile import ASCEND_910B
 from npu_compile.lowering import npu_sim
 from npu_compile.lowering.npu.mc2 import declare_all, fused_sites, rewrite_mc2
+from megatron_glue.testing import fake_process_group
 
 c10d = torch.ops._c10d_functional
 bf16 = torch.bfloat16
@@ -205,11 +205,8 @@ def test_lower_bound_holds_for_random_graphs_with_mc2(seed):
 
 @pytest.fixture
 def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
+    with fake_process_group(8) as group:
+        yield group.group_name
 
 
 def two_gathers(group, rows=16, k=256, n=64):

@@ -6,7 +6,6 @@ import json
 import networkx as nx
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -14,6 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from comm_graphs import random_program
 from npu_compile.comm import collectives, schedule_overlap, simulate
 from npu_compile.comm.schedule import dependency_graph
+from megatron_glue.testing import fake_process_group
 
 c10d = torch.ops._c10d_functional
 bf16 = torch.bfloat16
@@ -155,11 +155,8 @@ def test_small_same_group_collectives_are_bucketed():
 
 @pytest.fixture
 def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    with fake_process_group(8) as group:
+        yield group
 
 
 def test_backend_reports_comm_and_writes_the_trace(tmp_path, fake_world):

@@ -8,9 +8,9 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from megatron_glue.testing import fake_process_group
 from npu_compile import config
 from npu_compile.comm import overlap_stage, simulate
 from npu_compile.lowering import npu_sim
@@ -51,20 +51,8 @@ def npu_ops():
 
 @pytest.fixture
 def group():
-    """A fake 8-rank default group; the session's single-process Megatron state (megatron_glue.testing's
-    megatron_cpu, when an earlier test set it up) is put back afterwards."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    megatron_state = dist.is_initialized()
-    if megatron_state:
-        from megatron_glue import models
-
-        models.teardown_single_process()
-    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-    if megatron_state:
-        models.init_single_process()
+    with fake_process_group(8) as world:
+        yield world.group_name
 
 
 def empty(*shape):
