@@ -47,6 +47,7 @@ def aten_stages(target: lowering.Target) -> list[tuple[str, lowering.Stage]]:
     ``options.overlap``) last: it keeps peak memory within a cap of the order it is given."""
     return [("memory_order", _memory_order), *target.stages, ("overlap", comm.overlap_stage)]
 
+
 _direct_ids = itertools.count()
 
 
