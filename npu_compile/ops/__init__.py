@@ -9,7 +9,7 @@ backward op that is itself a custom op, so the partitioner sees one opaque node 
     activations  bias_gelu, swiglu (+ _backward each)
     rotary       rotary, rotary_backward
     dropout_add  bias_dropout_add, bias_dropout_add_backward
-    cross_entropy  linear_cross_entropy, linear_cross_entropy_backward
+    cross_entropy  linear_cross_entropy, vocab_parallel_linear_cross_entropy (+ _backward each)
 
 Rules (passes/) insert these ops; targets (lowering/) map them to device calls. Argument conventions follow
 the torch_npu ops they lower to (documented per module).

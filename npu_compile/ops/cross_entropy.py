@@ -168,3 +168,142 @@ def _grad(ctx, grad_loss, _grad_lse):
 
 
 linear_cross_entropy.register_autograd(_grad, setup_context=_setup_context)
+
+
+# ==== Megatron's vocab-parallel loss after its output layer ================================================
+#
+#     vocab_parallel_linear_cross_entropy(hidden, weight, target, vocab_start, smoothing, group_name, chunk_size)
+#         -> (loss, lse)
+#     = megatron.core.tensor_parallel.vocab_parallel_cross_entropy((hidden @ weight.T).float(), target, α)
+#
+# weight is this rank's shard of the output layer, [Vp, H] for vocab ids [vocab_start, vocab_start + Vp); the
+# ranks of the tensor-parallel group `group_name` hold the other shards. loss is per token, fp32, shaped like
+# target, equal on every rank up to the smoothing term (below); lse is the logsumexp over the whole vocabulary,
+# what the backward saves. The three all-reduces of Megatron's forward (the max, the target's logit and the sum
+# of exponentials over the group) run inside the op, per chunk of tokens, as functional collectives; the
+# backward needs none (Megatron's has none; the output layer's dgrad all-reduce stays in the graph).
+#
+# Decisions (each is Megatron's, reproduced so that the fused loss equals the eager one):
+# - A target outside every shard (Megatron has no ignore_index; a padding id such as -100 is masked by the
+#   caller's loss mask) has its logit counted as 0 after the max is subtracted: loss = lse − max, gradient
+#   softmax (− smoothing/Vp).
+# - smoothing is the ε of PyTorch's form on the shard: loss = (1 − ε)·nll − ε·mean_{j in shard} log p_j.
+#   Megatron's label_smoothing α gives ε = α·Vp/(Vp − 1) (Vp = the shard's vocab size, as Megatron takes
+#   it); at TP=1 that is F.cross_entropy's label_smoothing=ε. At TP > 1 Megatron's mean runs over the shard
+#   only (not all-reduced), so the smoothed loss differs between ranks; the op does the same.
+# - Chunked over tokens as linear_cross_entropy (chunk_size, CHUNK_ELEMENTS), the backward recomputes the logits.
+
+
+def _all_reduce(t: Tensor, op: str, group_name: str) -> Tensor:
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(t, op, group_name))
+
+
+def _check_vocab_parallel(hidden, weight, target, smoothing):
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    if (hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]
+            or weight.dtype != hidden.dtype or not hidden.is_floating_point()):
+        raise ValueError(f"hidden {tuple(hidden.shape)} {hidden.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype} must be [..., H] and [Vp, H] of one floating dtype")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]) or target.dtype != torch.int64:
+        raise ValueError(f"target {tuple(target.shape)} {target.dtype} must be int64 shaped like hidden's "
+                         f"leading dims {tuple(hidden.shape[:-1])}")
+
+
+def _shard_target(t: Tensor, vocab_start: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """(outside: the target is not in this shard, the target's column in the shard or 0)."""
+    outside = (t < vocab_start) | (t >= vocab_start + vocab)
+    return outside, torch.where(outside, 0, t - vocab_start)
+
+
+@torch.library.custom_op("npu_compile::vocab_parallel_linear_cross_entropy", mutates_args=())
+def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, vocab_start: int,
+                                        smoothing: float, group_name: str,
+                                        chunk_size: int = 0) -> tuple[Tensor, Tensor]:
+    """Megatron's vocab_parallel_cross_entropy of (hidden @ weight.T).float(); returns (loss, lse), fp32."""
+    _check_vocab_parallel(hidden, weight, target, smoothing)
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    n, vocab = h2.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    losses = torch.empty(n, dtype=acc, device=hidden.device)
+    lse = torch.empty(n, dtype=acc, device=hidden.device)
+    step = chunk_rows(n, vocab, chunk_size)
+    for start in range(0, n, step):
+        logits = _logits(h2[start:start + step], weight)
+        outside, column = _shard_target(t1[start:start + step], vocab_start, vocab)
+        logits_max = _all_reduce(logits.max(dim=-1)[0], "max", group_name)
+        logits.sub_(logits_max.unsqueeze(1))
+        picked = logits.gather(1, column.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
+        picked = _all_reduce(picked, "sum", group_name)
+        sum_exp = _all_reduce(logits.exp().sum(-1), "sum", group_name)
+        log_sum = sum_exp.log()
+        loss = log_sum - picked
+        if smoothing:
+            mean_log_p = logits.mean(-1) - log_sum  # log(exp(l − max) / Σ), averaged over the shard
+            loss = (1.0 - smoothing) * loss - smoothing * mean_log_p
+        losses[start:start + step] = loss
+        lse[start:start + step] = logits_max + log_sum
+    return losses.view(target.shape), lse.view(target.shape)
+
+
+@vocab_parallel_linear_cross_entropy.register_fake
+def _(hidden, weight, target, vocab_start, smoothing, group_name, chunk_size=0):
+    _check_vocab_parallel(hidden, weight, target, smoothing)
+    acc = acc_dtype(hidden.dtype)
+    return hidden.new_empty(target.shape, dtype=acc), hidden.new_empty(target.shape, dtype=acc)
+
+
+@torch.library.custom_op("npu_compile::vocab_parallel_linear_cross_entropy_backward", mutates_args=())
+def vocab_parallel_linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor,
+                                                 target: Tensor, lse: Tensor, vocab_start: int, smoothing: float,
+                                                 chunk_size: int = 0,
+                                                 weight_grad: bool = True) -> tuple[Tensor, Tensor]:
+    """Returns (grad_hidden, grad_weight — empty [0] unless weight_grad) of this rank's shard:
+    d loss_i / d logit_ij = g_i·(softmax_ij − (1 − ε)·[j = t_i in the shard] − ε/Vp)."""
+    _check_vocab_parallel(hidden, weight, target, smoothing)
+    h2, t1, lse1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1), lse.reshape(-1)
+    n, vocab = h2.shape[0], weight.shape[0]
+    acc = lse.dtype
+    g = grad_loss.to(acc).reshape(-1)
+    grad_hidden = torch.empty_like(h2, memory_format=torch.contiguous_format)
+    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight_grad else None
+    step = chunk_rows(n, vocab, chunk_size)
+    for start in range(0, n, step):
+        h = h2[start:start + step]
+        outside, column = _shard_target(t1[start:start + step], vocab_start, vocab)
+        grad = _logits(h, weight).sub_(lse1[start:start + step].unsqueeze(1)).exp_()  # softmax, in place
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, column] -= (1.0 - smoothing) * (~outside).to(acc)
+        if smoothing:
+            grad.sub_(smoothing / vocab)
+        grad.mul_(g[start:start + step].unsqueeze(1))
+        grad = grad.to(hidden.dtype)
+        grad_hidden[start:start + step] = grad @ weight
+        if grad_weight is not None:
+            grad_weight += (grad.t() @ h).to(acc)
+    grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else no_grad_placeholder(weight)
+    return grad_hidden.view(hidden.shape), grad_weight
+
+
+@vocab_parallel_linear_cross_entropy_backward.register_fake
+def _(grad_loss, hidden, weight, target, lse, vocab_start, smoothing, chunk_size=0, weight_grad=True):
+    _check_vocab_parallel(hidden, weight, target, smoothing)
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape) if weight_grad else no_grad_placeholder(weight)
+
+
+def _vp_setup_context(ctx, inputs, output):
+    hidden, weight, target, vocab_start, smoothing, _group_name, chunk_size = inputs
+    ctx.save_for_backward(hidden, weight, target, output[1])
+    ctx.params = (vocab_start, smoothing, chunk_size)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _vp_grad(ctx, grad_loss, _grad_lse):
+    hidden, weight, target, lse = ctx.saved_tensors
+    weight_grad = ctx.needs_input_grad[1]
+    grad_hidden, grad_weight = torch.ops.npu_compile.vocab_parallel_linear_cross_entropy_backward(
+        grad_loss, hidden, weight, target, lse, *ctx.params, weight_grad)
+    return grad_hidden, grad_weight if weight_grad else None, None, None, None, None, None
+
+
+vocab_parallel_linear_cross_entropy.register_autograd(_vp_grad, setup_context=_vp_setup_context)

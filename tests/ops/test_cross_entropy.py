@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch.library import opcheck
 
 import npu_compile.ops  # noqa: F401  (importing registers the ops)
+from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture, for the Megatron comparison)
 from npu_compile.ops.cross_entropy import chunk_rows
 
 from .helpers import assert_matches, fuzz_settings, leaf
@@ -166,3 +167,33 @@ def test_errors():
         ops.linear_cross_entropy(h, w, t[:3])
     with pytest.raises(ValueError, match=r"hidden \(4, 8\) torch.float32 and weight \(6, 8\) torch.bfloat16 "):
         ops.linear_cross_entropy(h, w.bfloat16(), t)
+
+
+# ==== vocab_parallel_linear_cross_entropy: Megatron's loss, one rank ========================================
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_size", [0, 5])
+def test_vocab_parallel_equals_megatron_at_tp1(megatron_cpu, smoothing, chunk_size):
+    """Against megatron-core's vocab_parallel_cross_entropy(α) at TP=1 (ε = α·V/(V − 1)), labels out of the
+    vocabulary included (logit counted 0, as Megatron), chunked or not: loss and both gradients."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    s, b, hidden, vocab = 4, 3, 8, 24
+    h = torch.randn(s, b, hidden, generator=gen, requires_grad=True)
+    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).requires_grad_()
+    t = torch.randint(0, vocab, (s, b), generator=gen)
+    t.view(-1)[::4] = -100
+    seed = torch.randn(s, b, generator=gen)
+    group = parallel_state.get_tensor_model_parallel_group().group_name
+    eps = smoothing * vocab / (vocab - 1)
+    loss, lse = torch.ops.npu_compile.vocab_parallel_linear_cross_entropy(h, w, t, 0, eps, group, chunk_size)
+    grads = torch.autograd.grad(loss, (h, w), seed)
+    h2, w2 = h.detach().requires_grad_(), w.detach().requires_grad_()
+    expected = vocab_parallel_cross_entropy((h2 @ w2.t()).float(), t, smoothing)
+    expected_grads = torch.autograd.grad(expected, (h2, w2), seed)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, torch.logsumexp(h.detach() @ w.detach().t(), -1), rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
