@@ -22,13 +22,27 @@ The weight's gradient may be missing (a frozen output layer). The matched logits
 matcher needs that: the fused op never makes them), so a model that also returns its logits keeps the unfused
 loss, reported in ``unfused``.
 
-Not matched here: Megatron's ``vocab_parallel_cross_entropy`` (an autograd.Function with its own backward and
-all-reduces over the TP group, compiled in a graph apart from the output layer's today) and class weights.
+Rule ``vocab_parallel_cross_entropy``: Megatron's loss after its output layer, ``vocab_parallel_cross_entropy(
+output_layer(h)[0].float(), labels, α)`` (megatron-core 0.16.1, ColumnParallelLinear without bias and
+gather_output, at any TP size) → ``npu_compile::vocab_parallel_linear_cross_entropy``, which does the loss's
+three all-reduces over the TP group itself. Both are autograd.Functions with hand-written backwards; Dynamo
+traces their forwards and backwards into the joint graph, and the pattern is a copy of the two, op for op
+(in-place ops included, functionalized alike), with the TP collectives as Dynamo writes them (functional
+all_reduce, wait, copy back). The graph holds Megatron's scalars: the shard's vocab range [start, end) and, when
+smoothed, s = α·Vp/(Vp − 1), 1 − s and s/Vp, read from the match (the check requires they come from one s).
+The group name is a string, which the matcher compares as a literal: the pattern is traced with the group name
+of the graph's first loss (one TP group per process). The dgrad all-reduce of the output layer's backward
+stays in the graph.
+
+Not matched here: class weights, Megatron's fused_vocab_parallel_cross_entropy (jit-scripted helpers; not
+tried), an output layer with bias, gather_output or sequence parallelism (an all-gather before the matmul),
+and gradient_accumulation_fusion (a wgrad kernel outside the graph).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -180,3 +194,186 @@ for _smooth in (False, True):
                 wanted=_smoothed if _smooth else _has_nll_loss,
                 grad_optional=("weight",),
             ))
+
+
+# ==== Megatron's vocab-parallel cross-entropy (rule vocab_parallel_cross_entropy) ============================
+
+# The scalars the pattern is traced with: a vocab range and s, 1 − s, s/Vp no graph holds otherwise.
+VOCAB_START, VOCAB_END = 7_654_321, 7_654_987
+SMOOTHING, SMOOTH_KEEP, SMOOTH_SPREAD = 5 * 2.0**-7, 0.9609375 - 2.0**-12, 2.0**-11
+_group = {"name": "npu_compile_tp_group"}  # the graph's TP group name, set by _wants_megatron
+
+
+def _functional_all_reduce_(t, op: str) -> None:
+    """torch.distributed.all_reduce(t, op, group) as Dynamo captures it: functional all_reduce, wait, copy back."""
+    t.copy_(torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(t, op, _group["name"])))
+
+
+class _MegatronLinear(torch.autograd.Function):
+    """megatron-core's LinearWithGradAccumulationAndAsyncCommunication without bias, sequence parallelism or
+    gradient_accumulation_fusion, its dgrad all-reduce left out (it follows the pattern in the graph)."""
+
+    @staticmethod
+    def forward(ctx, input, weight):
+        ctx.save_for_backward(input, weight)
+        return torch.matmul(input, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        grad_output, total_input = grad_output.contiguous(), input.contiguous()
+        if grad_output.dim() == 3:
+            grad_output = grad_output.view(grad_output.shape[0] * grad_output.shape[1], grad_output.shape[2])
+            total_input = total_input.view(total_input.shape[0] * total_input.shape[1], total_input.shape[2])
+        return grad_input, grad_output.t().matmul(total_input)
+
+
+class _MegatronCrossEntropy(torch.autograd.Function):
+    """megatron-core 0.16.1's _VocabParallelCrossEntropy (tensor_parallel/cross_entropy.py), op for op, with the
+    vocab range and the smoothing factors as arguments (smoothing None: unsmoothed)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, end, smoothing, keep, spread):
+        start, end = int(start), int(end)  # traced as floats (engine._ints_as_floats); Megatron's are ints
+        logits = logits.float()
+        logits_max = torch.max(logits, dim=-1)[0]
+        _functional_all_reduce_(logits_max, "max")
+        logits -= logits_max.unsqueeze(dim=-1)
+        target_mask = (target < start) | (target >= end)
+        masked_target = target.clone() - start
+        masked_target[target_mask] = torch.full((), 0, dtype=target.dtype)  # engine.scalar_constants_as_full
+        vocab = logits.size()[-1]
+        logits_2d = logits.view(-1, vocab)
+        masked_target_1d = masked_target.view(-1)
+        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
+        predicted_1d = logits_2d[arange_1d, masked_target_1d].clone().contiguous()
+        predicted = predicted_1d.view_as(target)
+        predicted[target_mask] = torch.full((), 0.0, dtype=torch.float32)
+        exp_logits = logits
+        torch.exp(logits, out=exp_logits)
+        sum_exp = exp_logits.sum(dim=-1)
+        _functional_all_reduce_(predicted, "sum")
+        _functional_all_reduce_(sum_exp, "sum")
+        loss = torch.log(sum_exp) - predicted
+        exp_logits.div_(sum_exp.unsqueeze(dim=-1))
+        if smoothing is not None:
+            mean_log_probs = torch.log(exp_logits).mean(dim=-1)
+            loss = keep * loss - smoothing * mean_log_probs
+        ctx.factors = (keep, spread) if smoothing is not None else None
+        ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_2d = softmax.view(-1, softmax.size()[-1])
+        arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
+        softmax_update = 1.0 - target_mask.view(-1).float()
+        if ctx.factors is not None:
+            keep, spread = ctx.factors
+            grad_2d[arange_1d, masked_target_1d] -= keep * softmax_update
+            grad_2d[arange_1d, :] -= spread
+        else:
+            grad_2d[arange_1d, masked_target_1d] -= softmax_update
+        softmax.mul_(grad_output.unsqueeze(dim=-1))
+        return softmax, None, None, None, None, None, None
+
+
+def megatron_loss_pattern(smoothed: bool):
+    if smoothed:
+        def pattern(hidden, weight, target, start, end, smoothing, keep, spread):
+            logits = _MegatronLinear.apply(hidden, weight).float()
+            return _MegatronCrossEntropy.apply(logits, target, start, end, smoothing, keep, spread)
+    else:
+        def pattern(hidden, weight, target, start, end):
+            logits = _MegatronLinear.apply(hidden, weight).float()
+            return _MegatronCrossEntropy.apply(logits, target, start, end, None, None, None)
+    pattern.__name__ = f"megatron_vocab_parallel_cross_entropy{'_smoothed' if smoothed else ''}"
+    return pattern
+
+
+def megatron_loss_replacement(smoothed: bool):
+    def fused_loss(hidden, weight, target, start, smoothing):
+        loss, _lse = fused.vocab_parallel_linear_cross_entropy(hidden, weight, target, int(start), smoothing,
+                                                               _group["name"])
+        return loss
+
+    if smoothed:
+        def replacement(hidden, weight, target, start, end, smoothing, keep, spread):
+            return fused_loss(hidden, weight, target, start, smoothing)
+    else:
+        def replacement(hidden, weight, target, start, end):
+            return fused_loss(hidden, weight, target, start, 0.0)
+    return replacement
+
+
+def _megatron_examples():
+    for dtype in (F32, BF16):
+        yield [torch.empty(4, 2, 8, dtype=dtype, requires_grad=True),
+               torch.empty(16, 8, dtype=dtype, requires_grad=True), torch.zeros(4, 2, dtype=torch.long)]
+
+
+def _megatron_check(match) -> bool | str:
+    hidden, weight, target = _val(match, "hidden"), _val(match, "weight"), _val(match, "target")
+    if weight.dtype != hidden.dtype or weight.dim() != 2:
+        return f"weight {tuple(weight.shape)} {weight.dtype} on hidden {hidden.dtype}: the fused op takes one dtype"
+    if target.dtype != torch.int64:
+        return f"target is {target.dtype}; the fused op takes int64 class indices"
+    start, end, vocab = match.kwargs["start"], match.kwargs["end"], weight.shape[0]
+    if not (isinstance(start, (int, float)) and isinstance(end, (int, float)) and end - start == vocab):
+        return f"vocab range [{start}, {end}) is not the output layer's {vocab} rows"
+    if "smoothing" in match.kwargs:
+        s, keep, spread = match.kwargs["smoothing"], match.kwargs["keep"], match.kwargs["spread"]
+        if not all(isinstance(x, float) for x in (s, keep, spread)):
+            return "the smoothing factors are not constants"
+        if not (0.0 < s < 1.0 and keep == 1.0 - s and math.isclose(spread * vocab, s, rel_tol=1e-9)):
+            return (f"loss·{keep} − mean log p·{s}, softmax − {spread} are not Megatron's smoothing "
+                    f"(1 − s, s and s/Vp with Vp = {vocab})")
+    return True
+
+
+def _group_name(graph) -> str | None:
+    for node in graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default):
+        if node.args[1] == "max" and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].target is operator.getitem:
+            return node.args[2]
+    return None
+
+
+def _wants_megatron(graph) -> bool:
+    """A max all-reduce of a row max: Megatron's loss may be here; its group is the one the pattern is traced with."""
+    name = _group_name(graph)
+    if name is not None and name != _group["name"] and _group["name"] == "npu_compile_tp_group":
+        _group["name"] = name
+    return name is not None
+
+
+def _megatron_site(node) -> bool | str:
+    """A max all-reduce of a row max (Megatron's loss, its first collective) is a site; one over another group
+    than the pattern's is left by design."""
+    src = node.args[0]
+    if not (isinstance(src, torch.fx.Node) and src.target is operator.getitem
+            and getattr(src.args[0], "target", None) == aten.max.dim and node.args[1] == "max"):
+        return False
+    if node.args[2] != _group["name"]:
+        return (f"the loss all-reduces over group {node.args[2]!r}; the pattern was traced with {_group['name']!r}, "
+                "the TP group of this process's first loss")
+    return True
+
+
+for _smooth in (False, True):
+    register_rule(Rule(
+        name="vocab_parallel_cross_entropy",
+        pattern=megatron_loss_pattern(_smooth),
+        replacement=megatron_loss_replacement(_smooth),
+        example_inputs=_megatron_examples,
+        scalars={"start": VOCAB_START, "end": VOCAB_END,
+                 **({"smoothing": SMOOTHING, "keep": SMOOTH_KEEP, "spread": SMOOTH_SPREAD} if _smooth else {})},
+        extra_check=_megatron_check,
+        modes=("training",),
+        anchors=(torch.ops._c10d_functional.all_reduce.default,),
+        site=_megatron_site,
+        wanted=_wants_megatron,
+        grad_optional=("weight",),
+    ))
