@@ -34,13 +34,18 @@ The group name is a string, which the matcher compares as a literal: the pattern
 of the graph's first loss (one TP group per process). The dgrad all-reduce of the output layer's backward
 stays in the graph.
 
+With sequence parallelism the output layer all-gathers its input over the TP group before the matmul, and
+again in the backward for the weight's gradient: a variant takes both gathers, checks they gather the same
+tensor, and the fused op's backward uses the first (the second is left dead).
+
 Not matched here: class weights, Megatron's fused_vocab_parallel_cross_entropy (jit-scripted helpers; not
-tried), an output layer with bias, gather_output or sequence parallelism (an all-gather before the matmul),
-and gradient_accumulation_fusion (a wgrad kernel outside the graph).
+tried), an output layer with bias or gather_output, and gradient_accumulation_fusion (a wgrad kernel outside
+the graph).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -229,6 +234,27 @@ class _MegatronLinear(torch.autograd.Function):
         return grad_input, grad_output.t().matmul(total_input)
 
 
+class _MegatronLinearGathered(torch.autograd.Function):
+    """The same with sequence parallelism: the input all-gathered over the TP group, once for the forward and
+    again in the backward for the weight's gradient (``gathered``, another node of the same value; its
+    reduce-scatter of the input's gradient follows the pattern in the graph)."""
+
+    @staticmethod
+    def forward(ctx, input, gathered, weight):
+        ctx.save_for_backward(gathered, weight)
+        return torch.matmul(input, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        total_input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        grad_output, total_input = grad_output.contiguous(), total_input.contiguous()
+        if grad_output.dim() == 3:
+            grad_output = grad_output.view(grad_output.shape[0] * grad_output.shape[1], grad_output.shape[2])
+            total_input = total_input.view(total_input.shape[0] * total_input.shape[1], total_input.shape[2])
+        return grad_input, None, grad_output.t().matmul(total_input)
+
+
 class _MegatronCrossEntropy(torch.autograd.Function):
     """megatron-core 0.16.1's _VocabParallelCrossEntropy (tensor_parallel/cross_entropy.py), op for op, with the
     vocab range and the smoothing factors as arguments (smoothing None: unsmoothed)."""
@@ -280,38 +306,75 @@ class _MegatronCrossEntropy(torch.autograd.Function):
         return softmax, None, None, None, None, None, None
 
 
-def megatron_loss_pattern(smoothed: bool):
-    if smoothed:
-        def pattern(hidden, weight, target, start, end, smoothing, keep, spread):
+def megatron_loss_pattern(smoothed: bool, sequence_parallel: bool):
+    def loss(hidden, gathered, weight, target, start, end, smoothing=None, keep=None, spread=None):
+        if sequence_parallel:
+            logits = _MegatronLinearGathered.apply(hidden, gathered, weight).float()
+        else:
             logits = _MegatronLinear.apply(hidden, weight).float()
-            return _MegatronCrossEntropy.apply(logits, target, start, end, smoothing, keep, spread)
+        return _MegatronCrossEntropy.apply(logits, target, start, end, smoothing, keep, spread)
+
+    if smoothed and sequence_parallel:
+        def pattern(hidden, gathered, weight, target, start, end, smoothing, keep, spread):
+            return loss(hidden, gathered, weight, target, start, end, smoothing, keep, spread)
+    elif smoothed:
+        def pattern(hidden, weight, target, start, end, smoothing, keep, spread):
+            return loss(hidden, None, weight, target, start, end, smoothing, keep, spread)
+    elif sequence_parallel:
+        def pattern(hidden, gathered, weight, target, start, end):
+            return loss(hidden, gathered, weight, target, start, end)
     else:
         def pattern(hidden, weight, target, start, end):
-            logits = _MegatronLinear.apply(hidden, weight).float()
-            return _MegatronCrossEntropy.apply(logits, target, start, end, None, None, None)
-    pattern.__name__ = f"megatron_vocab_parallel_cross_entropy{'_smoothed' if smoothed else ''}"
+            return loss(hidden, None, weight, target, start, end)
+    pattern.__name__ = (f"megatron_vocab_parallel_cross_entropy{'_smoothed' if smoothed else ''}"
+                        f"{'_sequence_parallel' if sequence_parallel else ''}")
     return pattern
 
 
-def megatron_loss_replacement(smoothed: bool):
+def megatron_loss_replacement(smoothed: bool, sequence_parallel: bool):
     def fused_loss(hidden, weight, target, start, smoothing):
         loss, _lse = fused.vocab_parallel_linear_cross_entropy(hidden, weight, target, int(start), smoothing,
                                                                _group["name"])
         return loss
 
-    if smoothed:
+    # the backward's second gather is left without users: the fused op's backward takes the forward's
+    if smoothed and sequence_parallel:
+        def replacement(hidden, gathered, weight, target, start, end, smoothing, keep, spread):
+            return fused_loss(hidden, weight, target, start, smoothing)
+    elif smoothed:
         def replacement(hidden, weight, target, start, end, smoothing, keep, spread):
             return fused_loss(hidden, weight, target, start, smoothing)
+    elif sequence_parallel:
+        def replacement(hidden, gathered, weight, target, start, end):
+            return fused_loss(hidden, weight, target, start, 0.0)
     else:
         def replacement(hidden, weight, target, start, end):
             return fused_loss(hidden, weight, target, start, 0.0)
     return replacement
 
 
-def _megatron_examples():
-    for dtype in (F32, BF16):
-        yield [torch.empty(4, 2, 8, dtype=dtype, requires_grad=True),
-               torch.empty(16, 8, dtype=dtype, requires_grad=True), torch.zeros(4, 2, dtype=torch.long)]
+def _megatron_examples(sequence_parallel: bool):
+    def examples():
+        for dtype in (F32, BF16):
+            hidden = torch.empty(4, 2, 8, dtype=dtype, requires_grad=True)
+            gathered = [torch.empty(4, 2, 8, dtype=dtype)] if sequence_parallel else []
+            yield [hidden, *gathered, torch.empty(16, 8, dtype=dtype, requires_grad=True),
+                   torch.zeros(4, 2, dtype=torch.long)]
+
+    return examples
+
+
+def _all_gathered(node):
+    """(input, group size, group) of ``wait_tensor(all_gather_into_tensor(input, n, group))``, Megatron's
+    all-gather into a buffer as Dynamo captures it (its copy into the fresh buffer normalized away), or None."""
+    wait = node.args[1] if isinstance(node, torch.fx.Node) and node.target == aten.copy.default else node
+    if not (isinstance(wait, torch.fx.Node) and wait.target == torch.ops._c10d_functional.wait_tensor.default):
+        return None
+    gather = wait.args[0]
+    if not (isinstance(gather, torch.fx.Node)
+            and gather.target == torch.ops._c10d_functional.all_gather_into_tensor.default):
+        return None
+    return tuple(gather.args)
 
 
 def _megatron_check(match) -> bool | str:
@@ -320,6 +383,11 @@ def _megatron_check(match) -> bool | str:
         return f"weight {tuple(weight.shape)} {weight.dtype} on hidden {hidden.dtype}: the fused op takes one dtype"
     if target.dtype != torch.int64:
         return f"target is {target.dtype}; the fused op takes int64 class indices"
+    if "gathered" in match.kwargs:
+        once, again = _all_gathered(match.kwargs["hidden"]), _all_gathered(match.kwargs["gathered"])
+        if once is None or once != again:
+            return ("the weight's gradient takes another input than the forward's matmul, not the same "
+                    "all-gather of it (sequence parallelism)")
     start, end, vocab = match.kwargs["start"], match.kwargs["end"], weight.shape[0]
     if not (isinstance(start, (int, float)) and isinstance(end, (int, float)) and end - start == vocab):
         return f"vocab range [{start}, {end}) is not the output layer's {vocab} rows"
@@ -362,12 +430,12 @@ def _megatron_site(node) -> bool | str:
     return True
 
 
-for _smooth in (False, True):
+for _sp, _smooth in itertools.product((False, True), (False, True)):
     register_rule(Rule(
         name="vocab_parallel_cross_entropy",
-        pattern=megatron_loss_pattern(_smooth),
-        replacement=megatron_loss_replacement(_smooth),
-        example_inputs=_megatron_examples,
+        pattern=megatron_loss_pattern(_smooth, _sp),
+        replacement=megatron_loss_replacement(_smooth, _sp),
+        example_inputs=_megatron_examples(_sp),
         scalars={"start": VOCAB_START, "end": VOCAB_END,
                  **({"smoothing": SMOOTHING, "keep": SMOOTH_KEEP, "spread": SMOOTH_SPREAD} if _smooth else {})},
         extra_check=_megatron_check,

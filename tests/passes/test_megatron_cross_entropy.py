@@ -1,7 +1,8 @@
 """The vocab_parallel_cross_entropy rule fires on megatron-core's loss after its output layer,
 ``vocab_parallel_cross_entropy(output_layer(h)[0].float(), labels, α)`` on a ColumnParallelLinear, as Dynamo
 captures it (both autograd.Functions' forwards and backwards in the joint graph), at TP=1 in this process and
-at TP=2 on 2 gloo processes (its all-reduces as functional collectives), with labels out of the vocabulary
+at TP=2 on 2 gloo processes (its all-reduces as functional collectives), with and without sequence parallelism,
+with labels out of the vocabulary
 (Megatron's padding, masked by the caller) and label smoothing; the loss and the gradients of the hidden states
 and the weight shard equal eager within 1e-5 (fp32)."""
 
@@ -22,7 +23,7 @@ def _relative(actual, expected):
     return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
 
 
-def _case(tp: int, smoothing: float, dtype=torch.float32):
+def _case(tp: int, smoothing: float, dtype=torch.float32, sp: bool = False):
     """Compiled (backend ascend, target reference) against eager on one rank: (fusions, unfused, errors)."""
     from megatron.core import tensor_parallel
     from megatron.core.model_parallel_config import ModelParallelConfig
@@ -30,7 +31,7 @@ def _case(tp: int, smoothing: float, dtype=torch.float32):
     from npu_compile.debug.report import collect
 
     config = ModelParallelConfig(tensor_model_parallel_size=tp, params_dtype=dtype,
-                                 use_cpu_initialization=True)
+                                 use_cpu_initialization=True, sequence_parallel=sp)
     torch.manual_seed(0)  # the same master weight on every rank, each keeps its shard
     layer = tensor_parallel.ColumnParallelLinear(HIDDEN, VOCAB, config=config, init_method=torch.nn.init.normal_,
                                                  bias=False, gather_output=False)
@@ -39,6 +40,8 @@ def _case(tp: int, smoothing: float, dtype=torch.float32):
     labels = torch.randint(0, VOCAB, (SEQ, BATCH), generator=gen)
     labels.view(-1)[::5] = IGNORED
     seed = torch.randn(SEQ, BATCH, generator=gen)
+    if sp:  # each rank holds its part of the sequence; the output layer all-gathers it
+        hidden = hidden.chunk(tp)[torch.distributed.get_rank()]
 
     def loss(h, t):
         return tensor_parallel.vocab_parallel_cross_entropy(layer(h)[0].float(), t, smoothing)
@@ -60,10 +63,15 @@ def _case(tp: int, smoothing: float, dtype=torch.float32):
     return report.fusions, report.unfused, report.lowered_ops, errors
 
 
-def _check(fusions, unfused, ops, errors, tp=1, tolerance=1e-5):
-    print(f"TP={tp}: {errors}")
-    # what stays of the collectives: the output layer's dgrad all-reduce (at TP=1 too: a group of one)
-    assert ops.get("_c10d_functional.all_reduce", 0) == (1 if tp > 1 else 0), ops
+def _check(fusions, unfused, ops, errors, tp=1, sp=False, tolerance=1e-5):
+    print(f"TP={tp}{' SP' if sp else ''}: {errors}")
+    # what stays of the collectives: the output layer's dgrad all-reduce at TP=2 (none at TP=1: Megatron makes
+    # none for one rank), with SP its all-gather and its gradient's reduce-scatter (the backward's second
+    # all-gather, for the weight's gradient, went with the pattern)
+    assert ops.get("_c10d_functional.all_reduce", 0) == (1 if tp > 1 and not sp else 0), ops
+    if sp:
+        assert ops["_c10d_functional.all_gather_into_tensor"] == 1, ops
+        assert ops["_c10d_functional.reduce_scatter_tensor"] == 1, ops
     assert fusions["vocab_parallel_cross_entropy"] == 1 and unfused == []
     assert ops["npu_compile.vocab_parallel_linear_cross_entropy"] == 1
     assert ops["npu_compile.vocab_parallel_linear_cross_entropy_backward"] == 1
@@ -95,7 +103,7 @@ def _tp2_worker():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     megatron_glue.adapt()
     start = time.perf_counter()
-    results = {smoothing: _case(2, smoothing) for smoothing in SMOOTHINGS}
+    results = {(smoothing, sp): _case(2, smoothing, sp=sp) for smoothing in SMOOTHINGS for sp in (False, True)}
     return results, time.perf_counter() - start
 
 
@@ -112,7 +120,8 @@ def tp2():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 @pytest.mark.parametrize("smoothing", SMOOTHINGS)
-def test_megatron_loss_tp2_fused_and_equal_to_eager(tp2, smoothing):
+def test_megatron_loss_tp2_fused_and_equal_to_eager(tp2, smoothing, sp):
     for rank, (results, _seconds) in enumerate(tp2):
-        _check(*results[smoothing], tp=2)
+        _check(*results[smoothing, sp], tp=2, sp=sp)
