@@ -38,6 +38,7 @@ With sequence parallelism the output layer all-gathers its input over the TP gro
 again in the backward for the weight's gradient: a variant takes both gathers, checks they gather the same
 tensor, and the fused op's backward uses the first (the second is left dead).
 
+Not matched yet: a graph with symbolic sizes (torch.compile's dynamic shapes; reported unfused by design).
 Not matched here: class weights, Megatron's fused_vocab_parallel_cross_entropy (jit-scripted helpers; not
 tried), an output layer with bias or gather_output, and gradient_accumulation_fusion (a wgrad kernel outside
 the graph).
@@ -424,6 +425,10 @@ def _megatron_site(node) -> bool | str:
     if not (isinstance(src, torch.fx.Node) and src.target is operator.getitem
             and getattr(src.args[0], "target", None) == aten.max.dim and node.args[1] == "max"):
         return False
+    rows = src.args[0].args[0].meta.get("val") if isinstance(src.args[0].args[0], torch.fx.Node) else None
+    if rows is not None and not all(isinstance(d, int) for d in rows.shape):
+        return ("symbolic token count: Megatron's loss is matched at static shapes only (the pattern does not "
+                "match its graph at symbolic sizes yet)")
     if node.args[2] != _group["name"]:
         return (f"the loss all-reduces over group {node.args[2]!r}; the pattern was traced with {_group['name']!r}, "
                 "the TP group of this process's first loss")
