@@ -1,5 +1,6 @@
 """npu_compile::linear_cross_entropy (and its backward op) against F.cross_entropy(F.linear(h, w).float(), t):
-reductions, ignore_index, label smoothing, chunk sizes, dtypes; the chunked kernel never holds [N, V] fp32."""
+reductions, ignore_index, label smoothing, chunk sizes, dtypes; the chunked kernel never holds [N, V] fp32. And
+npu_compile::vocab_parallel_linear_cross_entropy against megatron-core's vocab_parallel_cross_entropy at TP=1."""
 
 import pytest
 import torch

@@ -23,7 +23,7 @@ def _relative(actual, expected):
     return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
 
 
-def _case(tp: int, smoothing: float, dtype=torch.float32, sp: bool = False):
+def _case(tp: int, smoothing: float, dtype=torch.float32, sp: bool = False, target: str = "reference"):
     """Compiled (backend ascend, target reference) against eager on one rank: (fusions, unfused, errors)."""
     from megatron.core import tensor_parallel
     from megatron.core.model_parallel_config import ModelParallelConfig
@@ -56,7 +56,7 @@ def _case(tp: int, smoothing: float, dtype=torch.float32, sp: bool = False):
     expected = run(loss)
     torch._dynamo.reset()
     with collect() as reports:
-        got = run(torch.compile(loss, backend="ascend", options={"target": "reference"}))
+        got = run(torch.compile(loss, backend="ascend", options={"target": target}))
     torch._dynamo.reset()
     (report,) = reports
     errors = {name: _relative(g, e) for name, g, e in zip(("loss", "grad_hidden", "grad_weight"), got, expected)}
@@ -88,6 +88,19 @@ def test_megatron_loss_tp1_bf16_fused(megatron_cpu):
     """bf16 weights: the logits' .float() is in the pattern; the fused op rounds the matmul once as eager does,
     the gradients within two bf16 ulps of eager's."""
     _check(*_case(1, 0.1, torch.bfloat16), tolerance=2 * 2.0**-8)
+
+
+def test_megatron_loss_lowered_for_npu_sim(megatron_cpu):
+    """On the npu targets the fused op becomes per-chunk aten ops (and the forward's all-reduces), said in
+    report.json; still equal to eager."""
+    fusions, unfused, ops, errors = _case(1, 0.1, target="npu-sim")
+    assert fusions["vocab_parallel_cross_entropy"] == 1
+    assert not [op for op in ops if op.startswith("npu_compile.")], ops
+    assert ops["_c10d_functional.all_reduce"] == 3, ops  # max, target logit, sum of exponentials
+    assert {u["op"] for u in unfused} == {"npu_compile.vocab_parallel_linear_cross_entropy",
+                                          "npu_compile.vocab_parallel_linear_cross_entropy_backward"}
+    assert all("no torch_npu kernel" in u["reason"] for u in unfused), unfused
+    assert max(errors.values()) <= 1e-5, errors
 
 
 def _tp2_worker():
