@@ -9,11 +9,13 @@ backward op that is itself a custom op, so the partitioner sees one opaque node 
     activations  bias_gelu, swiglu (+ _backward each)
     rotary       rotary, rotary_backward
     dropout_add  bias_dropout_add, bias_dropout_add_backward
+    cross_entropy  linear_cross_entropy, vocab_parallel_linear_cross_entropy (+ _backward each)
 
 Rules (passes/) insert these ops; targets (lowering/) map them to device calls. Argument conventions follow
 the torch_npu ops they lower to (documented per module).
 """
 
 from npu_compile.ops import activations, attention, dropout_add, norms, rotary
+from npu_compile.ops import cross_entropy
 
-__all__ = ["activations", "attention", "dropout_add", "norms", "rotary"]
+__all__ = ["activations", "attention", "cross_entropy", "dropout_add", "norms", "rotary"]

@@ -117,6 +117,7 @@ def normalize(graph: torch.fx.Graph, mode: str) -> None:
     one out, or reordering them, loses matches (a dead ``new_empty_strided`` left by functionalization blocks
     view folding)."""
     canonical_sizes(graph)
+    scalar_constants_as_full(graph)
     remove_noop_ops(graph)
     fold_full_slice_backwards(graph)
     if mode == TRAINING:
@@ -124,6 +125,28 @@ def normalize(graph: torch.fx.Graph, mode: str) -> None:
     else:
         fold_view_round_trips(graph)
     graph.eliminate_dead_code()
+
+
+def scalar_constants_as_full(graph: torch.fx.Graph) -> None:
+    """Replace ``lift_fresh_copy(get_attr c)`` of a 0-dim constant (Dynamo's ``x[mask] = 0``: Megatron's loss) by
+    ``full([], c)`` of its dtype and device, the same value: torch's matcher cannot hold get_attr nodes, so a
+    pattern writes the value as ``torch.full((), v, dtype=...)``."""
+    owner = graph.owning_module
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.lift_fresh_copy.default):
+        src = node.args[0]
+        if owner is None or not (isinstance(src, torch.fx.Node) and src.op == "get_attr"):
+            continue
+        const = getattr(owner, src.target, None)
+        if not isinstance(const, torch.Tensor) or const.dim() != 0:
+            continue
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():  # the backend runs under the fake mode
+            value = const.item()
+        with graph.inserting_before(node):
+            full = graph.call_function(torch.ops.aten.full.default, ([], value),
+                                       {"dtype": const.dtype, "device": const.device, "pin_memory": False})
+        full.meta = dict(node.meta)
+        node.replace_all_uses_with(full)
+        graph.erase_node(node)
 
 
 def fold_view_round_trips(graph: torch.fx.Graph) -> None:

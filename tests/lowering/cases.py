@@ -79,6 +79,16 @@ def _rotary_inputs(rotated: int, grad: bool) -> list[torch.Tensor]:
     return [_t(S, B, N, D), angles.cos().requires_grad_(grad), angles.sin().requires_grad_(grad)]
 
 
+def _ce_inputs(ignore_index: int, dtype: torch.dtype = torch.float32) -> list:
+    """[S, B, H] hidden states, a [V = 40, H] output weight, and targets with every third token ignored."""
+    target = torch.randint(0, 40, (S, B))
+    target.view(-1)[::3] = ignore_index
+    return [_t(S, B, H, dtype=dtype), (_t(40, H, grad=False, dtype=dtype) / 4).requires_grad_(), target]
+
+
+CROSS_ENTROPY = ("npu.npu_cross_entropy_loss", "npu.npu_cross_entropy_loss_backward")
+
+
 ATTENTION = ("npu.npu_fusion_attention", "npu.npu_fusion_attention_grad")
 V3 = ("npu.npu_fusion_attention_v3", "npu.npu_fusion_attention_grad_v3")  # the graph-mode versions (aclgraph)
 ACLGRAPH, EAGER = {"graph_mode": "aclgraph"}, {"graph_mode": "eager"}
@@ -135,6 +145,14 @@ CASES: dict[str, Case] = {
     "rotary_interleave_partial_cos_grad": Case(
         lambda x, c, s: F.rotary(x, c, s, "interleave"), lambda: _rotary_inputs(D // 2, grad=True),
         ("npu.npu_rotary_mul", "npu.npu_rotary_mul_backward")),
+    "linear_cross_entropy_mean_smoothed_chunked": Case(  # ignore_index -100: masked around the kernel
+        lambda h, w, t: F.linear_cross_entropy(h, w, t, -100, 0.1, "mean", 7)[0], lambda: _ce_inputs(-100),
+        CROSS_ENTROPY),
+    "linear_cross_entropy_none_ignore_0": Case(  # ignore_index >= 0: the kernel's own
+        lambda h, w, t: F.linear_cross_entropy(h, w, t, 0, 0.0, "none", 0)[0], lambda: _ce_inputs(0), CROSS_ENTROPY),
+    "linear_cross_entropy_sum_bf16": Case(
+        lambda h, w, t: F.linear_cross_entropy(h, w, t, -1, 0.0, "sum", 10)[0],
+        lambda: _ce_inputs(-1, torch.bfloat16), CROSS_ENTROPY, tolerance=2e-2),
     "bias_dropout_add_p0": Case(
         lambda x, b, r: F.bias_dropout_add(x, b, r, 0.0), lambda: [_t(S, B, H), _t(H), _t(S, B, H)], ()),
     "bias_dropout_add_p": Case(

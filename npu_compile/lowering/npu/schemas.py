@@ -75,6 +75,16 @@ EMULATED: dict[str, str] = {
     "npu_rotary_mul": (
         "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"
     ),
+    "npu_cross_entropy_loss": (
+        "npu_cross_entropy_loss(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "
+        "int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale_for_zloss=0.0, "
+        "bool return_zloss=False) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_cross_entropy_loss_backward": (
+        "npu_cross_entropy_loss_backward(Tensor grad_loss, Tensor log_prob, Tensor target, Tensor? weight=None, "
+        "Tensor? grad_zloss=None, Tensor? lse_for_zloss=None, str reduction='mean', int ignore_index=-100, "
+        "float label_smoothing=0.0, float lse_square_scale_for_zloss=0.0) -> Tensor"
+    ),
     "npu_rotary_mul_backward": (
         "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') "
         "-> (Tensor, Tensor, Tensor)"
