@@ -66,6 +66,7 @@ bench: $(STAMP)
 	$(PY) -m bench.overlap
 	$(PY) -m bench.memory
 	$(PY) -m bench.convert_memory
+	$(PY) -m bench.compile_time
 
 clean:
 	rm -rf $(VENV) $(VENV012) npu_compile_dump .pytest_cache .hypothesis
