@@ -67,6 +67,7 @@ bench: $(STAMP)
 	$(PY) -m bench.memory
 	$(PY) -m bench.convert_memory
 	$(PY) -m bench.reference_kernels
+	$(PY) -m bench.compile_time
 
 clean:
 	rm -rf $(VENV) $(VENV012) npu_compile_dump .pytest_cache .hypothesis

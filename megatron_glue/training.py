@@ -114,8 +114,10 @@ def transformer_config(args, where):
 def compile_model(chunk, args) -> None:
     """Each transformer layer, the embedding and the output layer: its forward compiled with backend="ascend",
     in place (parameter names, sharded_state_dict and DDP's grad hooks unchanged). Layers of the same structure
-    share one compiled graph: Dynamo takes their parameters as inputs and guards on structure, not identity. The
-    module's own hooks stay outside the graph (megatron_glue.training_adaptations: --overlap-param-gather)."""
+    share one compiled graph: Dynamo (torch 2.13, inline_inbuilt_nn_modules) takes their parameters as inputs and
+    guards on structure, not identity, so N identical layers compile once and never approach the recompile limit;
+    report.json ``reused_by`` counts the layers running each graph. The module's own hooks stay outside the graph
+    (megatron_glue.training_adaptations: --overlap-param-gather)."""
     from megatron_glue.training_adaptations import COMPILED_FORWARD
 
     from npu_compile.config import DUMP_DIR_ENV

@@ -9,7 +9,8 @@
 
 The target is an object (``lowering.target``): this module composes what it declares and knows no target by
 name. Each stage's graph goes to the dump dir and to tlparse; each compiled Dynamo graph gets one report.json
-(assembled by ``debug/report.py``).
+(assembled by ``debug/report.py``). The partition and each graph's stages + lowering go through the persistent
+cache (``cache.py``): on a hit their result is loaded instead of computed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from npu_compile import comm, config, lowering, passes
+from npu_compile import cache, comm, config, lowering, passes
 from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.report import Recorder
 from npu_compile.debug.verify import verified
@@ -68,15 +69,46 @@ class _Compilation:
         self.report = self.record.report
         self.dump.stage("dynamo", "captured", gm)
 
+    def _cached(self, step: str, gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> tuple[str | None, dict | None]:
+        """(key, entry) of ``step`` on ``gm``: entry None on a miss; key None with the cache off."""
+        if not self.opts.cache:
+            self.report.cache[step] = "off"
+            return None, None
+        try:
+            key = cache.graph_key(step, gm, self.opts)
+        except Exception as e:  # a graph the key cannot describe: compile it, uncached
+            log.info("npu_compile cache: no key for %s of graph %s (%s)", step, self.report.graph_id, e)
+            self.report.cache[step] = "off"
+            return None, None
+        state, entry = cache.load(key, cache.fake_mode_of(inputs))
+        self.report.cache[step] = state
+        return key, entry
+
+    def _store(self, key: str | None, value: dict) -> None:
+        if key is not None:
+            cache.store(key, value)
+
     # -- training: runs once on the joint graph, before either half is compiled
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
         self.dump.stage("joint", "aot_joint", joint)
-        self.record.fusions(*passes.apply_rules(joint, self.opts.fusion_enabled, passes.TRAINING))
-        self.dump.stage("joint", "fused", joint)
-        # memory_budget → the min-cut's activation budget, recompute weighed by the cost model; attention's
-        # outputs are always saved, cheap fused ops may be recomputed (passes/recompute.py)
-        with recompute.policy(joint, self.opts.memory_budget):
-            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        key, hit = self._cached("partition", joint, joint_inputs)
+        primals = sum(1 for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+        if hit is not None and sum(1 for n in hit["fw"].graph.nodes if n.op == "placeholder") == primals:
+            fw, bw = hit["fw"], hit["bw"]
+            self.record.fusions(hit["fusions"], hit["unfused"])
+        else:
+            if hit is not None:
+                log.warning("npu_compile cache: partition entry of graph %s does not fit its joint graph; rebuilding",
+                            self.report.graph_id)
+                self.report.cache["partition"] = "rebuilt"
+            counts, unfused = passes.apply_rules(joint, self.opts.fusion_enabled, passes.TRAINING)
+            self.record.fusions(counts, unfused)
+            self.dump.stage("joint", "fused", joint)
+            # memory_budget → the min-cut's activation budget, recompute weighed by the cost model; attention's
+            # outputs are always saved, cheap fused ops may be recomputed (passes/recompute.py)
+            with recompute.policy(joint, self.opts.memory_budget):
+                fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            self._store(key, {"fw": fw, "bw": bw, "fusions": counts, "unfused": unfused})
         self.record.partition(fw, bw)
         log.info("%s", self.dump.summary("joint"))
         return fw, bw
@@ -86,9 +118,21 @@ class _Compilation:
 
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
             self.dump.stage(kind, "aot", gm)
+            key, hit = self._cached(kind, gm, example_inputs)
             if kind == "inference":
                 self.record.inference_input(gm)
-                self.record.fusions(*passes.apply_rules(gm, self.opts.fusion_enabled, passes.INFERENCE))
+            if hit is not None:
+                lowered = hit["gm"]
+                self.record.fusions(hit["fusions"], hit["unfused"])
+                self.record.comm_timelines[kind] = hit["comm"]
+                self.dump.stage(kind, f"cached_lowered_{self.opts.target}", lowered)
+                self.record.graph_done(kind, lowered)
+                return self.target.executor(lowered, example_inputs, self.opts)
+            unfused_from = len(self.report.unfused)
+            counts: dict[str, int] = {}
+            if kind == "inference":
+                counts, unfused = passes.apply_rules(gm, self.opts.fusion_enabled, passes.INFERENCE)
+                self.record.fusions(counts, unfused)
                 self.dump.stage(kind, "fused", gm)
             comm_before = comm.simulate(gm)
             for name, stage in aten_stages(self.target):
@@ -99,6 +143,8 @@ class _Compilation:
             gm.graph.lint()
             gm.recompile()
             self.dump.stage(kind, f"lowered_{self.opts.target}", gm)
+            self._store(key, {"gm": gm, "fusions": counts, "unfused": self.report.unfused[unfused_from:],
+                              "comm": self.record.comm_timelines[kind]})
             self.record.graph_done(kind, gm)
             return self.target.executor(gm, example_inputs, self.opts)  # op by op, or torchair on the NPU
 
@@ -124,4 +170,33 @@ def ascend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: 
         decompositions=passes.decompositions(),
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
-    return verified(compiled, gm, c.report, c.dump) if opts.verify else compiled
+    compiled = verified(compiled, gm, c.report, c.dump) if opts.verify else compiled
+    return _count_users(compiled, gm, example_inputs, c)
+
+
+def _count_users(compiled: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c: _Compilation):
+    """``compiled``, counting the distinct modules that run it: with their parameters as graph inputs (Dynamo's
+    default in torch 2.13), N identical layers run one compiled graph, each with its own parameters. The first
+    parameter input tells them apart; each new one updates report.json ``reused_by`` / ``reused``."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    where = next((i for i, (n, x) in enumerate(zip(placeholders, example_inputs))
+                  if isinstance(x, torch.nn.Parameter) or "_parameters_" in n.name), None)
+    if where is None:
+        return compiled
+    seen: set[int] = set()
+    boxed = getattr(compiled, "_boxed_call", False)
+
+    def run(*args):
+        flat = args[0] if boxed else args
+        who = id(flat[where])
+        if who not in seen:
+            seen.add(who)
+            c.report.reused_by, c.report.reused = len(seen), len(seen) > 1
+            c.dump.report(c.report.to_json())
+            if len(seen) == 2:
+                log.info("graph %s reused by a second module", c.report.graph_id)
+        return compiled(*args)
+
+    if boxed:
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run

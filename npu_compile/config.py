@@ -64,6 +64,7 @@ class Options:
     verify: bool = False  # run the unfused graph beside the compiled one on first call and compare
     # npu / npu-sim: lower GeLU to npu_fast_gelu, x·σ(1.702x) — a different function from GeLU, so opt-in only
     fast_gelu: bool = False
+    cache: bool = True  # load / store compiled graphs in the persistent cache ($NPU_COMPILE_CACHE_DIR)
 
     def fusion_enabled(self, rule: str) -> bool:
         """Whether rule ``rule`` runs under this ``fusions`` setting."""

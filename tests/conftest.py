@@ -10,9 +10,12 @@ theirs from the fuzz profile and run only when asked for (`make fuzz`, `-m fuzz`
 
 import os
 import random
+import tempfile
 import zlib
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+# The persistent compile cache of this session's jobs (subprocesses included) starts empty, away from the user's.
+os.environ.setdefault("NPU_COMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="npu_compile_cache_"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -41,5 +44,9 @@ def fresh_dynamo(request):
     torch.manual_seed(seed)
     random.seed(seed)
     torch._dynamo.reset()
-    yield
+    # In-process compiles run every pass (tests look at their stages): the cache only where a test asks for it.
+    from npu_compile import config
+
+    with config.patch(cache=False):
+        yield
     torch._dynamo.reset()

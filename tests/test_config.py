@@ -14,7 +14,7 @@ def test_defaults_match_design_table():
     assert (opts.target, opts.graph_mode, opts.fusions, opts.memory_budget, opts.overlap, opts.dump_dir, opts.verify) == (
         "auto", "ge", "all", 1.0, True, None, False
     )
-    assert config.KEYS == ("target", "graph_mode", "fusions", "memory_budget", "overlap", "dump_dir", "verify", "fast_gelu")
+    assert config.KEYS == ("target", "graph_mode", "fusions", "memory_budget", "overlap", "dump_dir", "verify", "fast_gelu", "cache")
 
 
 def test_unknown_key_names_valid_keys():
@@ -22,7 +22,7 @@ def test_unknown_key_names_valid_keys():
         config.validate({"targett": "npu"})
     assert str(e.value) == (
         "unknown npu_compile option(s) 'targett'; valid options are "
-        "target, graph_mode, fusions, memory_budget, overlap, dump_dir, verify, fast_gelu"
+        "target, graph_mode, fusions, memory_budget, overlap, dump_dir, verify, fast_gelu, cache"
     )
 
 

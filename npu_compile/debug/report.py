@@ -56,6 +56,13 @@ class Report:
     graphs: list[str] = dataclasses.field(default_factory=list)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     verify: dict[str, Any] | None = None
+    # How many distinct modules (parameter sets) have run this compiled graph: N identical layers compiled once
+    # show N here; reused is True when more than one did.
+    reused_by: int = 0
+    reused: bool = False
+    # Persistent cache, per step ("partition", "forward", "backward", "inference"): "hit", "miss" (compiled and
+    # stored), "rebuilt" (an entry failed its checks: ignored, compiled again) or "off".
+    cache: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

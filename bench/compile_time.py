@@ -1,0 +1,95 @@
+"""First-step compile time of a megatron-core GPT (hidden 128, seq 128) at 2, 8 and 32 layers, per-layer compiled
+as the training job does (megatron_glue.training.compile_model): backend="ascend" cold, "ascend" warm (a second
+process on the persistent cache), and Inductor cold, each in a fresh subprocess with its own empty caches.
+
+    python -m bench.compile_time          # writes bench/results/compile_time.md and .png
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LAYERS = (2, 8, 32)
+RESULTS = Path(__file__).parent / "results"
+
+_CHILD = r"""
+import json, sys, time, types
+import torch
+from megatron_glue import adapt, models
+from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch
+from megatron_glue.training import compile_model
+adapt(("cpu", "compile")); models.init_single_process()
+layers, backend = int(sys.argv[1]), sys.argv[2]
+model = build_gpt_model(gpt_config(hidden_size=128, num_attention_heads=4, num_layers=layers), 128, 128)
+if backend == "ascend":
+    compile_model(model, types.SimpleNamespace(npu_compile_options={}))
+else:
+    for m in [*model.decoder.layers, model.embedding, model.output_layer]:
+        m.forward = torch.compile(m.forward, backend=backend)
+batch = synthetic_batch(2, 128, 128)
+t = time.perf_counter()
+model(**batch).mean().backward()
+first = time.perf_counter() - t
+print(json.dumps({"first_step_s": first, "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}))
+"""
+
+
+def run(layers: int, backend: str, cache_dir: str, inductor_dir: str) -> dict:
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", NPU_COMPILE_CACHE_DIR=cache_dir,
+               TORCHINDUCTOR_CACHE_DIR=inductor_dir, PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(layers), backend], env=env, capture_output=True,
+                          text=True, timeout=1800, cwd=Path(__file__).parent.parent)
+    if done.returncode:
+        raise RuntimeError(f"{backend} at {layers} layers failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    rows = []
+    for layers in LAYERS:
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as ind, \
+                tempfile.TemporaryDirectory() as ind2:
+            cold = run(layers, "ascend", cache, ind)
+            warm = run(layers, "ascend", cache, ind)  # same cache dir: a restarted job
+            inductor = run(layers, "inductor", cache, ind2)
+        rows.append((layers, cold, warm, inductor))
+        print(layers, cold, warm, inductor, flush=True)
+    base = rows[0][1]["first_step_s"]
+    lines = ["# First-step time of a per-layer compiled GPT (hidden 128, seq 128, batch 2, CPU)", "",
+             "Each figure from a fresh process; cold = empty caches, warm = a second process on the cache the cold "
+             "one wrote. `python -m bench.compile_time`.", "",
+             "| layers | ascend cold (s) | vs 2 layers | ascend warm (s) | warm / cold | inductor cold (s) | graphs |",
+             "|---|---|---|---|---|---|---|"]
+    for layers, cold, warm, ind in rows:
+        c, w = cold["first_step_s"], warm["first_step_s"]
+        lines.append(f"| {layers} | {c:.2f} | {c / base:.2f}x | {w:.2f} | {w / c:.2f} | {ind['first_step_s']:.2f} "
+                     f"| {cold['unique_graphs']} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "compile_time.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        xs = [r[0] for r in rows]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, i in (("ascend cold", 1), ("ascend warm", 2), ("inductor cold", 3)):
+            ax.plot(xs, [r[i]["first_step_s"] for r in rows], marker="o", label=label)
+        ax.set(xlabel="transformer layers", ylabel="first step (s)", xscale="log", title="first-step compile time")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "compile_time.png", dpi=100)
+    except ImportError:
+        pass
+    print((RESULTS / "compile_time.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""compile_model on a GPT of identical layers: the layer graph is compiled once and run by every layer (no
+recompile, report.json reused_by = the layer count), with losses and grads equal to the model run eagerly."""
+
+import types
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch
+from megatron_glue.training import compile_model
+from npu_compile.debug.report import collect
+
+pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+
+VOCAB, SEQ, LAYERS = 128, 16, 4
+
+
+def test_identical_layers_compile_once_and_equal_eager(megatron_cpu, fresh_dynamo, tmp_path):
+    config = gpt_config(hidden_size=32, num_attention_heads=4, num_layers=LAYERS)
+    eager = build_gpt_model(config, VOCAB, SEQ, seed=0)
+    model = build_gpt_model(config, VOCAB, SEQ, seed=0)
+    compile_model(model, types.SimpleNamespace(npu_compile_options={"dump_dir": str(tmp_path)}))
+    counters.clear()
+    batch = synthetic_batch(2, SEQ, VOCAB)
+    with collect() as reports:
+        loss = model(**batch)
+        loss.mean().backward()
+    expected = eager(**batch)
+    expected.mean().backward()
+
+    # embedding, one layer graph, output layer: three graphs whatever the layer count
+    assert len(reports) == 3, [r.graph_id for r in reports]
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["recompiles"]
+    by_users = sorted(r.reused_by for r in reports)
+    assert by_users == [1, 1, LAYERS]
+    layer = next(r for r in reports if r.reused_by == LAYERS)
+    assert layer.reused and layer.graphs == ["forward", "backward"]
+    assert f'"reused_by": {LAYERS}' in (tmp_path / layer.graph_id / "report.json").read_text()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
