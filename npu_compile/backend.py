@@ -187,7 +187,8 @@ def _count_users(compiled: Callable, gm: torch.fx.GraphModule, example_inputs: S
     boxed = getattr(compiled, "_boxed_call", False)
 
     def run(*args):
-        flat = args[0] if boxed else args
+        # boxed: one list of inputs (Dynamo's usual call); Dynamo also calls a graph with sizes unboxed
+        flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
         who = id(flat[where])
         if who not in seen:
             seen.add(who)

@@ -13,6 +13,7 @@ the reason. Inductor's global pattern tables and configs are never touched.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -277,8 +278,7 @@ class Rule:
 
 
 RULES: dict[str, list[Rule]] = {}
-_passes: dict[tuple[str, str], PatternMatcherPass] = {}
-_traced: dict[tuple[str, str], set[int]] = {}  # which of RULES[name] each pass holds so far
+_groups: dict[tuple[str, str], "_Group"] = {}  # the traced variants of each (rule name, mode), in rule order
 _rejections: dict[str, str] = {}  # output node name -> why extra_check declined it (this apply only)
 
 
@@ -288,8 +288,7 @@ def register_rule(rule: Rule) -> Rule:
         return rule  # the same module imported twice
     RULES.setdefault(rule.name, []).append(rule)
     for mode in rule.modes:
-        _passes.pop((rule.name, mode), None)  # rebuilt with the new variant on next use
-        _traced.pop((rule.name, mode), None)
+        _groups.pop((rule.name, mode), None)  # rebuilt with the new variant on next use
     return rule
 
 
@@ -297,8 +296,7 @@ def unregister_rule(name: str) -> None:
     """Remove every registration under ``name`` (for rules added by tests or notebooks)."""
     RULES.pop(name, None)
     for mode in (TRAINING, INFERENCE):
-        _passes.pop((name, mode), None)
-        _traced.pop((name, mode), None)
+        _groups.pop((name, mode), None)
 
 
 def rule_names() -> tuple[str, ...]:
@@ -321,48 +319,133 @@ def _checked(rule: Rule) -> Callable[[Match], bool]:
     return check
 
 
-def _pass(name: str, mode: str, graph: torch.fx.Graph) -> PatternMatcherPass:
-    """The pass of rule ``name`` for ``mode``, holding at least the rules that ``graph`` wants. Rules are traced
-    in registration order, so rules with the same ``wanted`` keep their relative order."""
-    key = (name, mode)
-    if key not in _passes:
-        _passes[key] = PatternMatcherPass(pass_name=f"npu_compile_{name}_{mode}")
-        _traced[key] = set()
-    p, traced = _passes[key], _traced[key]
-    trace = trace_training if mode == TRAINING else trace_inference
-    for index, rule in enumerate(RULES[name]):
-        if index in traced or mode not in rule.modes or (rule.wanted is not None and not rule.wanted(graph)):
-            continue
-        traced.add(index)
-        forms = [(rule.pattern, rule.replacement, trace)]
-        if mode == TRAINING and rule.shared_inputs:
-            share = functools.partial(_sharing, names=rule.shared_inputs)
-            forms.append((share(rule.pattern), share(rule.replacement), _trace_training_shared))
-        for form, (pattern, replacement, trace_fn) in enumerate(forms):
-            examples = rule.example_inputs()
-            if mode == TRAINING and rule.grad_optional:
-                # a shared input without grad takes no gradient from outside: the plain form traces it
-                examples = grad_variants(rule.pattern, examples, rule.grad_optional,
-                                         keep=rule.shared_inputs if form else ())
-            for example in examples:
-                registered = register_replacement(
-                    pattern,
-                    replacement,
-                    list(example),
-                    trace_fn,
-                    p,
-                    extra_check=_checked(rule),
-                    scalar_workaround=dict(rule.scalars),
-                    skip_duplicates=True,  # variants that trace to the same graph register once
-                    get_decomp_fn=decompositions,
-                )
-                if registered:
-                    _ignore_literal_lists(registered)
-    for entries in p.patterns.values():
-        for entry in entries:
-            if not getattr(entry.extra_check, "sizes_as_values", False):
+@dataclasses.dataclass
+class _Variant:
+    """One traced form of a rule: a pattern with one list of example inputs, in a pass of its own (None until
+    traced; None after tracing when it traced to a graph an earlier variant registered already)."""
+
+    rule: Rule
+    pattern: Callable[..., Any]
+    replacement: Callable[..., Any]
+    trace_fn: Callable[..., Any]
+    example: list[Any]
+    traced: bool = False
+    pass_: PatternMatcherPass | None = None
+
+
+class _Group:
+    """The variants of one rule name in one mode, traced one at a time as graphs need them.
+
+    A graph takes the variants in rule order, each applied as it comes, and stops once it holds no site of the
+    rule (an anchor op whose ``site`` verdict is True): a later variant would find nothing to match, so it is
+    not traced for that graph. A model whose attention is the first spelling pays for one trace, not for the
+    dozens of spellings, dtypes and gradient subsets the rule holds. Variants that trace to the same graph
+    register once (one set of seen patterns for the group)."""
+
+    def __init__(self, name: str, mode: str):
+        self.name, self.mode = name, mode
+        self.variants: dict[int, list[_Variant]] = {}  # index in RULES[name] -> its variants, listed on first use
+        self.seen_patterns: dict = collections.defaultdict(list)
+        rules = [r for r in RULES[name] if mode in r.modes]
+        self.anchors = {a for r in rules for a in r.anchors}
+        # stopping early is sound only if every variant needs an anchor op: each traced one is checked
+        self.stoppable = all(r.anchors for r in rules)
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        count = 0
+        for index, rule in enumerate(RULES[self.name]):
+            if self.mode not in rule.modes or (rule.wanted is not None and not rule.wanted(graph)):
+                continue
+            for variant in self._variants(index, rule):
+                if self.stoppable and not self.open_sites(graph):
+                    return count
+                p = self._traced(variant)
+                if p is not None:
+                    count += p.apply(graph)
+        return count
+
+    def open_sites(self, graph: torch.fx.Graph) -> bool:
+        """Whether ``graph`` still holds a site of this rule: an anchor op some rule calls a site."""
+        for rule in RULES[self.name]:
+            if self.mode not in rule.modes:
+                continue
+            for anchor in rule.anchors:
+                for node in graph.find_nodes(op="call_function", target=anchor):
+                    if rule.site is None or rule.site(node) is True:
+                        return True
+        return False
+
+    def _variants(self, index: int, rule: Rule) -> list[_Variant]:
+        if index not in self.variants:
+            trace = trace_training if self.mode == TRAINING else trace_inference
+            forms = [(rule.pattern, rule.replacement, trace)]
+            if self.mode == TRAINING and rule.shared_inputs:
+                share = functools.partial(_sharing, names=rule.shared_inputs)
+                forms.append((share(rule.pattern), share(rule.replacement), _trace_training_shared))
+            variants = []
+            for form, (pattern, replacement, trace_fn) in enumerate(forms):
+                examples = rule.example_inputs()
+                if self.mode == TRAINING and rule.grad_optional:
+                    # a shared input without grad takes no gradient from outside: the plain form traces it
+                    examples = grad_variants(rule.pattern, examples, rule.grad_optional,
+                                             keep=rule.shared_inputs if form else ())
+                variants += [_Variant(rule, pattern, replacement, trace_fn, list(e)) for e in examples]
+            self.variants[index] = variants
+        return self.variants[index]
+
+    def _traced(self, variant: _Variant) -> PatternMatcherPass | None:
+        if variant.traced:
+            return variant.pass_
+        variant.traced = True
+        p = PatternMatcherPass(pass_name=f"npu_compile_{self.name}_{self.mode}")
+        p.seen_patterns = self.seen_patterns  # a graph an earlier variant traced to registers once
+        registered = register_replacement(
+            variant.pattern,
+            variant.replacement,
+            variant.example,
+            variant.trace_fn,
+            p,
+            extra_check=_checked(variant.rule),
+            scalar_workaround=dict(variant.rule.scalars),
+            skip_duplicates=True,
+            get_decomp_fn=decompositions,
+        )
+        if not registered:
+            return None
+        _ignore_literal_lists(registered)
+        if self.stoppable and not self.anchors & _targets(registered):
+            log.warning("a %s pattern of rule %r holds none of its anchor ops %s: every variant of the rule is "
+                        "traced for every graph from now on", self.mode, self.name, sorted(map(str, self.anchors)))
+            self.stoppable = False
+        for entries in p.patterns.values():
+            for entry in entries:
                 entry.extra_check = _sizes_as_values(entry.extra_check)
-    return p
+        variant.pass_ = p
+        return p
+
+
+def _group(name: str, mode: str) -> _Group:
+    if (name, mode) not in _groups:
+        _groups[(name, mode)] = _Group(name, mode)
+    return _groups[(name, mode)]
+
+
+def _targets(pattern: PatternExpr) -> set[Any]:
+    """The ops a traced pattern calls."""
+    targets, seen, stack = set(), set(), [pattern]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or not isinstance(node, PatternExpr):
+            continue
+        seen.add(id(node))
+        if isinstance(node, MultiOutputPattern):
+            stack += node.outputs
+            continue
+        targets.update(getattr(node, "fns", ()))
+        stack += [a for a in (*getattr(node, "args", ()), *getattr(node, "kwargs", {}).values())
+                  if isinstance(a, PatternExpr)]
+        stack += [x for a in getattr(node, "args", ()) if isinstance(a, (list, tuple)) for x in a]
+    return targets
 
 
 def grad_variants(pattern: Callable[..., Any], examples: Sequence[Sequence[Any]], names: Sequence[str],
@@ -527,7 +610,7 @@ def apply_rules(gm: torch.fx.GraphModule, enabled: Callable[[str], bool], mode: 
                 # A pattern whose outputs repeat a node (one gradient for both summands of an add) makes torch's
                 # replacement erase that node twice; the second time it only warns.
                 warnings.filterwarnings("ignore", message=r"erase_node\(.*\) on an already erased node")
-                counts[name] = _pass(name, mode, gm.graph).apply(gm.graph)
+                counts[name] = _group(name, mode).apply(gm.graph)
     if any(counts.values()):
         stable_topological_sort(gm.graph)  # multi-output replacements can land before their inputs
         gm.graph.eliminate_dead_code()
