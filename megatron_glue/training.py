@@ -112,9 +112,9 @@ def transformer_config(args, where):
 
 
 def compile_model(chunk, args) -> None:
-    """Each transformer layer, the embedding and the output layer: its forward compiled with backend="ascend",
-    in place (parameter names, sharded_state_dict and DDP's grad hooks unchanged). Layers of the same structure
-    share one compiled graph: Dynamo (torch 2.13, inline_inbuilt_nn_modules) takes their parameters as inputs and
+    """Each transformer layer, the embedding, and the output layer with the loss (see loss_in_graph): compiled
+    with backend="ascend", in place (parameter names, sharded_state_dict and DDP's grad hooks unchanged). Layers
+    of the same structure share one compiled graph: Dynamo (torch 2.13, inline_inbuilt_nn_modules) takes their parameters as inputs and
     guards on structure, not identity, so N identical layers compile once and never approach the recompile limit;
     report.json ``reused_by`` counts the layers running each graph. The module's own hooks stay outside the graph
     (megatron_glue.training_adaptations: --overlap-param-gather)."""
@@ -131,16 +131,61 @@ def compile_model(chunk, args) -> None:
     if chunk.pre_process:
         modules.append(chunk.embedding)
     if chunk.post_process:
-        modules.append(chunk.output_layer)
+        if loss_in_graph(chunk, args):
+            # the output layer and the loss in one graph, where the loss fuses (vocab_parallel_cross_entropy)
+            chunk._postprocess = torch.compile(chunk._postprocess, backend="ascend", options=options)
+        else:
+            modules.append(chunk.output_layer)
+    layer_options = options
+    if options.get("memory_budget") == "auto":
+        # the memory plan of "auto": what the job holds besides activations, and how many forwards of the layer
+        # graph hold theirs at once (every layer of the chunk, for each micro-batch in flight), unless given
+        options.setdefault("resident_memory", model_state_bytes(chunk, args))
+        layer_options = {**options}
+        layer_options.setdefault("activation_copies", len(chunk.decoder.layers) * in_flight_micro_batches(args))
     for module in modules:
-        module.forward = torch.compile(module.forward, backend="ascend", options=options)
+        opts = layer_options if module in chunk.decoder.layers else options
+        module.forward = torch.compile(module.forward, backend="ascend", options=opts)
         setattr(module, COMPILED_FORWARD, True)
+
+
+def model_state_bytes(chunk, args) -> int:
+    """Bytes of one chunk's parameters, gradients and optimizer state on this rank, as megatron-core keeps them:
+    parameters in bf16/fp16 or fp32; gradients in fp32 with --accumulate-allreduce-grads-in-fp32 (or fp32
+    training), else in the parameters' dtype; Adam's two fp32 moments (SGD's one momentum) plus an fp32 master
+    copy of half-precision parameters, divided over the data-parallel ranks with --use-distributed-optimizer."""
+    n = sum(p.numel() for p in chunk.parameters())
+    half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    param = 2 if half else 4
+    grad = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) or not half else 2
+    state = (8 if getattr(args, "optimizer", "adam") == "adam" else 4) + (4 if half else 0)
+    if getattr(args, "use_distributed_optimizer", False):
+        from megatron.core import parallel_state
+
+        state /= parallel_state.get_data_parallel_world_size()
+    return int(n * (param + grad + state))
+
+
+def in_flight_micro_batches(args) -> int:
+    """Micro-batches whose activations a stage holds at once: 1 without pipelining; with it, 1F1B's warm-up on
+    the first stage holds one per pipeline stage (an upper bound for the later stages; interleaving holds more,
+    counted as one per virtual stage too)."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    return pp * vpp if pp > 1 else 1
+
+
+def loss_in_graph(chunk, args) -> bool:
+    """Whether the last stage compiles its output layer together with the loss: megatron-core 0.16's GPTModel
+    runs both in ``_postprocess`` (0.12 inlines them in ``forward``, which holds the decoder too: there the
+    output layer compiles alone and the loss runs eagerly). Not with --overlap-param-gather, whose forward
+    pre-hook on the output layer would run inside the graph (an async collective's wait: a graph break)."""
+    return callable(getattr(chunk, "_postprocess", None)) and not getattr(args, "overlap_param_gather", False)
 
 
 def build_model(args, where, model_provider):
     """Model chunks for this pipeline stage (one per virtual stage), compiled, wrapped in Float16Module and
     Megatron's DDP; returns (chunks, config)."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 

@@ -28,6 +28,7 @@ from npu_compile import cache, comm, config, lowering, passes
 from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.report import Recorder
 from npu_compile.debug.verify import verified
+from npu_compile.device.profile import load as load_profile
 from npu_compile.passes import recompute
 from npu_compile.passes.memory import is_saved_activation
 from npu_compile.passes.reorder import reorder_for_peak
@@ -75,18 +76,21 @@ class _Compilation:
             self.report.cache[step] = "off"
             return None, None
         try:
-            key = cache.graph_key(step, gm, self.opts)
+            with self.record.timed("cache"):
+                key = cache.graph_key(step, gm, self.opts)
         except Exception as e:  # a graph the key cannot describe: compile it, uncached
             log.info("npu_compile cache: no key for %s of graph %s (%s)", step, self.report.graph_id, e)
             self.report.cache[step] = "off"
             return None, None
-        state, entry = cache.load(key, cache.fake_mode_of(inputs))
+        with self.record.timed("cache"):
+            state, entry = cache.load(key, cache.fake_mode_of(inputs))
         self.report.cache[step] = state
         return key, entry
 
     def _store(self, key: str | None, value: dict) -> None:
         if key is not None:
-            cache.store(key, value)
+            with self.record.timed("cache"):
+                cache.store(key, value)
 
     # -- training: runs once on the joint graph, before either half is compiled
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
@@ -101,16 +105,29 @@ class _Compilation:
                 log.warning("npu_compile cache: partition entry of graph %s does not fit its joint graph; rebuilding",
                             self.report.graph_id)
                 self.report.cache["partition"] = "rebuilt"
-            counts, unfused = passes.apply_rules(joint, self.opts.fusion_enabled, passes.TRAINING)
-            self.record.fusions(counts, unfused)
+            unfused_from = len(self.report.unfused)
+            counts = self.record.rules(joint, self.opts.fusion_enabled, passes.TRAINING)
+            unfused = self.report.unfused[unfused_from:]
             self.dump.stage("joint", "fused", joint)
             # memory_budget → the min-cut's activation budget, recompute weighed by the cost model; attention's
             # outputs are always saved, cheap fused ops may be recomputed (passes/recompute.py)
-            with recompute.policy(joint, self.opts.memory_budget):
-                fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            with self.record.timed("partition"):
+                fw, bw = self._partition(joint, joint_inputs, **kwargs)
             self._store(key, {"fw": fw, "bw": bw, "fusions": counts, "unfused": unfused})
         self.record.partition(fw, bw)
         log.info("%s", self.dump.summary("joint"))
+        return fw, bw
+
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        o = self.opts
+        if o.memory_budget != "auto":
+            with recompute.policy(joint, o.memory_budget):
+                return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        cap = o.device_memory if o.device_memory is not None else load_profile().memory_bytes
+        fw, bw, chosen, tried = recompute.partition_to_fit(
+            joint, joint_inputs, min_cut_rematerialization_partition, device_memory=cap,
+            resident=o.resident_memory, copies=o.activation_copies, graph_id=self.report.graph_id, **kwargs)
+        self.record.budget(chosen, tried, cap)
         return fw, bw
 
     def compiler(self, kind: str) -> Callable:
@@ -131,17 +148,18 @@ class _Compilation:
             unfused_from = len(self.report.unfused)
             counts: dict[str, int] = {}
             if kind == "inference":
-                counts, unfused = passes.apply_rules(gm, self.opts.fusion_enabled, passes.INFERENCE)
-                self.record.fusions(counts, unfused)
+                counts = self.record.rules(gm, self.opts.fusion_enabled, passes.INFERENCE)
                 self.dump.stage(kind, "fused", gm)
-            comm_before = comm.simulate(gm)
-            for name, stage in aten_stages(self.target):
-                self.report.unfused += stage(gm, self.opts, kind) or []
-                self.dump.stage(kind, name, gm)
-            self.record.comm_timelines[kind] = (comm_before, comm.simulate(gm))
-            self.report.unfused += self.target.lower(gm, self.opts)
-            gm.graph.lint()
-            gm.recompile()
+            with self.record.timed("aten_stages"):
+                comm_before = comm.simulate(gm)
+                for name, stage in aten_stages(self.target):
+                    self.report.unfused += stage(gm, self.opts, kind) or []
+                    self.dump.stage(kind, name, gm)
+                self.record.comm_timelines[kind] = (comm_before, comm.simulate(gm))
+            with self.record.timed("lowering"):
+                self.report.unfused += self.target.lower(gm, self.opts)
+                gm.graph.lint()
+                gm.recompile()
             self.dump.stage(kind, f"lowered_{self.opts.target}", gm)
             self._store(key, {"gm": gm, "fusions": counts, "unfused": self.report.unfused[unfused_from:],
                               "comm": self.record.comm_timelines[kind]})

@@ -58,7 +58,11 @@ class Options:
     target: TargetName = "auto"  # where the graph runs (resolved: never "auto" past the door)
     graph_mode: GraphMode = "ge"  # how the npu targets run the lowered graph
     fusions: Fusions = "all"  # "all", a list of rule names, or {rule name: on/off}
-    memory_budget: float = 1.0  # activation memory budget for recompute, 1.0 = save everything
+    # activation memory budget for recompute, 1.0 = save everything; "auto": the least recompute that fits
+    memory_budget: float | str = 1.0
+    device_memory: int | None = None  # bytes; "auto"'s cap (None: the device profile's memory_bytes)
+    resident_memory: int = 0  # bytes the job holds besides this graph's activations: params, grads, optimizer
+    activation_copies: int = 1  # forwards of this graph whose saved activations are alive at once
     overlap: bool = True  # comm/compute overlap scheduling
     dump_dir: str | None = None  # where graphs and report.json go (None: $NPU_COMPILE_DUMP_DIR, else nowhere)
     verify: bool = False  # run the unfused graph beside the compiled one on first call and compare
@@ -125,10 +129,24 @@ def _check_fusions(value: Any) -> Fusions:
     )
 
 
-def _check_budget(value: Any) -> float:
+def _check_budget(value: Any) -> float | str:
+    if value == "auto":
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
-        raise OptionError(f"npu_compile option 'memory_budget' got {value!r}; it takes a float in [0, 1]")
+        raise OptionError(f"npu_compile option 'memory_budget' got {value!r}; it takes a float in [0, 1] or \"auto\"")
     return float(value)
+
+
+def _check_bytes(key: str, least: int, none_ok: bool = False) -> Any:
+    def check(value: Any) -> int | None:
+        if value is None and none_ok:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            also = " or None" if none_ok else ""
+            raise OptionError(f"npu_compile option {key!r} got {value!r}; it takes an int ≥ {least}{also}")
+        return value
+
+    return check
 
 
 def _check_dump_dir(value: Any) -> str | None:
@@ -141,7 +159,10 @@ def _check_dump_dir(value: Any) -> str | None:
 
 def _field_check(field: dataclasses.Field) -> Any:
     """The check of one field, from its declared type: a Literal's values, a bool, or the field's own check."""
-    custom = {"fusions": _check_fusions, "memory_budget": _check_budget, "dump_dir": _check_dump_dir}
+    custom = {"fusions": _check_fusions, "memory_budget": _check_budget, "dump_dir": _check_dump_dir,
+              "device_memory": _check_bytes("device_memory", 1, none_ok=True),
+              "resident_memory": _check_bytes("resident_memory", 0),
+              "activation_copies": _check_bytes("activation_copies", 1)}
     if field.name in custom:
         return custom[field.name]
     kind = {"TargetName": TargetName, "GraphMode": GraphMode, "bool": bool}[field.type]

@@ -13,13 +13,14 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from npu_compile import comm
+from npu_compile import comm, passes
 from npu_compile.config import Options
 from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.plots import memory_png
@@ -63,6 +64,14 @@ class Report:
     # Persistent cache, per step ("partition", "forward", "backward", "inference"): "hit", "miss" (compiled and
     # stored), "rebuilt" (an entry failed its checks: ignored, compiled again) or "off".
     cache: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Seconds this backend spent on the graph, per part (wall clock, summed over forward / backward / inference):
+    # "rule_tracing" (tracing rule patterns a graph needed for the first time in this process), "rule_matching"
+    # (the rest of the fusion rules), "partition" (the min-cut), "aten_stages" (memory order, the target's
+    # stages, overlap), "lowering", "cache" (keys, loads, stores). Dynamo's and aot_autograd's own tracing are
+    # not counted (tlparse / TORCH_LOGS=dynamo show them).
+    compile_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    # memory_budget "auto": the budget chosen, the cap, and every budget tried with its planned peak
+    budget: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,7 +130,7 @@ class Recorder:
             graph_break_reason=reason.reason if broke else None,
             options={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
         )
-        self.dump = dump
+        self.dump, self.opts = dump, opts
         self.final: dict[str, torch.fx.GraphModule] = {}  # kind -> graph as it runs
         self.partitioned_bw: torch.fx.GraphModule | None = None
         self.before: tuple | None = None  # (buffers, steps) of the graph(s) as aot_autograd gave them
@@ -129,10 +138,38 @@ class Recorder:
         self.comm_timelines: dict[str, tuple[comm.Timeline, comm.Timeline]] = {}
         publish(self.report)
 
+    @contextlib.contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Add the wall time of the block to report.json ``compile_s[part]``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = self.report.compile_s.get(part, 0.0) + time.perf_counter() - start
+            self.report.compile_s[part] = round(spent, 4)
+
+    def rules(self, gm: torch.fx.GraphModule, enabled: Callable[[str], bool], mode: str) -> dict[str, int]:
+        """Apply the fusion rules to ``gm``, recording their counts, unfused sites and time (tracing apart)."""
+        traced_before = passes.engine.TRACING.seconds
+        with self.timed("rule_matching"):
+            counts, unfused = passes.apply_rules(gm, enabled, mode)
+        tracing = passes.engine.TRACING.seconds - traced_before
+        self.report.compile_s["rule_matching"] = round(self.report.compile_s["rule_matching"] - tracing, 4)
+        self.report.compile_s["rule_tracing"] = round(self.report.compile_s.get("rule_tracing", 0.0) + tracing, 4)
+        self.fusions(counts, unfused)
+        return counts
+
     def fusions(self, counts: dict[str, int], unfused: list[dict[str, str]]) -> None:
         for rule, n in counts.items():
             self.report.fusions[rule] = self.report.fusions.get(rule, 0) + n
         self.report.unfused += unfused
+
+    def budget(self, chosen: recompute.Plan, tried: list[recompute.Plan], device_memory: int) -> None:
+        self.report.budget = {"chosen": chosen.budget, "device_memory": device_memory,
+                              "resident_memory": chosen.resident, "activation_copies": chosen.copies,
+                              "tried": [p.to_json() for p in tried]}
+        log.info("graph %s: memory_budget auto chose %s (planned peak %.2f MiB of %.2f MiB)", self.report.graph_id,
+                 chosen.budget, chosen.peak / 2**20, device_memory / 2**20)
 
     def partition(self, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> None:
         """The min-cut's result: what it recomputes, and the memory of the two halves as partitioned."""
@@ -168,6 +205,11 @@ class Recorder:
             buffers, steps = training_buffers(self.final["forward"].graph, bw.graph)
             r.memory["saved_activation_bytes"] = saved_activation_bytes(bw.graph)
         live = liveness(buffers, steps)
+        # the step's planned peak: what the job holds besides (resident_memory), the other copies' saved
+        # activations, and this schedule's live bytes
+        opts = self.opts
+        r.memory["planned_peak_bytes"] = (opts.resident_memory + (opts.activation_copies - 1)
+                                          * r.memory["saved_activation_bytes"] + live.peak)
         _, arena_bytes = arena(buffers)
         r.memory["peak_bytes_after"] = arena_bytes  # what the static plan of the final order needs
         r.memory["lower_bound_bytes"] = live.peak  # what any allocator needs for that order

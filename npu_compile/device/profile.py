@@ -37,6 +37,8 @@ class DeviceProfile:
     # that block is there. torch_npu exposes no tile count (``comm_turn`` takes only 0 in 2.13), so this is an
     # estimate of its granularity, not a documented figure; see ``cost.mc2_cost``.
     mc2_chunks: int = 0
+    # Device memory, bytes: the default cap of ``memory_budget="auto"`` (option ``device_memory``).
+    memory_bytes: int = 64 * 2**30
 
     def matrix_rate(self, dtype: torch.dtype) -> float:
         return _rate(self.matrix_flops, dtype)
@@ -69,7 +71,7 @@ ASCEND_910B = DeviceProfile(
     # 48 × 128 × 2 × 1.8e9 ≈ 22 TFLOPS FP16, half that for FP32. An estimate; elementwise ops are bounded by
     # HBM long before this.
     vector_flops={"float16": 22e12, "bfloat16": 22e12, "float32": 11e12},
-    # 64 GB HBM2e (ai.gitee.com, Ascend 910B page): four HBM2e stacks at 3.2 Gb/s per pin give 1.64 TB/s
+    # 64 GB HBM2e (ai.gitee.com, Ascend 910B page; memory_bytes): four HBM2e stacks at 3.2 Gb/s per pin give 1.64 TB/s
     # (JEDEC JESD235C figures, as reported by EEPW, 2020-08-15). Other pages quote 1.2 TB/s for 32 GB parts.
     hbm_bytes_per_s=1.6e12,
     # HCCS: eight NPUs fully connected in one server (ai.gitee.com, Ascend 910B page), i.e. 7 links per NPU.

@@ -19,6 +19,7 @@ import functools
 import inspect
 import itertools
 import logging
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -282,6 +283,17 @@ _groups: dict[tuple[str, str], "_Group"] = {}  # the traced variants of each (ru
 _rejections: dict[str, str] = {}  # output node name -> why extra_check declined it (this apply only)
 
 
+@dataclasses.dataclass
+class Tracing:
+    """Rule patterns traced in this process so far, and the seconds it took (report.json ``compile_s``)."""
+
+    patterns: int = 0
+    seconds: float = 0.0
+
+
+TRACING = Tracing()
+
+
 def register_rule(rule: Rule) -> Rule:
     """Add ``rule`` to the registry; cheap (tracing waits for the first graph that needs it)."""
     if rule.name in RULES and any(r.pattern is rule.pattern for r in RULES[rule.name]):
@@ -399,6 +411,7 @@ class _Group:
         variant.traced = True
         p = PatternMatcherPass(pass_name=f"npu_compile_{self.name}_{self.mode}")
         p.seen_patterns = self.seen_patterns  # a graph an earlier variant traced to registers once
+        start = time.perf_counter()
         registered = register_replacement(
             variant.pattern,
             variant.replacement,
@@ -410,6 +423,8 @@ class _Group:
             skip_duplicates=True,
             get_decomp_fn=decompositions,
         )
+        TRACING.patterns += 1
+        TRACING.seconds += time.perf_counter() - start
         if not registered:
             return None
         _ignore_literal_lists(registered)

@@ -23,12 +23,14 @@ partition call only, with the budget and estimator set through ``torch._functorc
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import operator
 from collections.abc import Iterator
 from unittest import mock
 
 import torch
+from torch._dynamo.exc import ShortenTraceback
 from torch._functorch import config as functorch_config
 from torch._functorch import partitioners
 from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
@@ -161,3 +163,91 @@ def recompute_cost(fw: torch.fx.Graph, bw: torch.fx.Graph, profile: DeviceProfil
 def matrix_flops(graph: torch.fx.Graph) -> int:
     """Matrix FLOPs of a graph on the cost model's count (matmuls, attention)."""
     return sum(cost.flops(n) for n in graph.nodes if n.op == "call_function")
+
+
+# -- memory_budget="auto": the least recompute whose planned peak fits the device --------------------------------
+
+# Budgets tried, most memory first.
+LADDER = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.0)
+GiB = 2**30
+
+
+class MemoryFitError(ShortenTraceback, RuntimeError):
+    """``memory_budget="auto"``: no budget brings a graph's planned peak under ``device_memory``. Raised while the
+    graph compiles, at its first call, before any step has run; as itself (Dynamo passes a ShortenTraceback on)."""
+
+    def __init__(self, message: str, plans: list["Plan"] = ()):
+        super().__init__(message, first_useful_frame=None)
+        self.plans = list(plans)  # every budget tried, in LADDER order
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The planned step peak of one partition: ``resident + (copies − 1) × saved + live``, where ``live`` is the
+    live-bytes peak of the graph's fw+bw schedule (one copy of its saved activations among them) and the other
+    copies are forwards of the same graph (layers sharing it, micro-batches in flight) holding their own."""
+
+    budget: float
+    resident: int
+    copies: int
+    saved: int
+    live: int
+
+    @property
+    def peak(self) -> int:
+        return self.resident + (self.copies - 1) * self.saved + self.live
+
+    def to_json(self) -> dict:
+        return {"budget": self.budget, "planned_peak_bytes": self.peak, "saved_activation_bytes": self.saved,
+                "live_bytes": self.live}
+
+
+def plan(fw: torch.fx.Graph, bw: torch.fx.Graph, budget: float, resident: int, copies: int) -> Plan:
+    """The planned peak of a partition (the graphs' live-bytes peak over their fw+bw schedule, passes/memory)."""
+    from npu_compile.passes.memory import saved_activation_bytes, training_liveness
+
+    return Plan(budget, resident, copies, saved_activation_bytes(bw), training_liveness(fw, bw).peak)
+
+
+def partition_to_fit(joint: torch.fx.GraphModule, joint_inputs, partition, *, device_memory: int, resident: int,
+                     copies: int, graph_id: str, **kwargs):
+    """``partition`` (the min-cut) of ``joint`` under the largest budget of :data:`LADDER` whose planned peak fits
+    ``device_memory``: the budgets are tried from 1.0 down, each on a copy of the joint graph, and the first that
+    fits is taken. (The peak is not monotone in the budget: at the lowest budgets the backward recomputes so
+    much at once that its own peak can exceed what saving would have cost.) Returns (fw, bw, the chosen Plan,
+    every Plan tried). Raises :class:`MemoryFitError` with the figures when no budget fits."""
+    tried: list[Plan] = []
+    for budget in LADDER:
+        trial = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
+        with policy(trial, budget):
+            fw, bw = partition(trial, joint_inputs, **kwargs)
+        tried.append(plan(fw.graph, bw.graph, budget, resident, copies))
+        if tried[-1].peak <= device_memory:
+            return fw, bw, tried[-1], tried
+    raise MemoryFitError(_no_fit(min(tried, key=lambda p: p.peak), tried[0], device_memory, graph_id), tried)
+
+
+def _no_fit(least: Plan, most: Plan, device_memory: int, graph_id: str) -> str:
+    def gib(n: float) -> str:
+        return f"{n / GiB:.2f} GiB"
+
+    activations = least.peak - least.resident
+    room = device_memory - least.resident
+    lines = [
+        f"npu_compile: graph {graph_id} does not fit device_memory {gib(device_memory)} under memory_budget "
+        f'"auto": with the least activation memory (budget {least.budget}) a step needs '
+        f"{gib(least.peak)} = resident_memory {gib(least.resident)} + the graph's live bytes {gib(least.live)} + "
+        f"{least.copies - 1} other copies (activation_copies) × saved activations {gib(least.saved)}; "
+        f"{gib(least.peak - device_memory)} more than the device has (at budget 1.0: {gib(most.peak)}).",
+        "What would fit:",
+        f"  - device_memory ≥ {gib(least.peak)};",
+    ]
+    if room > 0:
+        lines.append(f"  - activation memory of at most {gib(room)} instead of {gib(activations)}: a micro-batch of "
+                     f"at most {room / activations:.0%} of this one (activation memory grows with it), or fewer "
+                     f"forwards holding theirs at once (activation_copies {least.copies});")
+    else:
+        lines.append(f"  - resident_memory alone ({gib(least.resident)}) fills the device: no activations fit;")
+    lines.append(f"  - less resident_memory than {gib(least.resident)}: a distributed optimizer (its state sharded "
+                 "over data-parallel ranks), more tensor or pipeline parallelism.")
+    return "\n".join(lines)
