@@ -389,21 +389,26 @@ class _Group:
 
     def _variants(self, index: int, rule: Rule) -> list[_Variant]:
         if index not in self.variants:
-            trace = trace_training if self.mode == TRAINING else trace_inference
-            forms = [(rule.pattern, rule.replacement, trace)]
-            if self.mode == TRAINING and rule.shared_inputs:
-                share = functools.partial(_sharing, names=rule.shared_inputs)
-                forms.append((share(rule.pattern), share(rule.replacement), _trace_training_shared))
-            variants = []
-            for form, (pattern, replacement, trace_fn) in enumerate(forms):
-                examples = rule.example_inputs()
-                if self.mode == TRAINING and rule.grad_optional:
-                    # a shared input without grad takes no gradient from outside: the plain form traces it
-                    examples = grad_variants(rule.pattern, examples, rule.grad_optional,
-                                             keep=rule.shared_inputs if form else ())
-                variants += [_Variant(rule, pattern, replacement, trace_fn, list(e)) for e in examples]
-            self.variants[index] = variants
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                # real example tensors: they are kept for later graphs, which compile under fake modes of their own
+                self.variants[index] = self._list_variants(rule)
         return self.variants[index]
+
+    def _list_variants(self, rule: Rule) -> list[_Variant]:
+        trace = trace_training if self.mode == TRAINING else trace_inference
+        forms = [(rule.pattern, rule.replacement, trace)]
+        if self.mode == TRAINING and rule.shared_inputs:
+            share = functools.partial(_sharing, names=rule.shared_inputs)
+            forms.append((share(rule.pattern), share(rule.replacement), _trace_training_shared))
+        variants = []
+        for form, (pattern, replacement, trace_fn) in enumerate(forms):
+            examples = rule.example_inputs()
+            if self.mode == TRAINING and rule.grad_optional:
+                # a shared input without grad takes no gradient from outside: the plain form traces it
+                examples = grad_variants(rule.pattern, examples, rule.grad_optional,
+                                         keep=rule.shared_inputs if form else ())
+            variants += [_Variant(rule, pattern, replacement, trace_fn, list(e)) for e in examples]
+        return variants
 
     def _traced(self, variant: _Variant) -> PatternMatcherPass | None:
         if variant.traced:
@@ -412,17 +417,18 @@ class _Group:
         p = PatternMatcherPass(pass_name=f"npu_compile_{self.name}_{self.mode}")
         p.seen_patterns = self.seen_patterns  # a graph an earlier variant traced to registers once
         start = time.perf_counter()
-        registered = register_replacement(
-            variant.pattern,
-            variant.replacement,
-            variant.example,
-            variant.trace_fn,
-            p,
-            extra_check=_checked(variant.rule),
-            scalar_workaround=dict(variant.rule.scalars),
-            skip_duplicates=True,
-            get_decomp_fn=decompositions,
-        )
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():  # traced on its real example tensors
+            registered = register_replacement(
+                variant.pattern,
+                variant.replacement,
+                variant.example,
+                variant.trace_fn,
+                p,
+                extra_check=_checked(variant.rule),
+                scalar_workaround=dict(variant.rule.scalars),
+                skip_duplicates=True,
+                get_decomp_fn=decompositions,
+            )
         TRACING.patterns += 1
         TRACING.seconds += time.perf_counter() - start
         if not registered:
