@@ -14,7 +14,9 @@ def test_defaults_match_design_table():
     assert (opts.target, opts.graph_mode, opts.fusions, opts.memory_budget, opts.overlap, opts.dump_dir, opts.verify) == (
         "auto", "ge", "all", 1.0, True, None, False
     )
-    assert config.KEYS == ("target", "graph_mode", "fusions", "memory_budget", "overlap", "dump_dir", "verify", "fast_gelu", "cache")
+    assert config.KEYS == ("target", "graph_mode", "fusions", "memory_budget", "device_memory", "resident_memory",
+                           "activation_copies", "overlap", "dump_dir", "verify", "fast_gelu", "cache")
+    assert (opts.device_memory, opts.resident_memory, opts.activation_copies) == (None, 0, 1)
 
 
 def test_unknown_key_names_valid_keys():
@@ -22,7 +24,8 @@ def test_unknown_key_names_valid_keys():
         config.validate({"targett": "npu"})
     assert str(e.value) == (
         "unknown npu_compile option(s) 'targett'; valid options are "
-        "target, graph_mode, fusions, memory_budget, overlap, dump_dir, verify, fast_gelu, cache"
+        "target, graph_mode, fusions, memory_budget, device_memory, resident_memory, activation_copies, overlap, "
+        "dump_dir, verify, fast_gelu, cache"
     )
 
 
@@ -31,8 +34,8 @@ def test_unknown_key_names_valid_keys():
     [
         ("target", "gpu", "npu_compile option 'target' got 'gpu'; valid values are 'auto', 'npu', 'npu-sim', 'reference'"),
         ("graph_mode", "max-autotune", "npu_compile option 'graph_mode' got 'max-autotune'; valid values are 'ge', 'aclgraph', 'eager'"),
-        ("memory_budget", 1.5, "npu_compile option 'memory_budget' got 1.5; it takes a float in [0, 1]"),
-        ("memory_budget", True, "npu_compile option 'memory_budget' got True; it takes a float in [0, 1]"),
+        ("memory_budget", 1.5, "npu_compile option 'memory_budget' got 1.5; it takes a float in [0, 1] or \"auto\""),
+        ("memory_budget", True, "npu_compile option 'memory_budget' got True; it takes a float in [0, 1] or \"auto\""),
         ("overlap", "yes", "npu_compile option 'overlap' got 'yes'; it takes True or False"),
         ("verify", 1, "npu_compile option 'verify' got 1; it takes True or False"),
         ("dump_dir", 3, "npu_compile option 'dump_dir' got 3; it takes a path (str or os.PathLike) or None"),

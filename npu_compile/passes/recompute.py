@@ -229,7 +229,7 @@ def partition_to_fit(joint: torch.fx.GraphModule, joint_inputs, partition, *, de
 
 def _no_fit(least: Plan, most: Plan, device_memory: int, graph_id: str) -> str:
     def gib(n: float) -> str:
-        return f"{n / GiB:.2f} GiB"
+        return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
 
     activations = least.peak - least.resident
     room = device_memory - least.resident
@@ -248,6 +248,7 @@ def _no_fit(least: Plan, most: Plan, device_memory: int, graph_id: str) -> str:
                      f"forwards holding theirs at once (activation_copies {least.copies});")
     else:
         lines.append(f"  - resident_memory alone ({gib(least.resident)}) fills the device: no activations fit;")
-    lines.append(f"  - less resident_memory than {gib(least.resident)}: a distributed optimizer (its state sharded "
-                 "over data-parallel ranks), more tensor or pipeline parallelism.")
+    if least.resident:
+        lines.append(f"  - less resident_memory than {gib(least.resident)}: a distributed optimizer (its state "
+                     "sharded over data-parallel ranks), more tensor or pipeline parallelism.")
     return "\n".join(lines)

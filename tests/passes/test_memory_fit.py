@@ -68,7 +68,7 @@ def test_resident_memory_and_copies_count_in_the_plan():
 def test_a_cap_nothing_fits_is_refused_with_figures(refused):
     least = min(refused.plans, key=lambda p: p.peak)
     text = str(refused)
-    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / MiB:.1f} MiB"  # noqa: E731
     assert text.startswith(f"npu_compile: graph 0_0 does not fit device_memory {gib(1)} under memory_budget \"auto\": "
                            f"with the least activation memory (budget {least.budget}) a step needs {gib(least.peak)} "
                            f"= resident_memory {gib(64 * MiB)} + the graph's live bytes {gib(least.live)} + 0 other "
