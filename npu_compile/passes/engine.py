@@ -383,13 +383,16 @@ class _Group:
                 share = functools.partial(_sharing, names=rule.shared_inputs)
                 forms.append((share(rule.pattern), share(rule.replacement), _trace_training_shared))
             variants = []
-            for form, (pattern, replacement, trace_fn) in enumerate(forms):
-                examples = rule.example_inputs()
-                if self.mode == TRAINING and rule.grad_optional:
-                    # a shared input without grad takes no gradient from outside: the plain form traces it
-                    examples = grad_variants(rule.pattern, examples, rule.grad_optional,
-                                             keep=rule.shared_inputs if form else ())
-                variants += [_Variant(rule, pattern, replacement, trace_fn, list(e)) for e in examples]
+            # real tensors, not fakes of the graph being compiled (the backend runs under its fake mode): a
+            # variant listed now may be traced for a later graph, under another fake mode (see _traced)
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                for form, (pattern, replacement, trace_fn) in enumerate(forms):
+                    examples = rule.example_inputs()
+                    if self.mode == TRAINING and rule.grad_optional:
+                        # a shared input without grad takes no gradient from outside: the plain form traces it
+                        examples = grad_variants(rule.pattern, examples, rule.grad_optional,
+                                                 keep=rule.shared_inputs if form else ())
+                    variants += [_Variant(rule, pattern, replacement, trace_fn, list(e)) for e in examples]
             self.variants[index] = variants
         return self.variants[index]
 
@@ -399,10 +402,16 @@ class _Group:
         variant.traced = True
         p = PatternMatcherPass(pass_name=f"npu_compile_{self.name}_{self.mode}")
         p.seen_patterns = self.seen_patterns  # a graph an earlier variant traced to registers once
+        example = variant.example
+        if torch._guards.active_fake_mode() is not None:
+            # traced while a graph compiles: the inputs made anew under its fake mode (static sizes), as the
+            # graph's own tensors; only their sizes, strides, dtypes and requires_grad are traced
+            example = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                       .requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in example]
         registered = register_replacement(
             variant.pattern,
             variant.replacement,
-            variant.example,
+            example,
             variant.trace_fn,
             p,
             extra_check=_checked(variant.rule),
