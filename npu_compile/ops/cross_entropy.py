@@ -172,9 +172,11 @@ linear_cross_entropy.register_autograd(_grad, setup_context=_setup_context)
 
 # ==== Megatron's vocab-parallel loss after its output layer ================================================
 #
-#     vocab_parallel_linear_cross_entropy(hidden, weight, target, vocab_start, smoothing, group_name, chunk_size)
-#         -> (loss, lse)
+#     vocab_parallel_linear_cross_entropy(hidden, weight, target, vocab_start, smoothing, group_name, chunk_size,
+#                                         logits_grad_dtype) -> (loss, lse)
 #     = megatron.core.tensor_parallel.vocab_parallel_cross_entropy((hidden @ weight.T).float(), target, α)
+#     (logits_grad_dtype bf16: megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy(
+#      hidden @ weight.T, target, group))
 #
 # weight is this rank's shard of the output layer, [Vp, H] for vocab ids [vocab_start, vocab_start + Vp); the
 # ranks of the tensor-parallel group `group_name` hold the other shards. loss is per token, fp32, shaped like
@@ -192,6 +194,9 @@ linear_cross_entropy.register_autograd(_grad, setup_context=_setup_context)
 #   it); at TP=1 that is F.cross_entropy's label_smoothing=ε. At TP > 1 Megatron's mean runs over the shard
 #   only (not all-reduced), so the smoothed loss differs between ranks; the op does the same.
 # - Chunked over tokens as linear_cross_entropy (chunk_size, CHUNK_ELEMENTS), the backward recomputes the logits.
+# - logits_grad_dtype (None: none) is a dtype the logits' gradient is rounded to before hidden's dtype: Megatron's
+#   fused_vocab_parallel_cross_entropy returns it in bf16 whatever the logits' dtype (autograd casts it back),
+#   so an fp32 model's gradients carry bf16 rounding there; with bf16 the op reproduces that.
 
 
 def _all_reduce(t: Tensor, op: str, group_name: str) -> Tensor:
@@ -218,8 +223,8 @@ def _shard_target(t: Tensor, vocab_start: int, vocab: int) -> tuple[Tensor, Tens
 
 @torch.library.custom_op("npu_compile::vocab_parallel_linear_cross_entropy", mutates_args=())
 def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, vocab_start: int,
-                                        smoothing: float, group_name: str,
-                                        chunk_size: int = 0) -> tuple[Tensor, Tensor]:
+                                        smoothing: float, group_name: str, chunk_size: int = 0,
+                                        logits_grad_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Megatron's vocab_parallel_cross_entropy of (hidden @ weight.T).float(); returns (loss, lse), fp32."""
     _check_vocab_parallel(hidden, weight, target, smoothing)
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
@@ -247,7 +252,7 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: 
 
 
 @vocab_parallel_linear_cross_entropy.register_fake
-def _(hidden, weight, target, vocab_start, smoothing, group_name, chunk_size=0):
+def _(hidden, weight, target, vocab_start, smoothing, group_name, chunk_size=0, logits_grad_dtype=None):
     _check_vocab_parallel(hidden, weight, target, smoothing)
     acc = acc_dtype(hidden.dtype)
     return hidden.new_empty(target.shape, dtype=acc), hidden.new_empty(target.shape, dtype=acc)
@@ -256,8 +261,9 @@ def _(hidden, weight, target, vocab_start, smoothing, group_name, chunk_size=0):
 @torch.library.custom_op("npu_compile::vocab_parallel_linear_cross_entropy_backward", mutates_args=())
 def vocab_parallel_linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor,
                                                  target: Tensor, lse: Tensor, vocab_start: int, smoothing: float,
-                                                 chunk_size: int = 0,
-                                                 weight_grad: bool = True) -> tuple[Tensor, Tensor]:
+                                                 chunk_size: int = 0, weight_grad: bool = True,
+                                                 logits_grad_dtype: torch.dtype | None = None
+                                                 ) -> tuple[Tensor, Tensor]:
     """Returns (grad_hidden, grad_weight — empty [0] unless weight_grad) of this rank's shard:
     d loss_i / d logit_ij = g_i·(softmax_ij − (1 − ε)·[j = t_i in the shard] − ε/Vp)."""
     _check_vocab_parallel(hidden, weight, target, smoothing)
@@ -277,6 +283,8 @@ def vocab_parallel_linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tens
         if smoothing:
             grad.sub_(smoothing / vocab)
         grad.mul_(g[start:start + step].unsqueeze(1))
+        if logits_grad_dtype is not None:
+            grad = grad.to(logits_grad_dtype)
         grad = grad.to(hidden.dtype)
         grad_hidden[start:start + step] = grad @ weight
         if grad_weight is not None:
@@ -286,15 +294,17 @@ def vocab_parallel_linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tens
 
 
 @vocab_parallel_linear_cross_entropy_backward.register_fake
-def _(grad_loss, hidden, weight, target, lse, vocab_start, smoothing, chunk_size=0, weight_grad=True):
+def _(grad_loss, hidden, weight, target, lse, vocab_start, smoothing, chunk_size=0, weight_grad=True,
+      logits_grad_dtype=None):
     _check_vocab_parallel(hidden, weight, target, smoothing)
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape) if weight_grad else no_grad_placeholder(weight)
 
 
 def _vp_setup_context(ctx, inputs, output):
-    hidden, weight, target, vocab_start, smoothing, _group_name, chunk_size = inputs
+    hidden, weight, target, vocab_start, smoothing, _group_name, chunk_size, logits_grad_dtype = inputs
     ctx.save_for_backward(hidden, weight, target, output[1])
     ctx.params = (vocab_start, smoothing, chunk_size)
+    ctx.logits_grad_dtype = logits_grad_dtype
     ctx.mark_non_differentiable(output[1])
 
 
@@ -302,8 +312,8 @@ def _vp_grad(ctx, grad_loss, _grad_lse):
     hidden, weight, target, lse = ctx.saved_tensors
     weight_grad = ctx.needs_input_grad[1]
     grad_hidden, grad_weight = torch.ops.npu_compile.vocab_parallel_linear_cross_entropy_backward(
-        grad_loss, hidden, weight, target, lse, *ctx.params, weight_grad)
-    return grad_hidden, grad_weight if weight_grad else None, None, None, None, None, None
+        grad_loss, hidden, weight, target, lse, *ctx.params, weight_grad, ctx.logits_grad_dtype)
+    return grad_hidden, grad_weight if weight_grad else None, None, None, None, None, None, None
 
 
 vocab_parallel_linear_cross_entropy.register_autograd(_vp_grad, setup_context=_vp_setup_context)

@@ -38,10 +38,22 @@ With sequence parallelism the output layer all-gathers its input over the TP gro
 again in the backward for the weight's gradient: a variant takes both gathers, checks they gather the same
 tensor, and the fused op's backward uses the first (the second is left dead).
 
+Megatron's other loss, ``fused_vocab_parallel_cross_entropy(output_layer(h)[0], labels, tp_group)``
+(megatron.core.fusions.fused_cross_entropy: what GPTModel.compute_language_model_loss calls with
+cross_entropy_loss_fusion and cross_entropy_fusion_impl "native"), is the same rule's too, with and without
+sequence parallelism, its pattern again a copy of its autograd.Function: the ops of the first loss, through
+jit_fuser helpers (torch.compile on torch ≥ 2.2, which Dynamo inlines), with no ``.float()`` in front (its
+forward casts the logits itself), the target's logit and the sum of exponentials concatenated into one sum
+all-reduce and split after it, no label smoothing, and a backward that returns the logits' gradient in bf16
+(autograd casts it back to an fp32 model's fp32): the fused op reproduces that rounding (logits_grad_dtype
+bf16), so an fp32 model's gradients equal eager's, bf16 rounding included. These variants come first and are
+wanted only by a graph holding a sum all-reduce of a concatenation: a graph of the first loss never traces
+them, and one of this loss stops once they have matched.
+
 Not matched yet: a graph with symbolic sizes (torch.compile's dynamic shapes; reported unfused by design).
-Not matched here: class weights, Megatron's fused_vocab_parallel_cross_entropy (jit-scripted helpers; not
-tried), an output layer with bias or gather_output, and gradient_accumulation_fusion (a wgrad kernel outside
-the graph).
+Not matched here: class weights, an output layer with bias or gather_output, gradient_accumulation_fusion (a
+wgrad kernel outside the graph), and the fused loss in an fp16 model (its gradient cast bf16 → fp16: traced in
+fp32 and bf16 only).
 """
 
 from __future__ import annotations
@@ -256,6 +268,47 @@ class _MegatronLinearGathered(torch.autograd.Function):
         return grad_input, None, grad_output.t().matmul(total_input)
 
 
+def _megatron_softmax_parts(logits, target, start, end):
+    """The forward both of Megatron's losses share, up to their all-reduces of the target's logit and the sum of
+    exponentials (VocabParallelCrossEntropy.calculate_logits_max, the max all-reduce, calculate_predicted_logits):
+    (target_mask, masked_target_1d, predicted, sum_exp, exp_logits)."""
+    logits = logits.float()
+    logits_max = torch.max(logits, dim=-1)[0]
+    _functional_all_reduce_(logits_max, "max")
+    logits -= logits_max.unsqueeze(dim=-1)
+    target_mask = (target < start) | (target >= end)
+    masked_target = target.clone() - start
+    masked_target[target_mask] = torch.full((), 0, dtype=target.dtype)  # engine.scalar_constants_as_full
+    vocab = logits.size()[-1]
+    logits_2d = logits.view(-1, vocab)
+    masked_target_1d = masked_target.view(-1)
+    arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
+    predicted_1d = logits_2d[arange_1d, masked_target_1d].clone().contiguous()
+    predicted = predicted_1d.view_as(target)
+    predicted[target_mask] = torch.full((), 0.0, dtype=torch.float32)
+    exp_logits = logits
+    torch.exp(logits, out=exp_logits)
+    sum_exp = exp_logits.sum(dim=-1)
+    return target_mask, masked_target_1d, predicted, sum_exp, exp_logits
+
+
+def _megatron_logits_grad(softmax, target_mask, masked_target_1d, grad_output, factors=None):
+    """The backward both of Megatron's losses share (prepare_gradient_calculation_operands, calculate_gradients),
+    with the smoothing factors (keep, spread) of _VocabParallelCrossEntropy's or None: the logits' gradient, in
+    place of the saved softmax."""
+    grad_2d = softmax.view(-1, softmax.size()[-1])
+    arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
+    softmax_update = 1.0 - target_mask.view(-1).float()
+    if factors is not None:
+        keep, spread = factors
+        grad_2d[arange_1d, masked_target_1d] -= keep * softmax_update
+        grad_2d[arange_1d, :] -= spread
+    else:
+        grad_2d[arange_1d, masked_target_1d] -= softmax_update
+    softmax.mul_(grad_output.unsqueeze(dim=-1))
+    return softmax
+
+
 class _MegatronCrossEntropy(torch.autograd.Function):
     """megatron-core 0.16.1's _VocabParallelCrossEntropy (tensor_parallel/cross_entropy.py), op for op, with the
     vocab range and the smoothing factors as arguments (smoothing None: unsmoothed)."""
@@ -263,23 +316,8 @@ class _MegatronCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, start, end, smoothing, keep, spread):
         start, end = int(start), int(end)  # traced as floats (engine._ints_as_floats); Megatron's are ints
-        logits = logits.float()
-        logits_max = torch.max(logits, dim=-1)[0]
-        _functional_all_reduce_(logits_max, "max")
-        logits -= logits_max.unsqueeze(dim=-1)
-        target_mask = (target < start) | (target >= end)
-        masked_target = target.clone() - start
-        masked_target[target_mask] = torch.full((), 0, dtype=target.dtype)  # engine.scalar_constants_as_full
-        vocab = logits.size()[-1]
-        logits_2d = logits.view(-1, vocab)
-        masked_target_1d = masked_target.view(-1)
-        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
-        predicted_1d = logits_2d[arange_1d, masked_target_1d].clone().contiguous()
-        predicted = predicted_1d.view_as(target)
-        predicted[target_mask] = torch.full((), 0.0, dtype=torch.float32)
-        exp_logits = logits
-        torch.exp(logits, out=exp_logits)
-        sum_exp = exp_logits.sum(dim=-1)
+        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = _megatron_softmax_parts(
+            logits, target, start, end)
         _functional_all_reduce_(predicted, "sum")
         _functional_all_reduce_(sum_exp, "sum")
         loss = torch.log(sum_exp) - predicted
@@ -293,27 +331,47 @@ class _MegatronCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        softmax, target_mask, masked_target_1d = ctx.saved_tensors
-        grad_2d = softmax.view(-1, softmax.size()[-1])
-        arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
-        softmax_update = 1.0 - target_mask.view(-1).float()
-        if ctx.factors is not None:
-            keep, spread = ctx.factors
-            grad_2d[arange_1d, masked_target_1d] -= keep * softmax_update
-            grad_2d[arange_1d, :] -= spread
-        else:
-            grad_2d[arange_1d, masked_target_1d] -= softmax_update
-        softmax.mul_(grad_output.unsqueeze(dim=-1))
-        return softmax, None, None, None, None, None, None
+        return _megatron_logits_grad(*ctx.saved_tensors, grad_output, ctx.factors), None, None, None, None, None, None
 
 
-def megatron_loss_pattern(smoothed: bool, sequence_parallel: bool):
+class _MegatronFusedCrossEntropy(torch.autograd.Function):
+    """megatron-core 0.16.1's fusions/fused_cross_entropy.py _VocabParallelCrossEntropy (what
+    fused_vocab_parallel_cross_entropy applies), op for op, its jit_fuser helpers inlined as Dynamo inlines
+    them: the target's logit and the sum of exponentials concatenated into one all-reduce, no smoothing, and
+    the logits' gradient returned in bf16 (autograd casts it to the logits' dtype)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, end):
+        start, end = int(start), int(end)  # traced as floats (engine._ints_as_floats); Megatron's are ints
+        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = _megatron_softmax_parts(
+            logits, target, start, end)
+        predicted_sum_exp = torch.cat((predicted, sum_exp))
+        _functional_all_reduce_(predicted_sum_exp, "sum")
+        predicted, sum_exp = torch.split(predicted_sum_exp, predicted_sum_exp.size()[0] // 2)
+        loss = torch.log(sum_exp) - predicted
+        exp_logits.div_(sum_exp.unsqueeze(dim=-1))
+        ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _megatron_logits_grad(*ctx.saved_tensors, grad_output).to(torch.bfloat16), None, None, None
+
+
+def megatron_loss_pattern(smoothed: bool, sequence_parallel: bool, native_fusion: bool = False):
+    """Megatron's loss after its output layer: tensor_parallel.vocab_parallel_cross_entropy of the logits'
+    .float(), or with native_fusion fusions.fused_vocab_parallel_cross_entropy of the logits as the output
+    layer gives them (GPTModel.compute_language_model_loss with cross_entropy_loss_fusion, impl "native")."""
+    assert not (smoothed and native_fusion), "fused_vocab_parallel_cross_entropy takes no label smoothing"
+
     def loss(hidden, gathered, weight, target, start, end, smoothing=None, keep=None, spread=None):
         if sequence_parallel:
-            logits = _MegatronLinearGathered.apply(hidden, gathered, weight).float()
+            logits = _MegatronLinearGathered.apply(hidden, gathered, weight)
         else:
-            logits = _MegatronLinear.apply(hidden, weight).float()
-        return _MegatronCrossEntropy.apply(logits, target, start, end, smoothing, keep, spread)
+            logits = _MegatronLinear.apply(hidden, weight)
+        if native_fusion:
+            return _MegatronFusedCrossEntropy.apply(logits, target, start, end)
+        return _MegatronCrossEntropy.apply(logits.float(), target, start, end, smoothing, keep, spread)
 
     if smoothed and sequence_parallel:
         def pattern(hidden, gathered, weight, target, start, end, smoothing, keep, spread):
@@ -327,15 +385,18 @@ def megatron_loss_pattern(smoothed: bool, sequence_parallel: bool):
     else:
         def pattern(hidden, weight, target, start, end):
             return loss(hidden, None, weight, target, start, end)
-    pattern.__name__ = (f"megatron_vocab_parallel_cross_entropy{'_smoothed' if smoothed else ''}"
-                        f"{'_sequence_parallel' if sequence_parallel else ''}")
+    pattern.__name__ = (f"megatron_{'fused_' if native_fusion else ''}vocab_parallel_cross_entropy"
+                        f"{'_smoothed' if smoothed else ''}{'_sequence_parallel' if sequence_parallel else ''}")
     return pattern
 
 
-def megatron_loss_replacement(smoothed: bool, sequence_parallel: bool):
+def megatron_loss_replacement(smoothed: bool, sequence_parallel: bool, native_fusion: bool = False):
+    # the fused form rounds the logits' gradient to bf16 (calculate_gradients), so the fused op does too
+    logits_grad_dtype = BF16 if native_fusion else None
+
     def fused_loss(hidden, weight, target, start, smoothing):
         loss, _lse = fused.vocab_parallel_linear_cross_entropy(hidden, weight, target, int(start), smoothing,
-                                                               _group["name"])
+                                                               _group["name"], 0, logits_grad_dtype)
         return loss
 
     # the backward's second gather is left without users: the fused op's backward takes the forward's
@@ -435,11 +496,24 @@ def _megatron_site(node) -> bool | str:
     return True
 
 
-for _sp, _smooth in itertools.product((False, True), (False, True)):
+def _wants_megatron_fused(graph) -> bool:
+    """_wants_megatron, and a sum all-reduce of a concatenation (the fused loss's target logits and sums of
+    exponentials, reduced as one): a graph of the other loss never traces these variants."""
+    return _wants_megatron(graph) and any(
+        node.args[1] == "sum" and getattr(node.args[0], "target", None) == aten.cat.default
+        for node in graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default))
+
+
+# the fused form first: its graphs then stop before the other form's variants are traced (a graph of the
+# other form does not want the fused ones)
+_MEGATRON_FORMS = [(True, _sp, False) for _sp in (False, True)] + [
+    (False, _sp, _smooth) for _sp, _smooth in itertools.product((False, True), (False, True))]
+
+for _native, _sp, _smooth in _MEGATRON_FORMS:
     register_rule(Rule(
         name="vocab_parallel_cross_entropy",
-        pattern=megatron_loss_pattern(_smooth, _sp),
-        replacement=megatron_loss_replacement(_smooth, _sp),
+        pattern=megatron_loss_pattern(_smooth, _sp, _native),
+        replacement=megatron_loss_replacement(_smooth, _sp, _native),
         example_inputs=_megatron_examples(_sp),
         scalars={"start": VOCAB_START, "end": VOCAB_END,
                  **({"smoothing": SMOOTHING, "keep": SMOOTH_KEEP, "spread": SMOOTH_SPREAD} if _smooth else {})},
@@ -447,6 +521,6 @@ for _sp, _smooth in itertools.product((False, True), (False, True)):
         modes=("training",),
         anchors=(torch.ops._c10d_functional.all_reduce.default,),
         site=_megatron_site,
-        wanted=_wants_megatron,
+        wanted=_wants_megatron_fused if _native else _wants_megatron,
         grad_optional=("weight",),
     ))

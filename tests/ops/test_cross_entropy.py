@@ -198,3 +198,30 @@ def test_vocab_parallel_equals_megatron_at_tp1(megatron_cpu, smoothing, chunk_si
     torch.testing.assert_close(lse, torch.logsumexp(h.detach() @ w.detach().t(), -1), rtol=1e-5, atol=1e-6)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 5])
+def test_vocab_parallel_bf16_logits_grad_equals_megatron_fused_at_tp1(megatron_cpu, chunk_size):
+    """logits_grad_dtype=bf16 against megatron-core's fused_vocab_parallel_cross_entropy at TP=1, which returns
+    the logits' gradient in bf16 (fp32 model): loss and both gradients, chunked or not."""
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    s, b, hidden, vocab = 4, 3, 8, 24
+    h = torch.randn(s, b, hidden, generator=gen, requires_grad=True)
+    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).requires_grad_()
+    t = torch.randint(0, vocab, (s, b), generator=gen)
+    t.view(-1)[::4] = -100
+    seed = torch.randn(s, b, generator=gen)
+    group = parallel_state.get_tensor_model_parallel_group()
+    loss, _lse = torch.ops.npu_compile.vocab_parallel_linear_cross_entropy(h, w, t, 0, 0.0, group.group_name,
+                                                                           chunk_size, torch.bfloat16)
+    grads = torch.autograd.grad(loss, (h, w), seed)
+    h2, w2 = h.detach().requires_grad_(), w.detach().requires_grad_()
+    with torch.compiler.set_stance("force_eager"):  # Megatron's jit_fuser helpers (torch.compile) as plain ops
+        expected = fused_vocab_parallel_cross_entropy(h2 @ w2.t(), t, group)
+        expected_grads = torch.autograd.grad(expected, (h2, w2), seed)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

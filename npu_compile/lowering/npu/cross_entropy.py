@@ -227,6 +227,8 @@ def emit_vocab_parallel_backward(em: Emitter, c: Call, opts: Options) -> Outputs
         if smoothing:
             g = em(aten.sub.Tensor, g, smoothing / ch.vocab)
         g = em(aten.mul.Tensor, g, em(aten.unsqueeze.default, ch.rows(grad, start, end), 1))
+        if c["logits_grad_dtype"] is not None:  # Megatron's fused loss: its logits' gradient in bf16
+            g = em.cast(g, c["logits_grad_dtype"])
         grad_logits = em.cast(g, dtype)
         grads_h.append(em(aten.mm.default, grad_logits, c["weight"]))
         if c["weight_grad"]:
