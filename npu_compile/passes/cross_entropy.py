@@ -358,10 +358,13 @@ class _MegatronFusedCrossEntropy(torch.autograd.Function):
         return _megatron_logits_grad(*ctx.saved_tensors, grad_output).to(torch.bfloat16), None, None, None
 
 
-def megatron_loss_pattern(smoothed: bool, sequence_parallel: bool, native_fusion: bool = False):
-    """Megatron's loss after its output layer: tensor_parallel.vocab_parallel_cross_entropy of the logits'
-    .float(), or with native_fusion fusions.fused_vocab_parallel_cross_entropy of the logits as the output
-    layer gives them (GPTModel.compute_language_model_loss with cross_entropy_loss_fusion, impl "native")."""
+def megatron_loss_pattern(smoothed: bool, sequence_parallel: bool, native_fusion: bool = False,
+                          cast_outside: bool = False):
+    """Megatron's loss after its output layer: tensor_parallel.vocab_parallel_cross_entropy of the logits as the
+    output layer gives them (GPTModel.compute_language_model_loss: the Function casts bf16 / fp16 logits to fp32
+    inside, so autograd casts their gradient back), with cast_outside of their ``.float()`` (a caller's own cast,
+    differentiated as an op); or with native_fusion fusions.fused_vocab_parallel_cross_entropy of the logits
+    (GPTModel with cross_entropy_loss_fusion, impl "native"). In fp32 the two casts trace alike."""
     assert not (smoothed and native_fusion), "fused_vocab_parallel_cross_entropy takes no label smoothing"
 
     def loss(hidden, gathered, weight, target, start, end, smoothing=None, keep=None, spread=None):
@@ -371,7 +374,8 @@ def megatron_loss_pattern(smoothed: bool, sequence_parallel: bool, native_fusion
             logits = _MegatronLinear.apply(hidden, weight)
         if native_fusion:
             return _MegatronFusedCrossEntropy.apply(logits, target, start, end)
-        return _MegatronCrossEntropy.apply(logits.float(), target, start, end, smoothing, keep, spread)
+        logits = logits.float() if cast_outside else logits
+        return _MegatronCrossEntropy.apply(logits, target, start, end, smoothing, keep, spread)
 
     if smoothed and sequence_parallel:
         def pattern(hidden, gathered, weight, target, start, end, smoothing, keep, spread):
@@ -386,7 +390,8 @@ def megatron_loss_pattern(smoothed: bool, sequence_parallel: bool, native_fusion
         def pattern(hidden, weight, target, start, end):
             return loss(hidden, None, weight, target, start, end)
     pattern.__name__ = (f"megatron_{'fused_' if native_fusion else ''}vocab_parallel_cross_entropy"
-                        f"{'_smoothed' if smoothed else ''}{'_sequence_parallel' if sequence_parallel else ''}")
+                        f"{'_smoothed' if smoothed else ''}{'_sequence_parallel' if sequence_parallel else ''}"
+                        f"{'_of_float' if cast_outside else ''}")
     return pattern
 
 
@@ -505,14 +510,14 @@ def _wants_megatron_fused(graph) -> bool:
 
 
 # the fused form first: its graphs then stop before the other form's variants are traced (a graph of the
-# other form does not want the fused ones)
-_MEGATRON_FORMS = [(True, _sp, False) for _sp in (False, True)] + [
-    (False, _sp, _smooth) for _sp, _smooth in itertools.product((False, True), (False, True))]
+# other form does not want the fused ones); then the logits as GPTModel hands them over, then their .float()
+_MEGATRON_FORMS = [(True, _sp, False, False) for _sp in (False, True)] + [
+    (False, _sp, _smooth, _cast) for _cast, _sp, _smooth in itertools.product((False, True), repeat=3)]
 
-for _native, _sp, _smooth in _MEGATRON_FORMS:
+for _native, _sp, _smooth, _cast in _MEGATRON_FORMS:
     register_rule(Rule(
         name="vocab_parallel_cross_entropy",
-        pattern=megatron_loss_pattern(_smooth, _sp, _native),
+        pattern=megatron_loss_pattern(_smooth, _sp, _native, _cast),
         replacement=megatron_loss_replacement(_smooth, _sp, _native),
         example_inputs=_megatron_examples(_sp),
         scalars={"start": VOCAB_START, "end": VOCAB_END,

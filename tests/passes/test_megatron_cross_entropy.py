@@ -28,9 +28,10 @@ def _relative(actual, expected):
 
 
 def _case(tp: int, smoothing: float, dtype=torch.float32, sp: bool = False, target: str = "reference",
-          native: bool = False):
+          native: bool = False, cast: bool = True):
     """Compiled (backend ascend, target reference) against eager on one rank: (fusions, unfused, errors).
-    native: Megatron's fused_vocab_parallel_cross_entropy (smoothing 0) instead of vocab_parallel_cross_entropy."""
+    native: Megatron's fused_vocab_parallel_cross_entropy (smoothing 0) instead of vocab_parallel_cross_entropy;
+    cast: the logits' .float() before vocab_parallel_cross_entropy (without, as GPTModel calls it)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
     from megatron.core.model_parallel_config import ModelParallelConfig
@@ -53,7 +54,8 @@ def _case(tp: int, smoothing: float, dtype=torch.float32, sp: bool = False, targ
     def loss(h, t):
         if native:
             return fused_vocab_parallel_cross_entropy(layer(h)[0], t, parallel_state.get_tensor_model_parallel_group())
-        return tensor_parallel.vocab_parallel_cross_entropy(layer(h)[0].float(), t, smoothing)
+        logits = layer(h)[0]
+        return tensor_parallel.vocab_parallel_cross_entropy(logits.float() if cast else logits, t, smoothing)
 
     def run(fn):
         layer.weight.grad = None
@@ -134,11 +136,14 @@ def test_gpt_model_fused_loss_tp1(megatron_cpu):
     assert max(errors.values()) <= 1e-5, errors
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["smoothing0.1", "fused"])
-def test_megatron_loss_tp1_bf16_fused(megatron_cpu, native):
-    """bf16 weights: the logits' .float() is in the pattern (in the fused loss's forward for native); the fused
-    op rounds the matmul once as eager does, the gradients within two bf16 ulps of eager's."""
-    _check(*_case(1, 0.0 if native else 0.1, torch.bfloat16, native=native), tolerance=2 * 2.0**-8)
+@pytest.mark.parametrize("native, cast", [(False, True), (False, False), (True, False)],
+                         ids=["float-smoothing0.1", "as-given-smoothing0.1", "fused"])
+def test_megatron_loss_tp1_bf16_fused(megatron_cpu, native, cast):
+    """bf16 weights: the logits' .float() before the loss, or inside it (GPTModel hands Megatron's loss its bf16
+    logits, which the loss's forward casts: autograd then casts their gradient back), or in the fused loss's
+    forward for native; the fused op rounds the matmul once as eager does, the gradients within two bf16 ulps
+    of eager's."""
+    _check(*_case(1, 0.0 if native else 0.1, torch.bfloat16, native=native, cast=cast), tolerance=2 * 2.0**-8)
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["smoothing0.1", "fused"])
