@@ -15,7 +15,7 @@ Decisions:
 - Chunked over tokens: forward and backward hold the fp32 logits (and then their gradient, in place) of at
   most `chunk_size` tokens at a time, never [N, V]; the backward recomputes each chunk's logits from hidden
   and weight (one more matmul per chunk) and accumulates grad_weight over the chunks in fp32. chunk_size 0
-  picks the chunk: as many tokens as keep one chunk's fp32 logits within CHUNK_ELEMENTS (64 MiB), at least 1.
+  picks the chunk: as many tokens as keep one chunk's fp32 logits within CHUNK_ELEMENTS (16 MiB), at least 1.
 - label_smoothing ε is PyTorch's: loss_i = (1 − ε)·nll_i + ε·(lse_i − mean_j logit_ij) (the uniform target
   spread over all V classes). Megatron's smoothing α is ε = α·V/(V − 1) of this form.
 - A token whose target is ignore_index has loss 0 and gradient 0; "mean" divides the sum by the number of
@@ -33,7 +33,7 @@ from torch import Tensor
 from npu_compile.ops.common import acc_dtype, no_grad_placeholder
 
 REDUCTIONS = ("none", "mean", "sum")
-CHUNK_ELEMENTS = 2**24  # one chunk's fp32 logits: 64 MiB
+CHUNK_ELEMENTS = 2**22  # one chunk's fp32 logits: 16 MiB (vocab 32000: 131 tokens a chunk)
 
 
 def _check(hidden: Tensor, weight: Tensor, target: Tensor, label_smoothing: float, reduction: str) -> None:
@@ -60,6 +60,19 @@ def chunk_rows(tokens: int, vocab: int, chunk_size: int) -> int:
 
 def _logits(h: Tensor, weight: Tensor) -> Tensor:
     return (h @ weight.t()).to(acc_dtype(h.dtype))
+
+
+def _accumulate(grad: Tensor, h: Tensor, weight: Tensor, grad_hidden: Tensor, grad_weight: Tensor | None) -> None:
+    """One chunk's share of the backward from its logits' gradient ``grad`` (fp32 or wider, [chunk, V]):
+    grad_hidden's rows = grad @ weight, and grad_weight (the fp32 accumulator) += gradᵀ @ h, in place, with the
+    gradient rounded to the inputs' dtype first as autograd's would be. Half-precision inputs: the rounded
+    gradient is held in ``grad`` itself (no second [chunk, V] fp32 buffer, no [V, H] product per chunk)."""
+    low = grad.to(h.dtype) if h.dtype != grad.dtype else grad
+    torch.mm(low, weight, out=grad_hidden)
+    if grad_weight is not None:
+        if low is not grad:
+            grad.copy_(low)
+        grad_weight.addmm_(grad.t(), h.to(grad.dtype))
 
 
 def _forward(hidden, weight, target, ignore_index, label_smoothing, reduction, chunk_size):
@@ -136,10 +149,7 @@ def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Ten
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, torch.where(valid, t, 0)] -= 1.0 - label_smoothing
         grad.mul_(torch.where(valid, g[start:start + step], 0.0).unsqueeze(1))
-        grad = grad.to(hidden.dtype)
-        grad_hidden[start:start + step] = grad @ weight
-        if grad_weight is not None:
-            grad_weight += (grad.t() @ h).to(acc)
+        _accumulate(grad, h, weight, grad_hidden[start:start + step], grad_weight)
     grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else no_grad_placeholder(weight)
     return grad_hidden.view(hidden.shape), grad_weight
 
@@ -284,11 +294,8 @@ def vocab_parallel_linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tens
             grad.sub_(smoothing / vocab)
         grad.mul_(g[start:start + step].unsqueeze(1))
         if logits_grad_dtype is not None:
-            grad = grad.to(logits_grad_dtype)
-        grad = grad.to(hidden.dtype)
-        grad_hidden[start:start + step] = grad @ weight
-        if grad_weight is not None:
-            grad_weight += (grad.t() @ h).to(acc)
+            grad.copy_(grad.to(logits_grad_dtype))  # rounded as Megatron's fused loss rounds it, kept in fp32
+        _accumulate(grad, h, weight, grad_hidden[start:start + step], grad_weight)
     grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else no_grad_placeholder(weight)
     return grad_hidden.view(hidden.shape), grad_weight
 
