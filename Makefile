@@ -69,6 +69,7 @@ bench: $(STAMP)
 	$(PY) -m bench.reference_kernels
 	$(PY) -m bench.compile_time
 	$(PY) -m bench.memory_fit
+	$(PY) -m bench.fused_loss
 
 clean:
 	rm -rf $(VENV) $(VENV012) npu_compile_dump .pytest_cache .hypothesis
