@@ -157,9 +157,10 @@ def _run_pair(job, how, watchdog=WATCHDOG_S, bound=None, start_timeout=300, env_
 @pytest.mark.slow
 def test_a_compiled_tp2_step_ends_when_a_rank_exits_mid_step():
     code, out, err, pid, seconds = _run_pair(_compiled_tp2_step, "exit")
-    # the step before: one graph, no break, the fusions of one process (adapt() before the parallel state)
+    # the step before: one graph, no break, the fusions of one process (adapt() before the parallel state), the
+    # vocab-parallel loss among them
     assert re.search(r'STEP1 \{"graphs": 1, "breaks": 0, "fusions": \{"attention": 1, "add_layer_norm": 2, '
-                     r'"bias_gelu": 1\}\}', out), out
+                     r'"bias_gelu": 1, "vocab_parallel_cross_entropy": 1\}\}', out), out
     assert code != 0 and seconds <= WATCHDOG_S + SLACK_S, (code, seconds)
     # gloo's own error (the closed socket), then the one naming the rank
     assert f"RankLostError: rank 1 (pid {pid}) is gone: its process has exited" in err, err[-3000:]
