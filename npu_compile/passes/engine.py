@@ -390,7 +390,8 @@ class _Group:
     def _variants(self, index: int, rule: Rule) -> list[_Variant]:
         if index not in self.variants:
             with torch._subclasses.fake_tensor.unset_fake_temporarily():
-                # real example tensors: they are kept for later graphs, which compile under fake modes of their own
+                # real example tensors, not fakes of the graph compiling now: they are kept for later graphs,
+                # which compile under fake modes of their own (see _traced)
                 self.variants[index] = self._list_variants(rule)
         return self.variants[index]
 
@@ -416,19 +417,25 @@ class _Group:
         variant.traced = True
         p = PatternMatcherPass(pass_name=f"npu_compile_{self.name}_{self.mode}")
         p.seen_patterns = self.seen_patterns  # a graph an earlier variant traced to registers once
+        example = variant.example
+        if torch._guards.active_fake_mode() is not None:
+            # traced while a graph compiles: the inputs made anew under its fake mode, as the graph's own tensors
+            # (only their sizes, strides, dtypes and requires_grad are traced). Tracing runs the pattern once on
+            # its inputs: on real ones, a pattern's collectives would run on the real group.
+            example = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                       .requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in example]
         start = time.perf_counter()
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():  # traced on its real example tensors
-            registered = register_replacement(
-                variant.pattern,
-                variant.replacement,
-                variant.example,
-                variant.trace_fn,
-                p,
-                extra_check=_checked(variant.rule),
-                scalar_workaround=dict(variant.rule.scalars),
-                skip_duplicates=True,
-                get_decomp_fn=decompositions,
-            )
+        registered = register_replacement(
+            variant.pattern,
+            variant.replacement,
+            example,
+            variant.trace_fn,
+            p,
+            extra_check=_checked(variant.rule),
+            scalar_workaround=dict(variant.rule.scalars),
+            skip_duplicates=True,
+            get_decomp_fn=decompositions,
+        )
         TRACING.patterns += 1
         TRACING.seconds += time.perf_counter() - start
         if not registered:
