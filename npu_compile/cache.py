@@ -91,7 +91,9 @@ def graph_key(stage: str, gm: torch.fx.GraphModule, opts: Any) -> str:
             attr = getattr(gm, str(node.target), None)
             h.update(f"{node.target}:{_meta(attr)};".encode())
             if isinstance(attr, torch.Tensor) and not attr.is_meta and type(attr) is torch.Tensor:
-                h.update(attr.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                # a real constant (Megatron's loss lifts a 0-dim one), read outside the compiling graph's fake mode
+                with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                    h.update(attr.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
