@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -458,9 +458,11 @@ def _group(name: str, mode: str) -> _Group:
     return _groups[(name, mode)]
 
 
-def _targets(pattern: PatternExpr) -> set[Any]:
-    """The ops a traced pattern calls."""
-    targets, seen, stack = set(), set(), [pattern]
+def _walk(pattern: PatternExpr, into_lists: bool = False) -> Iterator[PatternExpr]:
+    """Each node of a traced pattern once (a MultiOutputPattern's outputs, not itself), children listed before the
+    node is yielded; with ``into_lists`` also the patterns inside list arguments (``cat([a, b])``)."""
+    seen: set[int] = set()
+    stack = [pattern]
     while stack:
         node = stack.pop()
         if id(node) in seen or not isinstance(node, PatternExpr):
@@ -469,11 +471,16 @@ def _targets(pattern: PatternExpr) -> set[Any]:
         if isinstance(node, MultiOutputPattern):
             stack += node.outputs
             continue
-        targets.update(getattr(node, "fns", ()))
-        stack += [a for a in (*getattr(node, "args", ()), *getattr(node, "kwargs", {}).values())
-                  if isinstance(a, PatternExpr)]
-        stack += [x for a in getattr(node, "args", ()) if isinstance(a, (list, tuple)) for x in a]
-    return targets
+        args = getattr(node, "args", ())
+        stack += [a for a in (*args, *getattr(node, "kwargs", {}).values()) if isinstance(a, PatternExpr)]
+        if into_lists:
+            stack += [x for a in args if isinstance(a, (list, tuple)) for x in a]
+        yield node
+
+
+def _targets(pattern: PatternExpr) -> set[Any]:
+    """The ops a traced pattern calls."""
+    return {fn for node in _walk(pattern, into_lists=True) for fn in getattr(node, "fns", ())}
 
 
 def grad_variants(pattern: Callable[..., Any], examples: Sequence[Sequence[Any]], names: Sequence[str],
@@ -565,18 +572,8 @@ def _ignore_literal_lists(pattern: PatternExpr) -> None:
     any other list, torch's matcher compares the arguments as trees, the graph's ``[8]`` unfolds while the
     pattern's Ignored does not, and the node never matches. The exact match that follows, traced with the
     real shapes, still compares every list."""
-    seen: set[int] = set()
-    stack = [pattern]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or not isinstance(node, PatternExpr):
-            continue
-        seen.add(id(node))
-        if isinstance(node, MultiOutputPattern):
-            stack += node.outputs
-            continue
+    for node in _walk(pattern):
         args = getattr(node, "args", ())
-        stack += [a for a in (*args, *getattr(node, "kwargs", {}).values()) if isinstance(a, PatternExpr)]
         literal = [isinstance(a, (list, tuple)) and not any(isinstance(x, PatternExpr) for x in a) for a in args]
         if any(literal) and any(isinstance(a, Ignored) for a in args):
             node.args = tuple(Ignored() if lit else a for a, lit in zip(args, literal))
