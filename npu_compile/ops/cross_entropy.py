@@ -36,18 +36,23 @@ REDUCTIONS = ("none", "mean", "sum")
 CHUNK_ELEMENTS = 2**22  # one chunk's fp32 logits: 16 MiB (vocab 32000: 131 tokens a chunk)
 
 
+def _check_operands(hidden: Tensor, weight: Tensor, target: Tensor, rows: str) -> None:
+    """hidden [..., H] and weight [rows, H] of one floating dtype, target int64 of hidden's leading dims."""
+    if (hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]
+            or weight.dtype != hidden.dtype or not hidden.is_floating_point()):
+        raise ValueError(f"hidden {tuple(hidden.shape)} {hidden.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype} must be [..., H] and [{rows}, H] of one floating dtype")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]) or target.dtype != torch.int64:
+        raise ValueError(f"target {tuple(target.shape)} {target.dtype} must be int64 shaped like hidden's "
+                         f"leading dims {tuple(hidden.shape[:-1])}")
+
+
 def _check(hidden: Tensor, weight: Tensor, target: Tensor, label_smoothing: float, reduction: str) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if (hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]
-            or weight.dtype != hidden.dtype or not hidden.is_floating_point()):
-        raise ValueError(f"hidden {tuple(hidden.shape)} {hidden.dtype} and weight {tuple(weight.shape)} "
-                         f"{weight.dtype} must be [..., H] and [V, H] of one floating dtype")
-    if tuple(target.shape) != tuple(hidden.shape[:-1]) or target.dtype != torch.int64:
-        raise ValueError(f"target {tuple(target.shape)} {target.dtype} must be int64 shaped like hidden's "
-                         f"leading dims {tuple(hidden.shape[:-1])}")
+    _check_operands(hidden, weight, target, "V")
 
 
 def chunk_rows(tokens: int, vocab: int, chunk_size: int) -> int:
@@ -216,13 +221,7 @@ def _all_reduce(t: Tensor, op: str, group_name: str) -> Tensor:
 def _check_vocab_parallel(hidden, weight, target, smoothing):
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
-    if (hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]
-            or weight.dtype != hidden.dtype or not hidden.is_floating_point()):
-        raise ValueError(f"hidden {tuple(hidden.shape)} {hidden.dtype} and weight {tuple(weight.shape)} "
-                         f"{weight.dtype} must be [..., H] and [Vp, H] of one floating dtype")
-    if tuple(target.shape) != tuple(hidden.shape[:-1]) or target.dtype != torch.int64:
-        raise ValueError(f"target {tuple(target.shape)} {target.dtype} must be int64 shaped like hidden's "
-                         f"leading dims {tuple(hidden.shape[:-1])}")
+    _check_operands(hidden, weight, target, "Vp")
 
 
 def _shard_target(t: Tensor, vocab_start: int, vocab: int) -> tuple[Tensor, Tensor]:
