@@ -156,7 +156,32 @@ def test_mindspeed_switches_name_fusions():
     assert _parse_error([*TINY, "--train-iters", "5", "--npu-compile-options", '{"budget": 0.5}']) == (
         "pretrain_gpt: error: --npu-compile-options: unknown npu_compile option(s) 'budget'; valid options are "
         "target, graph_mode, fusions, memory_budget, device_memory, resident_memory, activation_copies, overlap, "
-        "dump_dir, verify, fast_gelu, cache")
+        "mc2, dump_dir, verify, fast_gelu, cache")
+
+
+def test_use_ascend_mc2_is_mc2_on_and_needs_sequence_parallel_at_tp_above_1():
+    tp2 = [*TINY, "--train-iters", "5", "--tensor-model-parallel-size", "2"]
+    # MindSpeed's meaning: every TP linear's all-gather + matmul and matmul + reduce-scatter as an MC2 op
+    assert parse_args([*tp2, "--sequence-parallel", "--use-ascend-mc2"], world_size=2).npu_compile_options == {
+        "mc2": "on"}
+    assert parse_args([*tp2, "--sequence-parallel", "--use-ascend-mc2", "--npu-compile-options",
+                       '{"overlap": false}'], world_size=2).npu_compile_options == {"overlap": False, "mc2": "on"}
+    assert parse_args([*tp2, "--sequence-parallel"], world_size=2).npu_compile_options == {}  # mc2 stays "auto"
+    assert parse_args([*tp2, "--npu-compile-options", '{"mc2": "off"}'], world_size=2).npu_compile_options == {
+        "mc2": "off"}
+    # refused as MindSpeed refuses it: without sequence parallelism, or at TP 1
+    assert _parse_error([*tp2, "--use-ascend-mc2"], world_size=2) == (
+        "pretrain_gpt: error: --use-ascend-mc2 needs --sequence-parallel and --tensor-model-parallel-size > 1 (got "
+        "no --sequence-parallel, TP 2): MC2 fuses the all-gather + matmul and matmul + reduce-scatter that sequence "
+        "parallelism puts around the tensor-parallel linears")
+    assert _parse_error([*TINY, "--train-iters", "5", "--sequence-parallel", "--use-ascend-mc2"]) == (
+        "pretrain_gpt: error: --use-ascend-mc2 needs --sequence-parallel and --tensor-model-parallel-size > 1 (got "
+        "--sequence-parallel, TP 1): MC2 fuses the all-gather + matmul and matmul + reduce-scatter that sequence "
+        "parallelism puts around the tensor-parallel linears")
+    assert _parse_error([*tp2, "--sequence-parallel", "--use-ascend-mc2", "--npu-compile-options", '{"mc2": "off"}'],
+                        world_size=2) == (
+        "pretrain_gpt: error: --use-ascend-mc2 sets npu_compile option mc2='on', but --npu-compile-options gives "
+        "mc2='off'; drop one of them")
 
 
 def _one_line_failure(run, code: int) -> str:
