@@ -196,13 +196,14 @@ def rule_digest(rule: Any) -> str:
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_SCALAR_TYPES = frozenset(_SCALARS)
 # Functions of these packages are named, not read: their versions (and this package's source digest) are in the key.
 _VERSIONED = ("torch", "npu_compile", "builtins", "operator", "math", "functools")
 
 
 def _stable(value: Any, seen: set[int]) -> str:
     """A description of ``value`` that is the same in every process where it means the same (no addresses)."""
-    if isinstance(value, _SCALARS):
+    if type(value) in _SCALAR_TYPES or isinstance(value, _SCALARS):  # most of what rules hold: by type first
         return repr(value)
     if isinstance(value, enum.Enum):
         return f"{type(value).__qualname__}.{value.name}"
@@ -226,6 +227,8 @@ def _stable(value: Any, seen: set[int]) -> str:
 
 def _described(value: Any, seen: set[int]) -> str:
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _SCALAR_TYPES for v in value):
+            return f"{type(value).__name__}({','.join(map(repr, value))})"
         return f"{type(value).__name__}({','.join(_stable(v, seen) for v in value)})"
     if isinstance(value, (set, frozenset)):
         return f"{type(value).__name__}({','.join(sorted(_stable(v, seen) for v in value))})"
