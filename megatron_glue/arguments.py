@@ -365,9 +365,18 @@ def validate(args: argparse.Namespace) -> None:
     from npu_compile import config as npu_config
 
     try:  # here, before any model is built or traced (torch.compile checks them only at the first graph)
-        npu_config.validate(args.npu_compile_options)
+        options = npu_config.validate(args.npu_compile_options)
     except npu_config.OptionError as e:
         fail(f"--npu-compile-options: {e}")
+    if args.use_ascend_mc2:  # MC2 is the compiler's, and only the npu targets have its ops: never a silent no-op
+        if not args.npu_compile:
+            fail("--use-ascend-mc2 is done by the compiler (option mc2='on'), which --no-npu-compile turns off; "
+                 "drop one of them")
+        if options.target == "reference" or options.target == "auto" and npu_config.resolve_target("auto") != "npu":
+            why = "as --npu-compile-options says" if options.target == "reference" else "auto: no usable torch_npu here"
+            fail(f"--use-ascend-mc2 makes MC2 ops, which only the npu and npu-sim targets have; this job compiles for "
+                 f"target 'reference' ({why}); to run them on the CPU, give --npu-compile-options "
+                 "'{\"target\": \"npu-sim\"}'")
 
 
 def compile_options(options: dict, switched_on: list[str], mc2: bool) -> dict:
