@@ -244,6 +244,7 @@ def test_each_rule_change_changes_the_key(change, gm, user_rules, tmp_path):
             gm, user_rules, _silu_rule(pattern=_pattern_of(2.0)))
 
 
+@pytest.mark.slow
 def test_a_rule_key_is_the_same_in_another_process():
     """No addresses or hash seeds in the rules' digest: a second interpreter, its hash seed another, agrees."""
     import os
@@ -251,9 +252,9 @@ def test_a_rule_key_is_the_same_in_another_process():
     import sys
 
     code = "from npu_compile import cache; print(cache.rules_digest())"
-    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
-    assert digests == {cache.rules_digest()}
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
+    assert other == cache.rules_digest()
 
 
 class Silu(torch.nn.Module):
