@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("MindSpeed switches (fusions of the ascend backend, on by default)")
     for name in MINDSPEED_FUSIONS:
         g.add_argument("--" + name.replace("_", "-"), action="store_true")
-    g.add_argument("--use-ascend-mc2", action="store_true", help="MC2 (matmul + collective), part of overlap")
+    g.add_argument("--use-ascend-mc2", action="store_true",
+                   help="the tensor-parallel linears' all-gather + matmul and matmul + reduce-scatter as MC2 ops at "
+                        "every site (npu_compile option mc2='on'); needs --sequence-parallel and TP > 1")
 
     g = p.add_argument_group("npu_compile")
     g.add_argument("--npu-compile-options", type=_json_object, default={},
@@ -297,6 +299,12 @@ def validate(args: argparse.Namespace) -> None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
         fail(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    if args.use_ascend_mc2 and (tp == 1 or not args.sequence_parallel):
+        # MindSpeed refuses it so too (mindspeed/features_manager/tensor_parallel/mc2.py, MC2Feature.validate_args)
+        fail(f"--use-ascend-mc2 needs --sequence-parallel and --tensor-model-parallel-size > 1 (got "
+             f"{'--sequence-parallel' if args.sequence_parallel else 'no --sequence-parallel'}, TP {tp}): MC2 fuses "
+             "the all-gather + matmul and matmul + reduce-scatter that sequence parallelism puts around the "
+             "tensor-parallel linears")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM turns it off at TP=1 too
 
@@ -350,18 +358,32 @@ def validate(args: argparse.Namespace) -> None:
              "(default --train-iters); warm up for fewer iterations")
 
     mindspeed = [rule for flag, rules in MINDSPEED_FUSIONS.items() if getattr(args, flag) for rule in rules]
+    if args.use_ascend_mc2 and args.npu_compile_options.get("mc2", "on") != "on":
+        fail(f"--use-ascend-mc2 sets npu_compile option mc2='on', but --npu-compile-options gives mc2="
+             f"{args.npu_compile_options['mc2']!r}; drop one of them")
     args.npu_compile_options = compile_options(args.npu_compile_options, mindspeed, args.use_ascend_mc2)
     from npu_compile import config as npu_config
 
     try:  # here, before any model is built or traced (torch.compile checks them only at the first graph)
-        npu_config.validate(args.npu_compile_options)
+        options = npu_config.validate(args.npu_compile_options)
     except npu_config.OptionError as e:
         fail(f"--npu-compile-options: {e}")
+    if args.use_ascend_mc2:  # MC2 is the compiler's, and only the npu targets have its ops: never a silent no-op
+        if not args.npu_compile:
+            fail("--use-ascend-mc2 is done by the compiler (option mc2='on'), which --no-npu-compile turns off; "
+                 "drop one of them")
+        if options.target == "reference" or options.target == "auto" and npu_config.resolve_target("auto") != "npu":
+            why = "as --npu-compile-options says" if options.target == "reference" else "auto: no usable torch_npu here"
+            fail(f"--use-ascend-mc2 makes MC2 ops, which only the npu and npu-sim targets have; this job compiles for "
+                 f"target 'reference' ({why}); to run them on the CPU, give --npu-compile-options "
+                 "'{\"target\": \"npu-sim\"}'")
 
 
 def compile_options(options: dict, switched_on: list[str], mc2: bool) -> dict:
     """`--npu-compile-options` with MindSpeed's switches applied: each switch turns its fusions on (they are on
-    unless `fusions` says otherwise); `--use-ascend-mc2` turns on `overlap`, the stage that chooses MC2 sites."""
+    unless `fusions` says otherwise); `--use-ascend-mc2` sets option `mc2` to "on": as MindSpeed's MC2 linears, every
+    all-gather + matmul and matmul + reduce-scatter torch_npu takes becomes one MC2 op, whatever the cost model
+    would choose (without the flag, `mc2` stays as given, by default "auto": the cost model's choice)."""
     options = dict(options)
     fusions = options.get("fusions", "all")
     if switched_on and fusions != "all":
@@ -371,5 +393,5 @@ def compile_options(options: dict, switched_on: list[str], mc2: bool) -> dict:
             fusions = list(dict.fromkeys([*fusions, *switched_on]))
         options["fusions"] = fusions
     if mc2:
-        options["overlap"] = True
+        options["mc2"] = "on"
     return options

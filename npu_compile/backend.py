@@ -77,7 +77,7 @@ class _Compilation:
             return None, None
         try:
             with self.record.timed("cache"):
-                key = cache.graph_key(step, gm, self.opts)
+                key = cache.graph_key(step, gm, self.opts, self.target.communicator)
         except Exception as e:  # a graph the key cannot describe: compile it, uncached
             log.info("npu_compile cache: no key for %s of graph %s (%s)", step, self.report.graph_id, e)
             self.report.cache[step] = "off"

@@ -28,8 +28,10 @@ from torch._dynamo.exc import ShortenTraceback
 # The allowed values of the options that take one of a few, declared on Options' fields by these types.
 TargetName = Literal["auto", "npu", "npu-sim", "reference"]
 GraphMode = Literal["ge", "aclgraph", "eager"]
+MC2Mode = Literal["auto", "on", "off"]
 TARGETS: tuple[str, ...] = get_args(TargetName)
 GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
+MC2_MODES: tuple[str, ...] = get_args(MC2Mode)
 DUMP_DIR_ENV = "NPU_COMPILE_DUMP_DIR"
 
 Fusions = Union[Literal["all"], tuple[str, ...], Mapping[str, bool]]
@@ -64,6 +66,9 @@ class Options:
     resident_memory: int = 0  # bytes the job holds besides this graph's activations: params, grads, optimizer
     activation_copies: int = 1  # forwards of this graph whose saved activations are alive at once
     overlap: bool = True  # comm/compute overlap scheduling
+    # npu targets: a matmul and its collective as one MC2 op: "auto" where the cost model finds it faster than the
+    # overlap scheduler, "on" at every site torch_npu takes, "off" nowhere
+    mc2: MC2Mode = "auto"
     dump_dir: str | None = None  # where graphs and report.json go (None: $NPU_COMPILE_DUMP_DIR, else nowhere)
     verify: bool = False  # run the unfused graph beside the compiled one on first call and compare
     # npu / npu-sim: lower GeLU to npu_fast_gelu, x·σ(1.702x) — a different function from GeLU, so opt-in only
@@ -80,6 +85,9 @@ class Options:
 
 
 KEYS = tuple(f.name for f in dataclasses.fields(Options))
+# Options that change nothing the compile cache stores (where dumps go, the first call's check, the cache itself):
+# left out of its key. Every other option is in the key, a new one included unless it is listed here.
+UNKEYED = frozenset({"dump_dir", "verify", "cache"})
 
 defaults = Options()
 
@@ -165,7 +173,7 @@ def _field_check(field: dataclasses.Field) -> Any:
               "activation_copies": _check_bytes("activation_copies", 1)}
     if field.name in custom:
         return custom[field.name]
-    kind = {"TargetName": TargetName, "GraphMode": GraphMode, "bool": bool}[field.type]
+    kind = {"TargetName": TargetName, "GraphMode": GraphMode, "MC2Mode": MC2Mode, "bool": bool}[field.type]
     if kind is bool:
         return lambda v: _check_bool(field.name, v)
     return lambda v: _check_choice(field.name, v, get_args(kind))

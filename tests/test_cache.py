@@ -1,13 +1,19 @@
 """The persistent compile cache: a miss compiles and stores, a second compile of the same graph loads every step,
-a corrupt or mismatched entry is ignored and rebuilt, and cache=False reads and writes nothing."""
+a corrupt or mismatched entry is ignored and rebuilt, and cache=False reads and writes nothing. The key holds
+everything that shapes an entry: each keyed option, the registered rules (a user's too), the device profile, the
+process groups the graph names with the target's communicator names, the versions; each is checked alone."""
 
+import dataclasses
 import logging
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from npu_compile import cache
+from megatron_glue.testing import fake_process_group
+from npu_compile import cache, config, lowering, passes
 from npu_compile.debug.report import collect
+from npu_compile.device import profile
 
 
 class Block(torch.nn.Module):
@@ -91,3 +97,229 @@ def test_cache_off_reads_and_writes_nothing(cache_dir):
     _, _, r = step({"cache": False})
     assert set(r.cache.values()) == {"off"}
     assert not entries(cache_dir)
+
+
+# ---- what the key holds, one field at a time --------------------------------------------------------------------
+
+# A value other than the default for each option in the key. A new option must get one here: it is keyed unless
+# config.UNKEYED lists it, and this test fails until it is shown to be keyed.
+OTHER_VALUE = {"target": "npu-sim", "graph_mode": "eager", "fusions": ("attention",), "memory_budget": 0.5,
+               "device_memory": 2**30, "resident_memory": 1, "activation_copies": 2, "overlap": False, "mc2": "off",
+               "fast_gelu": True}
+UNKEYED_VALUE = {"dump_dir": "/tmp/dumps", "verify": True, "cache": False}
+BASE = config.Options(target="reference")
+
+
+@pytest.fixture(scope="module")
+def gm():
+    return make_fx(lambda x, w: torch.nn.functional.gelu(x @ w), tracing_mode="fake")(
+        torch.empty(4, 8), torch.empty(8, 8))
+
+
+def test_every_option_is_keyed_or_listed_unkeyed():
+    assert set(OTHER_VALUE) | set(UNKEYED_VALUE) == set(config.KEYS)
+    assert set(UNKEYED_VALUE) == config.UNKEYED
+
+
+@pytest.mark.parametrize("field", sorted(OTHER_VALUE))
+def test_each_keyed_option_alone_changes_the_key(field, gm):
+    other = dataclasses.replace(BASE, **{field: OTHER_VALUE[field]})
+    assert getattr(other, field) != getattr(BASE, field)
+    assert cache.graph_key("forward", gm, other) != cache.graph_key("forward", gm, BASE)
+
+
+@pytest.mark.parametrize("field", sorted(UNKEYED_VALUE))
+def test_unkeyed_options_leave_the_key(field, gm):
+    other = dataclasses.replace(BASE, **{field: UNKEYED_VALUE[field]})
+    assert cache.graph_key("forward", gm, other) == cache.graph_key("forward", gm, BASE)
+
+
+def _changed(value):
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, (int, float)):
+        return value * 2 + 1
+    return {**value, "extra": 1}
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(profile.DeviceProfile)])
+def test_each_device_profile_field_changes_the_key(field, gm, monkeypatch):
+    before = cache.graph_key("forward", gm, BASE)
+    changed = dataclasses.replace(profile.DEFAULT, **{field: _changed(getattr(profile.DEFAULT, field))})
+    monkeypatch.setattr(profile, "DEFAULT", changed)  # what device.profile.load() and so the cost model read
+    assert profile.load() is changed
+    assert cache.graph_key("forward", gm, BASE) != before
+
+
+def test_the_versions_change_the_key(gm, monkeypatch):
+    before = cache.graph_key("forward", gm, BASE)
+    monkeypatch.setattr(cache, "versions", lambda: ("torch 0", "megatron-core -", "npu_compile 0 0"))
+    assert cache.graph_key("forward", gm, BASE) != before
+
+
+def silu_pattern(x):
+    return x * torch.sigmoid(x)
+
+
+def silu_replacement(x):
+    return torch.nn.functional.silu(x)
+
+
+def _silu_rule(pattern=silu_pattern, **fields):
+    """The README's rule example (``pattern`` and ``fields`` changed for the key tests)."""
+    return passes.Rule(**{"name": "handwritten_silu", "pattern": pattern, "replacement": silu_replacement,
+                          "example_inputs": lambda: [[torch.empty(8, 16, requires_grad=True)]],
+                          "anchors": (torch.ops.aten.sigmoid.default,), **fields})
+
+
+@pytest.fixture
+def user_rules():
+    registered = []
+
+    def register(rule):
+        registered.append(passes.register_rule(rule).name)
+
+    yield register
+    for name in registered:
+        passes.unregister_rule(name)
+
+
+def _pattern_of(scale):
+    def pattern(x):
+        return x * torch.sigmoid(x * scale)
+    return pattern
+
+
+def _rule_key(gm, register, rule):
+    register(rule)
+    try:
+        return cache.graph_key("partition", gm, BASE)
+    finally:
+        passes.unregister_rule(rule.name)
+
+
+def _module_pattern(tmp_path, body):
+    """``pattern`` of a user's module holding ``body``, loaded afresh: the same module and function name, as a
+    rule file edited between two runs."""
+    import importlib.util
+
+    path = tmp_path / "my_rules.py"
+    path.write_text(f"import torch\n\ndef pattern(x):\n    return {body}\n")
+    spec = importlib.util.spec_from_file_location("my_rules", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.pattern
+
+
+def _exec_pattern(body):
+    """``pattern`` defined where no source is kept (exec, as in a REPL)."""
+    scope = {"torch": torch}
+    exec(f"def pattern(x):\n    return {body}\n", scope)
+    return scope["pattern"]
+
+
+@pytest.mark.parametrize("change", ["registered", "pattern source", "pattern code", "closure", "extra_check",
+                                    "scalars", "modes", "anchors"])
+def test_each_rule_change_changes_the_key(change, gm, user_rules, tmp_path):
+    base = _silu_rule(pattern={"pattern source": lambda: _module_pattern(tmp_path, "x * torch.sigmoid(x)"),
+                               "pattern code": lambda: _exec_pattern("x * torch.sigmoid(x)")}.get(
+        change, lambda: silu_pattern)())
+    before = _rule_key(gm, user_rules, base)
+    other = {
+        "registered": None,
+        "pattern source": lambda: _silu_rule(pattern=_module_pattern(tmp_path, "torch.sigmoid(x) * x")),
+        "pattern code": lambda: _silu_rule(pattern=_exec_pattern("torch.sigmoid(x) * x")),
+        "closure": lambda: _silu_rule(pattern=_pattern_of(2.0)),
+        "extra_check": lambda: _silu_rule(extra_check=lambda match: True),
+        "scalars": lambda: _silu_rule(scalars={"eps": 1e-6}),
+        "modes": lambda: _silu_rule(modes=(passes.TRAINING,)),
+        "anchors": lambda: _silu_rule(anchors=(torch.ops.aten.mul.Tensor,)),
+    }[change]
+    if other is None:
+        assert cache.graph_key("partition", gm, BASE) != before  # without it
+    else:
+        assert _rule_key(gm, user_rules, other()) != before
+    if change == "closure":  # the same source with another value captured
+        assert _rule_key(gm, user_rules, _silu_rule(pattern=_pattern_of(3.0))) != _rule_key(
+            gm, user_rules, _silu_rule(pattern=_pattern_of(2.0)))
+
+
+@pytest.mark.slow
+def test_a_rule_key_is_the_same_in_another_process():
+    """No addresses or hash seeds in the rules' digest: a second interpreter, its hash seed another, agrees."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from npu_compile import cache; print(cache.rules_digest())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
+    assert other == cache.rules_digest()
+
+
+class Silu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * torch.sigmoid(h)
+
+
+def test_a_rule_registered_after_caching_fires(cache_dir, user_rules):
+    """The README's rule example, registered once a graph was cached: the next compile misses and fuses."""
+    torch.manual_seed(0)
+    model, x = Silu(), torch.randn(4, 16)
+    with collect() as reports:
+        torch.compile(model, backend="ascend", options={"cache": True})(x).sum().backward()
+    assert set(reports[0].cache.values()) == {"miss"} and "handwritten_silu" not in reports[0].fusions
+    user_rules(_silu_rule())
+    torch._dynamo.reset()
+    with collect() as reports:
+        out = torch.compile(model, backend="ascend", options={"cache": True})(x)
+        out.sum().backward()
+    (r,) = reports
+    assert r.cache["partition"] == "miss"
+    assert r.fusions["handwritten_silu"] == 1
+    assert r.lowered_ops["aten.silu"] == 1 and "aten.sigmoid" not in r.lowered_ops
+    torch.testing.assert_close(out, model.fc(x) * torch.sigmoid(model.fc(x)))
+
+
+def _all_reduce_graph(group_name):
+    c10d = torch.ops._c10d_functional
+    return make_fx(lambda x: c10d.wait_tensor(c10d.all_reduce(x, "sum", group_name)), tracing_mode="fake")(
+        torch.empty(4, 4))
+
+
+def test_the_group_a_graph_names_is_in_the_key():
+    """The graph code names a group by its c10d name ('0'); the same name in a world of another size, or with
+    another communicator name baked in by the target, is another key."""
+    with fake_process_group(2) as group:
+        gm = _all_reduce_graph(group.group_name)
+        assert f"'{group.group_name}'" in gm.code
+        two = cache.graph_key("forward", gm, BASE)
+        named = {hcom: cache.graph_key("forward", gm, BASE, lambda pg, hcom=hcom: hcom) for hcom in ("a", "b")}
+        assert cache.groups(gm, lambda pg: "a") == [(group.group_name, 2, (0, 1), "fake", "a")]
+    assert len({two, *named.values()}) == 3
+    with fake_process_group(4):
+        assert cache.graph_key("forward", gm, BASE) != two
+
+
+@pytest.mark.parametrize("name", ["npu", "npu-sim"])
+def test_the_key_holds_what_the_targets_mc2_stage_bakes(name):
+    """The communicator a target's MC2 stage names groups with is the one its key is given."""
+    target = lowering.target(name)
+    (stage_name, stage), = target.stages
+    assert stage_name == "mc2" and stage.keywords["hcom"] is target.communicator is not None
+    assert lowering.target("reference").communicator is None
+
+
+def test_the_backend_keys_with_the_targets_communicator(cache_dir, monkeypatch):
+    from npu_compile.lowering import npu_sim
+
+    given = []
+    key = cache.graph_key
+    monkeypatch.setattr(cache, "graph_key", lambda *args: given.append(args[3:]) or key(*args))
+    torch.compile(lambda x: x * 2, backend="ascend", options={"cache": True, "target": "npu-sim"})(torch.ones(2))
+    assert given == [(npu_sim.c10d_group_name,)]

@@ -11,11 +11,10 @@ from npu_compile import config
 
 def test_defaults_match_design_table():
     opts = config.validate({})
-    assert (opts.target, opts.graph_mode, opts.fusions, opts.memory_budget, opts.overlap, opts.dump_dir, opts.verify) == (
-        "auto", "ge", "all", 1.0, True, None, False
-    )
+    assert (opts.target, opts.graph_mode, opts.fusions, opts.memory_budget, opts.overlap, opts.mc2, opts.dump_dir,
+            opts.verify) == ("auto", "ge", "all", 1.0, True, "auto", None, False)
     assert config.KEYS == ("target", "graph_mode", "fusions", "memory_budget", "device_memory", "resident_memory",
-                           "activation_copies", "overlap", "dump_dir", "verify", "fast_gelu", "cache")
+                           "activation_copies", "overlap", "mc2", "dump_dir", "verify", "fast_gelu", "cache")
     assert (opts.device_memory, opts.resident_memory, opts.activation_copies) == (None, 0, 1)
 
 
@@ -25,7 +24,7 @@ def test_unknown_key_names_valid_keys():
     assert str(e.value) == (
         "unknown npu_compile option(s) 'targett'; valid options are "
         "target, graph_mode, fusions, memory_budget, device_memory, resident_memory, activation_copies, overlap, "
-        "dump_dir, verify, fast_gelu, cache"
+        "mc2, dump_dir, verify, fast_gelu, cache"
     )
 
 
@@ -37,6 +36,8 @@ def test_unknown_key_names_valid_keys():
         ("memory_budget", 1.5, "npu_compile option 'memory_budget' got 1.5; it takes a float in [0, 1] or \"auto\""),
         ("memory_budget", True, "npu_compile option 'memory_budget' got True; it takes a float in [0, 1] or \"auto\""),
         ("overlap", "yes", "npu_compile option 'overlap' got 'yes'; it takes True or False"),
+        ("mc2", "always", "npu_compile option 'mc2' got 'always'; valid values are 'auto', 'on', 'off'"),
+        ("mc2", True, "npu_compile option 'mc2' got True; valid values are 'auto', 'on', 'off'"),
         ("verify", 1, "npu_compile option 'verify' got 1; it takes True or False"),
         ("dump_dir", 3, "npu_compile option 'dump_dir' got 3; it takes a path (str or os.PathLike) or None"),
         ("fusions", 7, "npu_compile option 'fusions' got 7; it takes \"all\", a list of rule names, or {rule name: bool}"),

@@ -39,6 +39,9 @@ class Target:
     prepare: Callable[[], None] = lambda: None
     stages: tuple[tuple[str, Stage], ...] = ()  # run after memory ordering, before overlap scheduling
     table: Mapping[Any, Any] = dataclasses.field(default_factory=dict)  # fused op -> Mapping
+    # The string this target's graphs name a process group's communicator with, baked in at compile time (npu's
+    # MC2 ops take the HCCL communicator name): part of the compile cache's key. None: the target bakes none.
+    communicator: Callable[[torch.distributed.ProcessGroup], str] | None = None
 
 
 def _package(name: str) -> str:

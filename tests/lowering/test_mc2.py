@@ -223,6 +223,43 @@ def test_mc2_rewrite_and_emulation_over_gloo(tmp_path):
     mp.spawn(worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
 
 
+# ---- option mc2 on a TP=2 + SP graph, as report.json says (a fake group of 2: compiled, not communicating) ------
+
+SITES = {"npu.npu_all_gather_base_mm": 2, "npu.npu_mm_reduce_scatter_base": 2}  # forward and backward, each
+PLAIN = {"_c10d_functional.all_gather_into_tensor": 2, "_c10d_functional.reduce_scatter_tensor": 2}
+SWITCHED_OFF = [{"op": f"npu.{op}", "reason": "npu: MC2 not taken: switched off by options['mc2']"}
+                for op in (mc2.OP_AG, mc2.OP_RS, mc2.OP_AG, mc2.OP_RS)]
+
+
+@pytest.mark.parametrize("mode, overlap, fused, unfused", [
+    ("auto", True, {}, TINY_SITES_NOT_TAKEN),  # the cost model leaves these tiny sites to the overlap scheduler
+    ("on", True, SITES, []),  # every site, whatever the cost model finds (--use-ascend-mc2)
+    ("off", True, {}, SWITCHED_OFF),
+    ("auto", False, SITES, []),  # no overlap scheduler to leave a collective to: every site
+    ("off", False, {}, SWITCHED_OFF),
+])
+def test_option_mc2_on_a_tensor_and_sequence_parallel_mlp(mode, overlap, fused, unfused, tmp_path):
+    import json
+
+    from megatron_glue.testing import fake_process_group
+    from npu_compile.lowering import npu_sim
+
+    npu_sim.register()
+    torch._dynamo.reset()
+    with fake_process_group(WORLD) as group:
+        m = _TensorParallelMLP(group.group_name)
+        cm = torch.compile(m, backend="ascend", fullgraph=True, options={
+            "target": "npu-sim", "mc2": mode, "overlap": overlap, "dump_dir": str(tmp_path)})
+        x = torch.randn(4, 2, 256).to(BF16).requires_grad_()
+        cm(x).float().square().sum().backward()
+    (path,) = tmp_path.glob("*/report.json")
+    report = json.loads(path.read_text())
+    ops = report["lowered_ops"]
+    assert {k: v for k, v in ops.items() if k in SITES} == fused, ops
+    assert {k: v for k, v in ops.items() if k in PLAIN} == ({} if fused else PLAIN), ops
+    assert report["unfused"] == unfused
+
+
 # ---- constraint checks, directly (no process group needed) -------------------------------------------------
 
 def _t(*shape, dtype=BF16):

@@ -156,7 +156,47 @@ def test_mindspeed_switches_name_fusions():
     assert _parse_error([*TINY, "--train-iters", "5", "--npu-compile-options", '{"budget": 0.5}']) == (
         "pretrain_gpt: error: --npu-compile-options: unknown npu_compile option(s) 'budget'; valid options are "
         "target, graph_mode, fusions, memory_budget, device_memory, resident_memory, activation_copies, overlap, "
-        "dump_dir, verify, fast_gelu, cache")
+        "mc2, dump_dir, verify, fast_gelu, cache")
+
+
+def test_use_ascend_mc2_is_mc2_on_and_needs_sequence_parallel_at_tp_above_1():
+    tp2 = [*TINY, "--train-iters", "5", "--tensor-model-parallel-size", "2"]
+    sim = ["--npu-compile-options", '{"target": "npu-sim"}']  # MC2 ops on the CPU (no torch_npu here)
+    # MindSpeed's meaning: every TP linear's all-gather + matmul and matmul + reduce-scatter as an MC2 op
+    assert parse_args([*tp2, "--sequence-parallel", "--use-ascend-mc2", *sim], world_size=2).npu_compile_options == {
+        "target": "npu-sim", "mc2": "on"}
+    assert parse_args([*tp2, "--sequence-parallel", "--use-ascend-mc2", "--npu-compile-options",
+                       '{"target": "npu-sim", "overlap": false}'], world_size=2).npu_compile_options == {
+        "target": "npu-sim", "overlap": False, "mc2": "on"}
+    assert parse_args([*tp2, "--sequence-parallel"], world_size=2).npu_compile_options == {}  # mc2 stays "auto"
+    assert parse_args([*tp2, "--npu-compile-options", '{"mc2": "off"}'], world_size=2).npu_compile_options == {
+        "mc2": "off"}
+    # refused as MindSpeed refuses it: without sequence parallelism, or at TP 1
+    assert _parse_error([*tp2, "--use-ascend-mc2"], world_size=2) == (
+        "pretrain_gpt: error: --use-ascend-mc2 needs --sequence-parallel and --tensor-model-parallel-size > 1 (got "
+        "no --sequence-parallel, TP 2): MC2 fuses the all-gather + matmul and matmul + reduce-scatter that sequence "
+        "parallelism puts around the tensor-parallel linears")
+    assert _parse_error([*TINY, "--train-iters", "5", "--sequence-parallel", "--use-ascend-mc2"]) == (
+        "pretrain_gpt: error: --use-ascend-mc2 needs --sequence-parallel and --tensor-model-parallel-size > 1 (got "
+        "--sequence-parallel, TP 1): MC2 fuses the all-gather + matmul and matmul + reduce-scatter that sequence "
+        "parallelism puts around the tensor-parallel linears")
+    assert _parse_error([*tp2, "--sequence-parallel", "--use-ascend-mc2", "--npu-compile-options", '{"mc2": "off"}'],
+                        world_size=2) == (
+        "pretrain_gpt: error: --use-ascend-mc2 sets npu_compile option mc2='on', but --npu-compile-options gives "
+        "mc2='off'; drop one of them")
+    # never a silent no-op: eager, or a target without MC2 ops
+    assert _parse_error([*tp2, "--sequence-parallel", "--use-ascend-mc2", "--no-npu-compile"], world_size=2) == (
+        "pretrain_gpt: error: --use-ascend-mc2 is done by the compiler (option mc2='on'), which --no-npu-compile "
+        "turns off; drop one of them")
+    def reference(why):
+        return ("pretrain_gpt: error: --use-ascend-mc2 makes MC2 ops, which only the npu and npu-sim targets have; "
+                f"this job compiles for target 'reference' ({why}); to run them on the CPU, give "
+                "--npu-compile-options '{\"target\": \"npu-sim\"}'")
+
+    assert _parse_error([*tp2, "--sequence-parallel", "--use-ascend-mc2"], world_size=2) == reference(
+        "auto: no usable torch_npu here")
+    assert _parse_error([*tp2, "--sequence-parallel", "--use-ascend-mc2", "--npu-compile-options",
+                         '{"target": "reference"}'], world_size=2) == reference("as --npu-compile-options says")
 
 
 def _one_line_failure(run, code: int) -> str:

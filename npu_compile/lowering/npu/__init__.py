@@ -54,6 +54,7 @@ TARGET = Target(
     name="npu",
     prepare=lambda: importlib.import_module("torch_npu"),  # defines torch.ops.npu (config checked it imports)
     stages=(("mc2", functools.partial(mc2.mc2_stage, hcom=mc2.hccl_comm_name)),),
+    communicator=mc2.hccl_comm_name,
     table=TABLE,
     lower=lower,
     executor=graph_modes.executor,

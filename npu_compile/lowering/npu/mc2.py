@@ -21,10 +21,12 @@ Declined sites keep their plain mm + collective, and the reason goes to report.j
 bucketing cannot merge a collective an MC2 op would take (a merged collective is no MC2 site) and the schedule
 is made for the ops that will run.
 
-Sites may also be left plain by choice (``leave``: collective node name → why). With ``overlap`` on, the stage
-weighs, under the device cost model, fusing each site against leaving its collective to the overlap scheduler
-(:func:`choose_mc2`, which schedules and simulates each candidate with ``comm``'s generic scheduler). A site left
-so is reported as ``npu: MC2 not taken: <why>``. Each fused op names its site in ``node.meta["mc2_site"]`` and
+Sites may also be left plain by choice (``leave``: collective node name → why). Option ``mc2`` says which:
+``auto`` (default), with ``overlap`` on, weighs under the device cost model fusing each site against leaving its
+collective to the overlap scheduler (:func:`choose_mc2`, which schedules and simulates each candidate with
+``comm``'s generic scheduler), and with ``overlap`` off fuses every site (no scheduler would hide a plain one);
+``on`` fuses every site torch_npu takes, with no cost check (MindSpeed's ``--use-ascend-mc2``); ``off`` none. A
+site left so is reported as ``npu: MC2 not taken: <why>``. Each fused op names its site in ``node.meta["mc2_site"]`` and
 declares its collective to the cost model and simulator in ``node.meta[FUSED_COLLECTIVE]``.
 
 ``hcom``: each target says what string names a group's communicator (``hcom`` below): torch_npu wants the
@@ -260,7 +262,7 @@ class _Rewriter:
     """One rewrite of one graph: the communication domain its MC2 ops share, the sites it fuses, and the sites it
     declines or leaves (collective node name → report.json ``unfused`` entry, in the order met)."""
 
-    def __init__(self, gm: GraphModule, hcom: Hcom, leave: Mapping[str, str]):
+    def __init__(self, gm: GraphModule, hcom: Hcom, leave: Mapping[str, str] | str):
         from torch._guards import detect_fake_mode
 
         self.gm, self.hcom_of, self.leave = gm, hcom, leave
@@ -276,7 +278,7 @@ class _Rewriter:
 
     def left(self, op: str, site: Node) -> bool:
         """Whether ``site`` is to stay plain by choice (then reported with the choice's reason)."""
-        why = self.leave.get(site.name)
+        why = self.leave if isinstance(self.leave, str) else self.leave.get(site.name)
         if why is not None:
             self.declined.setdefault(site.name, {"op": f"npu.{op}", "reason": f"npu: MC2 not taken: {why}"})
         return why is not None
@@ -443,18 +445,19 @@ class _Rewriter:
                 self.gm.graph.erase_node(n)
 
 
-def rewrite_mc2(gm: GraphModule, hcom: Hcom, *, leave: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+def rewrite_mc2(gm: GraphModule, hcom: Hcom, *, leave: Mapping[str, str] | str | None = None) -> list[dict[str, str]]:
     """Fuse the MC2 sites of ``gm`` in place, naming communicators with ``hcom``; returns report.json ``unfused``
     entries for the sites declined or left plain. ``leave``: sites to keep plain, by the name of their collective
     node, each with why (reported as "npu: MC2 not taken: <why>"; a site outside torch_npu's constraints is
-    declined for that instead). The ``npu`` ops must be defined (torch_npu, or npu-sim's registration)."""
+    declined for that instead); a string: every site, for that reason. The ``npu`` ops must be defined (torch_npu,
+    or npu-sim's registration)."""
     from torch._inductor.fx_passes.micro_pipeline_tp import find_all_gather_patterns, find_reduce_scatter_patterns
 
     graph = gm.graph
     if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
                for n in graph.nodes):
         return []
-    rw = _Rewriter(gm, hcom, dict(leave or {}))
+    rw = _Rewriter(gm, hcom, leave if isinstance(leave, str) else dict(leave or {}))
     for match in find_all_gather_patterns(graph):
         if match.ag_node.graph is graph and match.ag_node in graph.nodes:
             rw.all_gather(match)
@@ -479,6 +482,7 @@ MAX_MC2_EVALUATIONS = 16  # candidate graphs the MC2 choice may simulate beyond 
 # report.json ``unfused`` reason of a site left plain by choice (after "npu: MC2 not taken: "); the graph's figures
 NOT_TAKEN = ("the cost model finds the graph faster with this collective left to the overlap scheduler "
              "(exposed {mc2:.1f} µs as MC2 vs {plain:.1f} µs scheduled)")
+SWITCHED_OFF = "switched off by options['mc2']"  # the same, for every site under mc2="off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -593,12 +597,15 @@ def mc2_stage(gm: GraphModule, opts: Options, kind: str, *, hcom: Hcom,
     """The npu targets' aten stage (any ``kind`` of graph): fuse the MC2 sites of ``gm``; returns report.json
     ``unfused`` entries for the sites declined or left plain.
 
-    With ``opts.overlap`` the sites fused are chosen by the cost model (:func:`choose_mc2`): a site whose
-    collective the scheduler hides better (e.g. a comm-bound one with independent compute beside it) stays a plain
-    matmul + collective for the overlap stage after this one. Without it every site within torch_npu's constraints
-    is fused. ``profile``: the device profile the choice costs with (default: ``device.profile.DEFAULT``)."""
+    ``opts.mc2``: "auto" with ``opts.overlap``: the sites fused are chosen by the cost model (:func:`choose_mc2`):
+    a site whose collective the scheduler hides better (e.g. a comm-bound one with independent compute beside it)
+    stays a plain matmul + collective for the overlap stage after this one; "auto" without ``overlap``, and "on":
+    every site within torch_npu's constraints is fused; "off": none, each reported. ``profile``: the device
+    profile the choice costs with (default: ``device.profile.DEFAULT``)."""
+    if opts.mc2 == "off":
+        return rewrite_mc2(gm, hcom, leave=SWITCHED_OFF)
     choice = None
-    if opts.overlap:
+    if opts.mc2 == "auto" and opts.overlap:
         try:
             choice = choose_mc2(gm, hcom, profile)
         except Exception:

@@ -75,6 +75,7 @@ TARGET = Target(
     name="npu-sim",
     prepare=register,
     stages=(("mc2", functools.partial(npu_mc2.mc2_stage, hcom=c10d_group_name)),),
+    communicator=c10d_group_name,
     table=npu.TABLE,
     lower=npu.lower_table,  # the npu emission for opts.graph_mode; the plan is target npu's (no torchair here)
     executor=lambda gm, example_inputs, opts: boxed_executor(gm),
