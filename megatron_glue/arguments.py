@@ -91,9 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("network size")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden (8/3 x with --swiglu)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4 x hidden (with --swiglu 8/3 x, rounded down to a multiple of 64)")
     g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--max-position-embeddings", type=int, default=None)
@@ -290,9 +291,12 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
              f"{args.num_attention_heads} and be divisible by --tensor-model-parallel-size {tp}")
     if args.ffn_hidden_size is None:
-        # Megatron-LM: 4h, and for SwiGLU 2/3 of that rounded up to a multiple of 64
-        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3) + 63) // 64 * 64 if args.swiglu \
-            else 4 * args.hidden_size
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
+        if args.ffn_hidden_size < 1:
+            fail(f"--swiglu with --hidden-size {args.hidden_size} gives Megatron-LM's default --ffn-hidden-size 0 "
+                 "(8/3 x hidden rounded down to a multiple of 64); give --ffn-hidden-size")
+    if args.kv_channels is None:  # Megatron-LM's validate_args: the head size, stored and compared resolved
+        args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.max_position_embeddings is None:
         if args.position_embedding_type == "learned_absolute":
             fail("--max-position-embeddings is required with --position-embedding-type learned_absolute")
@@ -377,6 +381,12 @@ def validate(args: argparse.Namespace) -> None:
             fail(f"--use-ascend-mc2 makes MC2 ops, which only the npu and npu-sim targets have; this job compiles for "
                  f"target 'reference' ({why}); to run them on the CPU, give --npu-compile-options "
                  "'{\"target\": \"npu-sim\"}'")
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's default --ffn-hidden-size (megatron/training/arguments.py, validate_args): 4h, and with
+    --swiglu 2/3 of that rounded down to a multiple of 64 (hidden 4096: 10880)."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
 
 
 def compile_options(options: dict, switched_on: list[str], mc2: bool) -> dict:

@@ -198,20 +198,44 @@ def _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed,
     torch.save(state, path)
 
 
+def resolved_architecture(values: dict) -> dict:
+    """`values` (a checkpoint's saved arguments, or a job's) with the architecture defaults resolved as
+    Megatron-LM's validate_args resolves them: kv_channels hidden / heads, ffn_hidden_size 4 x hidden (--swiglu:
+    arguments.default_ffn_hidden_size), num_query_groups the heads without --group-query-attention. Checkpoints
+    saved before the job resolved kv_channels hold None there, which means the head size: compared resolved, a
+    default and the same value given as a flag agree."""
+    from megatron_glue.arguments import default_ffn_hidden_size
+
+    out = dict(values)
+    hidden, heads = out.get("hidden_size"), out.get("num_attention_heads")
+    if not hidden or not heads:
+        return out
+    if out.get("kv_channels") is None:
+        out["kv_channels"] = hidden // heads
+    if out.get("ffn_hidden_size") is None:
+        out["ffn_hidden_size"] = default_ffn_hidden_size(hidden, bool(out.get("swiglu")))
+    if out.get("num_query_groups") is None or out.get("group_query_attention") is False:
+        out["num_query_groups"] = heads
+    return out
+
+
 def check_architecture(args, saved: dict, where: str, reshards: bool = False) -> None:
-    """Refuse a checkpoint whose architecture flags differ from this job's, naming both values. `reshards`
-    (torch_dist): the vocabulary's padding rows may differ (another TP size or --make-vocab-size-divisible-by)
-    when the vocabulary itself is the same; megatron-core loads the embedding and output layer across it."""
+    """Refuse a checkpoint whose architecture flags differ from this job's, naming both values (each resolved:
+    resolved_architecture). `reshards` (torch_dist): the vocabulary's padding rows may differ (another TP size or
+    --make-vocab-size-divisible-by) when the vocabulary itself is the same; megatron-core loads the embedding and
+    output layer across it."""
+    saved = resolved_architecture(saved)
+    ours = resolved_architecture({k: getattr(args, k, None) for k in (*ARCHITECTURE, "group_query_attention")})
     for key in ARCHITECTURE:
         if key == "padded_vocab_size" and reshards and saved.get("orig_vocab_size") is not None \
-                and saved.get("orig_vocab_size") == getattr(args, "orig_vocab_size", None):
+                and saved.get("orig_vocab_size") == ours["orig_vocab_size"]:
             continue
-        if key == "orig_vocab_size" and key in saved and getattr(args, key, None) != saved[key]:
+        if key == "orig_vocab_size" and key in saved and ours[key] != saved[key]:
             raise CheckpointError(_vocabulary_refusal(args, saved[key], where))
-        if key in saved and getattr(args, key, None) != saved[key]:
+        if key in saved and ours[key] != saved[key]:
             flag = "--" + key.replace("_", "-")
             raise CheckpointError(f"the checkpoint at {where} was saved with {flag} {saved[key]!r}, this job has "
-                                  f"{getattr(args, key, None)!r}; use the checkpoint's value")
+                                  f"{ours[key]!r}; use the checkpoint's value")
 
 
 def _vocabulary_refusal(args, saved: int, where: str) -> str:

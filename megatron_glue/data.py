@@ -101,6 +101,9 @@ def _check_splits_have_tokens(prefixes: list[str], split_matrix, split: str) -> 
                     f"that split more weight (e.g. --split 90,5,5) or use more data")
 
 
+LOADER_SEED = 0  # the loader's own generator: seeds only its worker processes (the samples are the sampler's)
+
+
 def build_loader(dataset, *, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
                  data_parallel_size: int, num_workers: int = 0) -> Iterator[dict] | None:
     """Iterator of this DP rank's micro-batches, in dataset order from `consumed_samples` on (a global count:
@@ -109,8 +112,13 @@ def build_loader(dataset, *, consumed_samples: int, micro_batch_size: int, data_
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
                                  data_parallel_size)
+    # A DataLoader draws its workers' base seed when an iterator is made, from torch's default generator
+    # unless given its own. The job makes its iterators after a checkpoint restored the RNG state (Megatron-LM's
+    # order), and on a device whose dropout runs on the default generator (the CPU) that draw would shift every
+    # dropout mask after a resume: the loader draws from a generator of its own.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         persistent_workers=num_workers > 0)
+                                         persistent_workers=num_workers > 0,
+                                         generator=torch.Generator().manual_seed(LOADER_SEED))
     return iter(loader)
 
 

@@ -375,15 +375,17 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
 
 
 def _check_same_architecture(args, saved: dict, folder: str, hf_cfg_dir: str | None) -> None:
-    from megatron_glue.checkpointing import ARCHITECTURE
+    from megatron_glue.checkpointing import ARCHITECTURE, resolved_architecture
 
     source = f"--hf-cfg-dir {hf_cfg_dir}" if hf_cfg_dir else "the recorded config.json"
-    for key in ARCHITECTURE + ("norm_epsilon", "rotary_base", "openai_gelu"):
+    saved = resolved_architecture(saved)  # a job's defaults (kv_channels None: the head size) as values
+    ours = resolved_architecture({k: getattr(args, k, None) for k in (*ARCHITECTURE, "group_query_attention")})
+    for key in ARCHITECTURE:
         if key in ("padded_vocab_size",) or key not in saved:
             continue
-        if getattr(args, key, None) != saved[key]:
+        if ours[key] != saved[key]:
             raise ConvertError(f"{folder} was saved with {key} {saved[key]!r}; {source} gives "
-                               f"{getattr(args, key, None)!r}: it describes another model")
+                               f"{ours[key]!r}: it describes another model")
 
 
 def _write_config(cfg: dict, family: Family, hf_cfg_dir: str | None, save_dir: str, dtype) -> None:

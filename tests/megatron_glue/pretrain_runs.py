@@ -62,6 +62,6 @@ def pretrain(folder: Path, *flags: str, nproc: int = 1, base=TINY, timeout: floa
 
 
 def assert_close(a: list[float], b: list[float], rel: float = 1e-5, what: str = "") -> None:
-    assert len(a) == len(b) and a, f"{what}: {len(a)} losses vs {len(b)}"
+    assert len(a) == len(b) and a, f"{what}: {len(a)} values vs {len(b)}"
     worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
-    assert worst <= rel, f"{what}: losses differ by {worst:.2e} relative (limit {rel:.0e}):\n{a}\n{b}"
+    assert worst <= rel, f"{what}: differ by {worst:.2e} relative (limit {rel:.0e}):\n{a}\n{b}"

@@ -154,6 +154,33 @@ def test_mg_to_hf_of_a_checkpoint_without_its_hf_config(hf, tmp_path, capsys):
     assert json.load(open(tmp_path / "back" / "config.json"))["num_key_value_heads"] == 2
 
 
+def test_mg_to_hf_of_a_checkpoint_saved_with_the_default_kv_channels(hf, tmp_path):
+    """A checkpoint the job saved while it still stored --kv-channels unresolved (None: the head size) converts
+    back with --hf-cfg-dir, whose head_dim is that head size: compared resolved, they agree. Bitwise."""
+    import shutil
+
+    mg = tmp_path / "mg"
+    shutil.copytree(hf["mg"], mg)
+    common = mg / "release" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    assert state["args"]["kv_channels"] == 16
+    state["args"]["kv_channels"] = None
+    del state["args"]["hf_config"], state["args"]["model_type_hf"]  # as the job saves it: no recorded config.json
+    torch.save(state, common)
+    assert main(_mg_to_hf(mg, tmp_path / "back", "--hf-cfg-dir", hf["llama3"])) == 0
+    original, back = _weights(hf["llama3"]), _weights(tmp_path / "back")
+    assert sorted(original) == sorted(back)
+    assert all(torch.equal(original[k], back[k]) for k in original)
+
+
+def _weights(folder) -> dict:
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
 def test_mg_to_hf_with_the_config_of_another_model(hf, tmp_path, capsys):
     assert _fails(_mg_to_hf(hf["mg"], tmp_path, "--hf-cfg-dir", hf["llama2"]), capsys) == (
         1, f"{hf['mg']}/release was saved with num_query_groups 2; --hf-cfg-dir {hf['llama2']} gives 4: it "

@@ -261,18 +261,35 @@ def test_evaluation_over_a_padded_vocabulary(converted, hf_dir, data_prefix, cac
 @pytest.mark.any_megatron_line
 def test_finetune_compiled_from_the_converted_checkpoint(converted, hf_dir, data_prefix, cache, hf_model, tmp_path):
     """20 iterations, every layer compiled (the default): the first step's loss is transformers' on the first
-    global batch (the weights are the converted ones until that step's update), and the loss falls."""
+    global batch (the weights are the converted ones until that step's update), and the loss falls. The job
+    leaves --kv-channels at its default (the head size model_flags.txt gives), saves, and its checkpoint converts
+    back to HF with the original config.json: transformers' loss of that model is the job's last validation loss."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_glue.convert import main as convert
+
+    ckpt = tmp_path / "ckpt"
     flags = job_flags(converted, hf_dir, data_prefix, cache, "--train-iters", "20", "--lr", "1e-3",
-                      "--lr-decay-style", "constant", "--eval-iters", "1")
+                      "--lr-decay-style", "constant", "--eval-iters", "1", "--save", str(ckpt))
+    flags = _without(flags, "--kv-channels")
     run = pretrain(tmp_path, *flags, base=[]).check()
     losses = run.losses
     assert len(losses) == 20
     assert run.rows("end")[0]["graphs"] > 0  # compiled
-    want = hf_loss(hf_model, job_batches(job_args(flags), 0, 1))
+    args = job_args(flags)
+    want = hf_loss(hf_model, job_batches(args, 0, 1))
     print(f"fine-tune: first {losses[0]:.6f} (transformers {want:.6f}, relative "
           f"{relative(losses[0], want):.1e}); losses {', '.join(f'{x:.3f}' for x in losses)}")
     assert relative(losses[0], want) <= 1e-4
     assert losses[-1] < losses[0]
+
+    back = tmp_path / "hf_back"
+    with hf_models.process_state_kept():
+        assert convert(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(ckpt),
+                        "--save-dir", str(back), "--hf-cfg-dir", str(hf_dir)]) == 0
+    tuned = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    validation = run.rows("validation")[-1]["lm loss"]
+    assert relative(hf_loss(tuned, job_batches(args, 1, 1)), validation) <= 1e-5
 
 
 # -- refusals --------------------------------------------------------------------------------------------------
@@ -301,6 +318,31 @@ def test_the_converted_flags_pass(converted, hf_dir):
     args = job_args(_flags(converted, hf_dir))
     _check(args, converted)
     assert (args.orig_vocab_size, args.padded_vocab_size) == (VOCAB, VOCAB)
+
+
+def _without(flags: list[str], flag: str) -> list[str]:
+    i = flags.index(flag)
+    return flags[:i] + flags[i + 2:]
+
+
+def test_defaulted_architecture_flags_compare_as_their_values(converted, hf_dir):
+    """model_flags.txt gives --kv-channels 16, the head size (64 / 4): a job that leaves it at its default has the
+    same architecture and loads the checkpoint; another head size is refused, naming both values."""
+    from megatron_glue.checkpointing import CheckpointError
+
+    flags = _flags(converted, hf_dir)
+    assert flags[flags.index("--kv-channels") + 1] == "16"
+    args = job_args(_without(flags, "--kv-channels"))
+    assert args.kv_channels == 16  # stored resolved in the checkpoints this job saves
+    _check(args, converted)
+    with pytest.raises(CheckpointError) as refused:
+        _check(job_args([*flags, "--kv-channels", "8"]), converted)
+    assert str(refused.value) == (f"the checkpoint at {converted / 'release'} was saved with --kv-channels 16, "
+                                  "this job has 8; use the checkpoint's value")
+    # a checkpoint the job saved while it stored the default unresolved (None) loads with the flag given too
+    from megatron_glue.checkpointing import check_architecture
+
+    check_architecture(job_args(flags), {**_saved_args(converted), "kv_channels": None}, "old", reshards=True)
 
 
 @pytest.mark.parametrize("flag, value, saved", [("--num-layers", "3", "2"), ("--hidden-size", "128", "64"),

@@ -119,6 +119,17 @@ def test_resume_at_consumed_samples_continues_with_the_next_samples(gloo, data, 
                      data_parallel_size=1)
 
 
+def test_the_loader_leaves_the_global_rng_alone(gloo, data, tmp_path):
+    """The job makes its loaders after a checkpoint restored the RNG state; a draw from torch's default generator
+    there (a DataLoader's worker base seed) would shift every dropout mask after a resume on the CPU."""
+    train = _build(data, tmp_path, [data.letters])[0]
+    before = torch.get_rng_state()
+    for workers in (0, 1):
+        next(build_loader(train, consumed_samples=0, micro_batch_size=2, data_parallel_rank=0, data_parallel_size=1,
+                          num_workers=workers))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_seed_split_and_attention_mask_options(gloo, data, tmp_path):
     first = lambda ds: _batches(ds, 1, micro_batch_size=4)[0]["tokens"]  # noqa: E731
     a = _build(data, tmp_path, [data.letters], seed=1)[0]

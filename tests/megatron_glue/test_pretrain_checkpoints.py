@@ -16,43 +16,58 @@ def _train_rows(run):
     return [(r["iteration"], r["lm loss"], r["grad_norm"]) for r in run.rows("train")]
 
 
-def test_resume_is_bitwise(tmp_path):
-    """10 iterations in one go == 5, stop, load iteration 5, 5 more: losses and grad norms of 6-10 identical.
-    Compiled, DP=2, distributed optimizer with overlapped grad reduce."""
-    flags = ["--train-iters", "10", "--save-interval", "5", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+# TINY runs without dropout (layouts compare with each other); resumes run with it: every dropout mask after the
+# resume comes from the RNG state the checkpoint restored, and nothing else may draw from it in between.
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+RESUME_LAYOUTS = {
+    "dp2_distopt_overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],  # each stage its own seed, its own RNG state in the checkpoint
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_resume_is_bitwise(layout, tmp_path):
+    """6 iterations in one go == 3, stop, load iteration 3, 3 more: losses and grad norms of 4-6 identical, dropout
+    on. Compiled, 2 processes (TP=2: test_tp2_checkpoint_loads_at_tp1_and_pp2)."""
+    flags = ["--train-iters", "6", "--save-interval", "3", *DROPOUT, *RESUME_LAYOUTS[layout]]
     whole = pretrain(tmp_path / "whole", *flags, "--save", str(tmp_path / "whole" / "ckpt"), nproc=2).check()
     ckpt = tmp_path / "parts" / "ckpt"
-    first = pretrain(tmp_path / "parts", *flags, "--save", str(ckpt), "--exit-interval", "5", nproc=2).check()
-    assert "exiting program at iteration 5" in first.output
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
-    assert (ckpt / "iter_0000005").is_dir() and not (ckpt / "iter_0000010").exists()
+    first = pretrain(tmp_path / "parts", *flags, "--save", str(ckpt), "--exit-interval", "3", nproc=2).check()
+    assert "exiting program at iteration 3" in first.output
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (ckpt / "iter_0000003").is_dir() and not (ckpt / "iter_0000006").exists()
     second = pretrain(tmp_path / "parts", *flags, "--save", str(ckpt), "--load", str(ckpt), nproc=2).check()
-    assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 5" in second.output
+    assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/" in second.output
+    assert "at iteration 3" in second.output and "RNG state will be ignored" not in second.output
 
-    resumed = _train_rows(second)  # the JSONL of the folder holds both parts: 1-5, then 6-10
-    assert [r[0] for r in resumed] == list(range(1, 11))
+    resumed = _train_rows(second)  # the JSONL of the folder holds both parts: 1-3, then 4-6
+    assert [r[0] for r in resumed] == list(range(1, 7))
     assert resumed == _train_rows(whole)
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "10"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
 
 
 def test_tp2_checkpoint_loads_at_tp1_and_pp2(tmp_path):
-    """Saved at TP=2 after 3 of 6 iterations; resumed at TP=2, TP=1 and PP=2 (model, optimizer and scheduler
-    resharded by dist_checkpointing; the RNG state, shaped by the layout, is ignored): iterations 4-6 agree."""
+    """Saved at TP=2 after 3 of 6 iterations; resumed at TP=2 with dropout on, bit for bit with the run that went
+    on; resumed at TP=1 and PP=2 without dropout (model, optimizer and scheduler resharded by dist_checkpointing;
+    the RNG state, shaped by the layout, is ignored): iterations 4-6 agree."""
     ckpt = tmp_path / "ckpt"
     common = ["--train-iters", "6", "--save-interval", "3"]
-    pretrain(tmp_path / "tp2", *common, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
-             "--exit-interval", "3", nproc=2).check()
+    whole = pretrain(tmp_path / "tp2", *common, *DROPOUT, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
+                     nproc=2).check()
+    # as if it had stopped at 3 (test_resume_is_bitwise stops a run): the checkpoint of iteration 3 is the same
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
     resumed = {}
-    for name, nproc, flags in (("tp2", 2, ["--tensor-model-parallel-size", "2"]), ("tp1", 1, []),
+    for name, nproc, flags in (("tp2", 2, ["--tensor-model-parallel-size", "2", *DROPOUT]), ("tp1", 1, []),
                                ("pp2", 2, ["--pipeline-model-parallel-size", "2"])):
         run = pretrain(tmp_path / f"resume_{name}", *common, *flags, "--load", str(ckpt), nproc=nproc).check()
         assert "at iteration 3" in run.output
-        if name != "tp2":
-            assert "RNG state will be ignored" in run.output
+        assert ("RNG state will be ignored" in run.output) == (name != "tp2")
         assert [r["iteration"] for r in run.rows("train")] == [4, 5, 6]
-        resumed[name] = run.losses
-    assert_close(resumed["tp1"], resumed["tp2"], what="TP=1 from a TP=2 checkpoint")
-    assert_close(resumed["pp2"], resumed["tp2"], what="PP=2 from a TP=2 checkpoint")
+        resumed[name] = run
+    assert _train_rows(resumed["tp2"]) == _train_rows(whole)[3:]
+    assert_close(resumed["pp2"].losses, resumed["tp1"].losses, what="PP=2 vs TP=1 from a TP=2 checkpoint")
+    assert_close([r[2] for r in _train_rows(resumed["pp2"])], [r[2] for r in _train_rows(resumed["tp1"])],
+                 what="grad norms, PP=2 vs TP=1 from a TP=2 checkpoint")
 
 
 INTERRUPT = """

@@ -138,6 +138,20 @@ def test_warmup_must_end_before_decay():
     assert parse_args([*TINY, "--train-iters", "5", "--lr-warmup-iters", "4"]).lr_warmup_iters == 4
 
 
+def test_default_ffn_hidden_size_is_megatron_lms():
+    """Megatron-LM's validate_args: 4 x hidden; with --swiglu int((4h x 2/3) / 64) x 64, rounded down, so that a
+    Megatron-LM checkpoint of a SwiGLU model trained without --ffn-hidden-size loads (hidden 4096: 10880)."""
+    def ffn(hidden, *flags):
+        return parse_args([*TINY, "--train-iters", "5", "--hidden-size", str(hidden), *flags]).ffn_hidden_size
+
+    assert [ffn(h, "--swiglu") for h in (4096, 5120, 64)] == [10880, 13632, 128]
+    assert ffn(4096) == 16384
+    assert _parse_error([*TINY, "--train-iters", "5", "--hidden-size", "16", "--swiglu"]) == (
+        "pretrain_gpt: error: --swiglu with --hidden-size 16 gives Megatron-LM's default --ffn-hidden-size 0 (8/3 x "
+        "hidden rounded down to a multiple of 64); give --ffn-hidden-size")
+    assert ffn(16, "--swiglu", "--ffn-hidden-size", "48") == 48
+
+
 def test_train_iters_and_data_are_required():
     flags = [f for f in TINY if f != "--mock-data"]
     assert _parse_error(flags) == ("pretrain_gpt: error: --train-iters is required: the number of iterations to "

@@ -1,7 +1,7 @@
 """The training job over gloo processes at every parallel layout: compiled equals eager, and every layout equals
-the one-process run of the same global batch (fp32, 1e-5). All runs start from one checkpoint saved by a
-one-process run (`--load ... --finetune`): pipeline stages seed their init differently (Megatron-LM's
-seed + 100 x stage), so only loaded weights are the same at every layout."""
+the one-process run of the same global batch (fp32, 1e-5), in its losses and in its gradient norms. All runs
+start from one checkpoint saved by a one-process run (`--load ... --finetune`): pipeline stages seed their init
+differently (Megatron-LM's seed + 100 x stage), so only loaded weights are the same at every layout."""
 
 from __future__ import annotations
 
@@ -24,53 +24,75 @@ LAYOUTS = {
 ITERS = ["--train-iters", "5"]
 
 
+def _lazy(make):
+    """A dict-like of results made on first use (a run of one layout builds only the references it needs)."""
+    made = {}
+
+    def get(*key):
+        if key not in made:
+            made[key] = make(*key)
+        return made[key]
+    return get
+
+
 @pytest.fixture(scope="module")
 def start(tmp_path_factory):
     """layers -> a checkpoint saved by one process after one step, to start every layout from."""
-    out = {}
-    for layers in (2, 4):
+    def make(layers):
         folder = tmp_path_factory.mktemp(f"start{layers}")
         pretrain(folder, "--num-layers", str(layers), "--train-iters", "1", "--save", str(folder / "ckpt"),
                  "--no-npu-compile").check()
-        out[layers] = folder / "ckpt"
-    return out
+        return folder / "ckpt"
+    return _lazy(make)
 
 
 def _layers(layers):
     return ["--num-layers", str(layers)]
 
 
+def grad_norms(run) -> list[float]:
+    """The gradient norm of each iteration as the optimizer computed it (before clipping): --clip-grad 1.0 clips
+    every step and Adam ignores the gradients' scale, so the losses alone would not show gradients off by a
+    factor."""
+    norms = [r["grad_norm"] for r in run.rows("train")]
+    assert norms and None not in norms, norms
+    return norms
+
+
+def assert_same_training(a, b, what: str) -> None:
+    """Losses and gradient norms of every iteration within 1e-5 of each other."""
+    assert_close(a.losses, b.losses, what=f"{what}: losses")
+    assert_close(grad_norms(a), grad_norms(b), what=f"{what}: grad norms")
+
+
 @pytest.fixture(scope="module")
 def one_process(start, tmp_path_factory):
-    """(layers, compiled) -> the one-process losses."""
-    out = {}
-    for layers in (2, 4):
-        for compiled in (True, False):
-            folder = tmp_path_factory.mktemp(f"ref{layers}{'c' if compiled else 'e'}")
-            flags = [*ITERS, *_layers(layers), "--load", str(start[layers]), "--finetune"]
-            run = pretrain(folder, *flags, *([] if compiled else ["--no-npu-compile"])).check()
-            out[layers, compiled] = run.losses
-    return out
+    """(layers, compiled) -> the one-process run."""
+    def make(layers, compiled):
+        folder = tmp_path_factory.mktemp(f"ref{layers}{'c' if compiled else 'e'}")
+        flags = [*ITERS, *_layers(layers), "--load", str(start(layers)), "--finetune"]
+        return pretrain(folder, *flags, *([] if compiled else ["--no-npu-compile"])).check()
+    return _lazy(make)
 
 
 def test_one_process_compiled_equals_eager(one_process):
     for layers in (2, 4):
-        assert_close(one_process[layers, True], one_process[layers, False], what=f"{layers} layers")
+        assert_same_training(one_process(layers, True), one_process(layers, False), f"{layers} layers")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout(name, start, one_process, tmp_path):
     nproc, flags, layers = LAYOUTS[name]
-    common = [*ITERS, *_layers(layers), "--load", str(start[layers]), "--finetune", *flags]
+    common = [*ITERS, *_layers(layers), "--load", str(start(layers)), "--finetune", *flags]
     dumps = tmp_path / "dumps"
     compiled = pretrain(tmp_path / "compiled", *common, "--npu-compile-options",
                         json.dumps({"dump_dir": str(dumps)}), nproc=nproc).check()
     eager = pretrain(tmp_path / "eager", *common, "--no-npu-compile", nproc=nproc).check()
 
     assert len(compiled.losses) == 5
-    assert_close(compiled.losses, eager.losses, what=f"{name}: compiled vs --no-npu-compile")
-    assert_close(eager.losses, one_process[layers, False], what=f"{name} vs one process (eager)")
-    assert_close(compiled.losses, one_process[layers, True], what=f"{name} vs one process (compiled)")
+    assert_same_training(compiled, eager, f"{name}: compiled vs --no-npu-compile")
+    assert_same_training(eager, one_process(layers, False), f"{name} vs one process (eager)")
+    assert_same_training(compiled, one_process(layers, True), f"{name} vs one process (compiled)")
 
     # Every layer went through the backend, in whole graphs: no graph breaks, attention fused.
     end = compiled.rows("end")[0]
