@@ -4,7 +4,9 @@ process on the persistent cache), and Inductor cold, each in a fresh subprocess 
 compiled whole as the README's usage does (`megatron_glue.adapt()` then `torch.compile(gpt_model)`), cold: with the
 layers as one nested compile region (adapt()'s "regions" group) and with them inlined (the group taken off).
 
-    python -m bench.compile_time          # writes bench/results/compile_time.md and .png
+    python -m bench.compile_time                # writes bench/results/compile_time.md and .png
+    python -m bench.compile_time --whole-model  # only the whole-model table (with the job's cold run beside it),
+                                                # replacing that section of compile_time.md
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def run_whole(layers: int, regions: bool) -> dict:
 def whole_model_lines(rows: list[tuple[int, dict, dict, dict]]) -> list[str]:
     """The whole-model table: (layers, regions, inlined, the job's cold run) per row."""
     base_r, base_i = rows[0][1]["first_step_s"], rows[0][2]["first_step_s"]
-    lines = ["", "## `adapt()` + `torch.compile(gpt_model)`: the whole model, cold", "",
+    lines = ["", WHOLE_HEADING, "",
              "Layers as one nested compile region (adapt()'s \"regions\" group: traced once, compiled once, called N "
              "times) beside the same model with its layers inlined (the group taken off: every layer traced and "
              "compiled again), and the job's per-layer compile from the table above; each a fresh process with the "
@@ -107,6 +109,23 @@ def whole_model_lines(rows: list[tuple[int, dict, dict, dict]]) -> list[str]:
         lines.append(f"| {layers} | {r:.2f} | {r / base_r:.2f}x | {i:.2f} | {i / base_i:.2f}x | "
                      f"{job['first_step_s']:.2f} | {calls} | {reg['attention']} |")
     return lines
+
+
+WHOLE_HEADING = "## `adapt()` + `torch.compile(gpt_model)`: the whole model, cold"
+
+
+def whole_model_main() -> None:
+    """The whole-model rows alone, each beside the job's cold run of the same size in the same run."""
+    rows = []
+    for layers in LAYERS:
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as ind:
+            job = run(layers, "ascend", cache, ind)
+        rows.append((layers, run_whole(layers, regions=True), run_whole(layers, regions=False), job))
+        print(layers, rows[-1][1:], flush=True)
+    path = RESULTS / "compile_time.md"
+    kept = path.read_text().split("\n" + WHOLE_HEADING)[0].rstrip("\n").split("\n") if path.exists() else []
+    path.write_text("\n".join(kept + whole_model_lines(rows)) + "\n")
+    print(path.read_text())
 
 
 def run(layers: int, backend: str, cache_dir: str, inductor_dir: str) -> dict:
@@ -174,4 +193,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    whole_model_main() if "--whole-model" in sys.argv[1:] else main()

@@ -78,27 +78,37 @@ def test_layers_compile_once_and_train_as_eager(regions, name, tmp_path):
     assert lowered == [f"{region_name}_backward_lowered_reference.py", f"{region_name}_forward_lowered_reference.py"]
 
 
-def test_with_dropout_regions_draw_as_the_inlined_layers(regions, tmp_path):
-    """With dropout the fused ops draw other masks than eager (test_attention.py, test_dropout_add.py compare
-    those as loss curves); the region draws exactly what the same model compiled with its layers inlined does."""
+def test_with_dropout_the_regions_train_as_eager_within_its_band(regions):
+    """With dropout the fused ops draw other masks than eager, so losses are compared as a band, as
+    passes/test_dropout_add.py does for the whole model (2 % per step; two eager seeds differ by up to 0.5 %)."""
     config = CONFIGS["gpt"](hidden_dropout=0.1, attention_dropout=0.1)
-    inlined_model = build_gpt_model(config, VOCAB, SEQ, seed=0)
-    registry.revert("layer_compile_region")
-    try:
-        with collect() as inlined_reports:
-            inlined = _train(_compiled(inlined_model, tmp_path / "inlined", warm=True), inlined_model)
-    finally:
-        registry.apply("layer_compile_region")
-    torch._dynamo.reset()
-    model = build_gpt_model(config, VOCAB, SEQ, seed=0)
-    with collect() as reports:
-        got = _train(_compiled(model, tmp_path / "regions", warm=True), model)
+    batch = synthetic_batch(BATCH, SEQ, VOCAB, seed=0)
 
-    _assert_same(inlined, got)
-    (report,), (inlined_report,) = reports, inlined_reports
-    assert inlined_report.regions == {} and len(report.regions) == 1
-    assert report.fusions["attention"] == inlined_report.fusions["attention"] == LAYERS
-    assert report.lowered_ops["aten.randint"] == inlined_report.lowered_ops["aten.randint"] > 0
+    def train(model, steps=5):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = model(**batch).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    eager = train(build_gpt_model(config, VOCAB, SEQ, seed=0))
+    with collect() as reports:
+        compiled = train(torch.compile(build_gpt_model(config, VOCAB, SEQ, seed=0), backend="ascend",
+                                       options={"cache": False}))
+    (report,) = reports
+    ((_, region),) = report.regions.items()
+    assert region["calls"] == LAYERS and region["fusions"]["attention"] == 1
+    assert report.fusions["attention"] == LAYERS and report.fusions["bias_dropout_add"] == 2 * LAYERS
+    # the seeds of the fused dropouts are drawn in the region, once per call: 3 draws per layer
+    assert report.lowered_ops["aten.randint"] == 3 * LAYERS
+    assert compiled[-1] < compiled[0] - 0.1, compiled
+    worst = max(abs(c - e) / e for c, e in zip(compiled, eager))
+    assert worst < 0.02, (eager, compiled)
 
 
 def _assert_same(expected, got):
