@@ -609,13 +609,23 @@ def _current_device_stand_in(cuda_current_device):
     "region for its collectives",
 )
 def _layer_compile_region(forward):
-    region = torch.compiler.nested_compile_region(forward)
+    def hidden_states(self, *args, **kwargs):
+        # the region returns the hidden states alone: Dynamo reuses a traced region only when it returns tensors
+        # (torch/_dynamo/variables/invoke_subgraph.py, is_reuse_eligible), and the layer's second output, the
+        # cross-attention context, is None in a GPT layer
+        output, context = forward(self, *args, **kwargs)
+        if context is not None:
+            raise RuntimeError("layer_compile_region: a TransformerLayer returned a cross-attention context; "
+                               "take the 'regions' adaptation group off for this model")
+        return output
+
+    region = torch.compiler.nested_compile_region(hidden_states)
 
     @functools.wraps(forward)
     def layer_forward(self, *args, **kwargs):
-        # a config attribute: Dynamo guards on it, so the choice is made once per compiled graph
-        if self.config.tensor_model_parallel_size > 1:
+        # config attributes and a None argument: Dynamo guards on them, so the choice is made once per graph
+        if self.config.tensor_model_parallel_size > 1 or kwargs.get("context") is not None:
             return forward(self, *args, **kwargs)
-        return region(self, *args, **kwargs)
+        return region(self, *args, **kwargs), None
 
     return layer_forward

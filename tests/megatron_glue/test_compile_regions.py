@@ -12,6 +12,8 @@ from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synt
 from npu_compile.debug.report import collect
 
 VOCAB, SEQ, BATCH, LAYERS = 128, 32, 2, 3
+# Dynamo's timer around each reuse of a traced region (torch/_dynamo/variables/invoke_subgraph.py)
+REUSE = "invoke_subgraph_reuse_stamp_out"
 CONFIGS = {
     "gpt": lambda **kw: gpt_config(hidden_size=64, num_layers=LAYERS, **kw),
     "llama": lambda **kw: llama_config(hidden_size=64, num_layers=LAYERS, num_query_groups=2, **kw),
@@ -55,8 +57,11 @@ def test_layers_compile_once_and_train_as_eager(regions, name, tmp_path):
     model = build_gpt_model(CONFIGS[name](), VOCAB, SEQ, seed=0)
     expected = _train(eager, eager)
     torch._dynamo.utils.counters.clear()
+    torch._dynamo.utils.compilation_time_metrics.pop(REUSE, None)
     with collect() as reports:
         got = _train(_compiled(model, tmp_path), model)
+    # Dynamo traced the first layer and stamped it out for the others, rather than tracing each layer again
+    assert len(torch._dynamo.utils.compilation_time_metrics.get(REUSE, [])) == LAYERS - 1
 
     _assert_same(expected, got)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
