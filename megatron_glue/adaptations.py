@@ -291,11 +291,14 @@ def groups_for(device: str | torch.device | None = None, training: bool = False)
     the parallel layout, and parallel state may be set up before or after they are applied, by any means.
     "cpu" is in on a CPU (or meta) device only: elsewhere Megatron's CUDA calls have a device to run on (on an
     NPU through torch_npu's transfer_to_npu).
+    "regions" is in for `torch.compile(gpt_model)` (each layer traced and compiled once, not once per layer); not
+    with `training`: the training job compiles each layer's forward on its own (training.compile_model), where a
+    region would only wrap the whole graph once more.
     """
     device = machine_device() if device is None else device
     kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     groups = ("cpu",) if kind in ("cpu", "meta") else ()
-    return groups + ("compile", "tp_compile", "sp") + (("training",) if training else ())
+    return groups + ("compile", "tp_compile", "sp") + (("training",) if training else ("regions",))
 
 
 # ======================================================================================================
@@ -590,3 +593,39 @@ def _current_device_stand_in(cuda_current_device):
 
     dynamo_torch.constant_fold_functions[current_device] = None
     return current_device
+
+
+# ======================================================================================================
+# group "regions": a whole GPTModel under torch.compile, its identical layers compiled once.
+# ======================================================================================================
+
+@registry.wraps(
+    "layer_compile_region", "megatron.core.transformer.transformer_layer.TransformerLayer.forward", "regions",
+    reason="TransformerBlock calls its layers in a Python loop (transformer/transformer_block.py:748-779; the same "
+    "loop on 0.12.1) that Dynamo unrolls: torch.compile(gpt_model) traces and compiles every layer again, and "
+    "its compile time grows with num_layers; as a nested compile region (torch.compiler.nested_compile_region) "
+    "the layer is traced once and called N times (invoke_subgraph), and the backend compiles it once. At tensor "
+    "parallel size > 1 the layer is inlined as before: the backend's overlap scheduling does not look inside a "
+    "region for its collectives",
+)
+def _layer_compile_region(forward):
+    def hidden_states(self, *args, **kwargs):
+        # the region returns the hidden states alone: Dynamo reuses a traced region only when it returns tensors
+        # (torch/_dynamo/variables/invoke_subgraph.py, is_reuse_eligible), and the layer's second output, the
+        # cross-attention context, is None in a GPT layer
+        output, context = forward(self, *args, **kwargs)
+        if context is not None:
+            raise RuntimeError("layer_compile_region: a TransformerLayer returned a cross-attention context; "
+                               "take the 'regions' adaptation group off for this model")
+        return output
+
+    region = torch.compiler.nested_compile_region(hidden_states)
+
+    @functools.wraps(forward)
+    def layer_forward(self, *args, **kwargs):
+        # config attributes and a None argument: Dynamo guards on them, so the choice is made once per graph
+        if self.config.tensor_model_parallel_size > 1 or kwargs.get("context") is not None:
+            return forward(self, *args, **kwargs)
+        return region(self, *args, **kwargs), None
+
+    return layer_forward

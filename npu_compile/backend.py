@@ -7,6 +7,12 @@
       → per graph (forward / backward / inference): aten-level stages (memory ordering, the target's own, overlap
         scheduling) → the target's lowering → the target's executor
 
+Regions (``torch.compiler.nested_compile_region``: Dynamo's invoke_subgraph, e.g. N identical transformer layers)
+are compiled once each, not once per call: aot_autograd hands each region's joint graph to the partitioner before
+the outer one (torch/_functorch/_aot_autograd/graph_compile.py, run_joint_graph_passes_on_hops), so the fusion
+rules and the min-cut run there per region; the aten stages and lowering run on each region's forward / backward
+subgraph once, before the graph that calls it; the executor runs the lowered subgraph at every call site.
+
 The target is an object (``lowering.target``): this module composes what it declares and knows no target by
 name. Each stage's graph goes to the dump dir and to tlparse; each compiled Dynamo graph gets one report.json
 (assembled by ``debug/report.py``). The partition and each graph's stages + lowering go through the persistent
@@ -15,6 +21,7 @@ cache (``cache.py``): on a hit their result is loaded instead of computed.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -24,7 +31,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from npu_compile import cache, comm, config, lowering, passes
+from npu_compile import cache, comm, config, lowering, passes, regions
 from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.report import Recorder
 from npu_compile.debug.verify import verified
@@ -60,6 +67,19 @@ def _graph_id(gm: torch.fx.GraphModule) -> str:
     return str(compile_id).replace("/", "_")
 
 
+
+def _graph_key(step: str, gm: torch.fx.GraphModule, opts: config.Options, communicator: Callable | None) -> str:
+    """``cache.graph_key`` of ``gm``, and of every region it calls: the graph's own code names a region only by
+    its attribute, so two graphs calling different regions would share a key."""
+    subs = regions.regions(gm)
+    if not subs:
+        return cache.graph_key(step, gm, opts, communicator)
+    h = hashlib.sha256(cache.graph_key(step, gm, opts, communicator).encode())
+    for name, sub in subs:
+        h.update(f"{name}:{cache.graph_key(step, sub, opts, communicator)};".encode())
+    return h.hexdigest()
+
+
 class _Compilation:
     """The state shared by the compilers of one Dynamo graph: options, target, dump and report."""
 
@@ -68,6 +88,7 @@ class _Compilation:
         self.dump = GraphDump(opts.dump_dir, _graph_id(gm))
         self.record = Recorder(gm, opts, self.dump)
         self.report = self.record.report
+        self._lowered_regions: set[int] = set()
         self.dump.stage("dynamo", "captured", gm)
 
     def _cached(self, step: str, gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> tuple[str | None, dict | None]:
@@ -77,7 +98,7 @@ class _Compilation:
             return None, None
         try:
             with self.record.timed("cache"):
-                key = cache.graph_key(step, gm, self.opts, self.target.communicator)
+                key = _graph_key(step, gm, self.opts, self.target.communicator)
         except Exception as e:  # a graph the key cannot describe: compile it, uncached
             log.info("npu_compile cache: no key for %s of graph %s (%s)", step, self.report.graph_id, e)
             self.report.cache[step] = "off"
@@ -94,12 +115,18 @@ class _Compilation:
 
     # -- training: runs once on the joint graph, before either half is compiled
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        if not joint_inputs:
+            # aot_autograd partitions each region's joint graph before the outer one, with no example inputs
+            # (graph_compile.py, run_joint_graph_passes_on_hops: partition_fn(joint_hop_gm, [], ...)); a training
+            # graph of its own always has inputs
+            return self._partition_region(joint, **kwargs)
         self.dump.stage("joint", "aot_joint", joint)
         key, hit = self._cached("partition", joint, joint_inputs)
         primals = sum(1 for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
         if hit is not None and sum(1 for n in hit["fw"].graph.nodes if n.op == "placeholder") == primals:
             fw, bw = hit["fw"], hit["bw"]
             self.record.fusions(hit["fusions"], hit["unfused"])
+            self.record.restore_regions(hit.get("regions", {}))
         else:
             if hit is not None:
                 log.warning("npu_compile cache: partition entry of graph %s does not fit its joint graph; rebuilding",
@@ -108,15 +135,60 @@ class _Compilation:
             unfused_from = len(self.report.unfused)
             counts = self.record.rules(joint, self.opts.fusion_enabled, passes.TRAINING)
             unfused = self.report.unfused[unfused_from:]
+            self._name_regions(joint, passes.INFERENCE)
             self.dump.stage("joint", "fused", joint)
             # memory_budget → the min-cut's activation budget, recompute weighed by the cost model; attention's
             # outputs are always saved, cheap fused ops may be recomputed (passes/recompute.py)
             with self.record.timed("partition"):
                 fw, bw = self._partition(joint, joint_inputs, **kwargs)
-            self._store(key, {"fw": fw, "bw": bw, "fusions": counts, "unfused": unfused})
+            self._store(key, {"fw": fw, "bw": bw, "fusions": counts, "unfused": unfused,
+                              "regions": self.record.regions_json()})
         self.record.partition(fw, bw)
         log.info("%s", self.dump.summary("joint"))
         return fw, bw
+
+    def _partition_region(self, joint: torch.fx.GraphModule, **kwargs: Any):
+        """One region's joint graph: the fusion rules and the min-cut, as for a whole graph; counted per region
+        (``Recorder.region_partitioned``), once its name and calls are known from the outer joint."""
+        self.dump.stage("regions", "aot_joint", joint)
+        inputs = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+        key, hit = self._cached("region_partition", joint, inputs)
+        if hit is not None:
+            fw, bw, counts, unfused = hit["fw"], hit["bw"], hit["fusions"], hit["unfused"]
+        else:
+            counts, unfused = self.record.region_rules(joint, self.opts.fusion_enabled, passes.TRAINING)
+            self.dump.stage("regions", "fused", joint)
+            with self.record.timed("partition"):
+                fw, bw = self._partition(joint, [], **kwargs)
+            self._store(key, {"fw": fw, "bw": bw, "fusions": counts, "unfused": unfused})
+        self.record.region_partitioned(fw, bw, counts, unfused)
+        return fw, bw
+
+    def _name_regions(self, gm: torch.fx.GraphModule, mode: str) -> None:
+        """Name the regions ``gm`` calls and count their calls; a region no partition saw (an inference graph's,
+        or a training region nothing differentiates) gets the rules of ``mode`` here, once."""
+        calls = regions.calls(gm)
+        for attr, sub in regions.regions(gm):
+            if not self.record.knows_region(sub):
+                self.record.region_partitioned(sub, None, *self.record.region_rules(sub, self.opts.fusion_enabled, mode))
+                self.dump.stage("regions", f"{regions.name(attr)}_fused", sub)
+            self.record.region_called(sub, regions.name(attr), calls.get(id(sub), 0))
+
+    def _compile_regions(self, gm: torch.fx.GraphModule, kind: str) -> None:
+        """The aten stages and lowering on each region ``gm`` calls, once per region (a region's forward and its
+        backward are separate subgraphs, so each kind meets its own)."""
+        for attr, sub in regions.regions(gm):
+            if id(sub) in self._lowered_regions:
+                continue
+            self._lowered_regions.add(id(sub))
+            with self.record.timed("aten_stages"):
+                for name, stage in aten_stages(self.target):
+                    self.report.unfused += stage(sub, self.opts, kind) or []
+            with self.record.timed("lowering"):
+                self.report.unfused += self.target.lower(sub, self.opts)
+                sub.graph.lint()
+                sub.recompile()
+            self.dump.stage("regions", f"{regions.name(attr)}_{kind}_lowered_{self.opts.target}", sub)
 
     def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
         o = self.opts
@@ -141,6 +213,7 @@ class _Compilation:
             if hit is not None:
                 lowered = hit["gm"]
                 self.record.fusions(hit["fusions"], hit["unfused"])
+                self.record.restore_regions(hit.get("regions", {}))
                 self.record.comm_timelines[kind] = hit["comm"]
                 self.dump.stage(kind, f"cached_lowered_{self.opts.target}", lowered)
                 self.record.graph_done(kind, lowered)
@@ -149,7 +222,9 @@ class _Compilation:
             counts: dict[str, int] = {}
             if kind == "inference":
                 counts = self.record.rules(gm, self.opts.fusion_enabled, passes.INFERENCE)
+                self._name_regions(gm, passes.INFERENCE)
                 self.dump.stage(kind, "fused", gm)
+            self._compile_regions(gm, kind)
             with self.record.timed("aten_stages"):
                 comm_before = comm.simulate(gm)
                 for name, stage in aten_stages(self.target):
@@ -162,7 +237,8 @@ class _Compilation:
                 gm.recompile()
             self.dump.stage(kind, f"lowered_{self.opts.target}", gm)
             self._store(key, {"gm": gm, "fusions": counts, "unfused": self.report.unfused[unfused_from:],
-                              "comm": self.record.comm_timelines[kind]})
+                              "comm": self.record.comm_timelines[kind],
+                              "regions": self.record.regions_json() if kind == "inference" else {}})
             self.record.graph_done(kind, gm)
             return self.target.executor(gm, example_inputs, self.opts)  # op by op, or torchair on the NPU
 

@@ -13,9 +13,13 @@ from collections.abc import Callable
 import torch
 from torch.fx.graph import _BoxedCodeGen
 
+from npu_compile import regions
+
 
 def boxed_executor(gm: torch.fx.GraphModule) -> Callable[[list], object]:
-    """A boxed callable running ``gm`` that releases its arguments as it goes."""
+    """A boxed callable running ``gm`` that releases its arguments as it goes; a region call runs the region's
+    compiled subgraph."""
+    regions.run_compiled(gm)
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
 

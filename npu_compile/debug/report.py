@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from npu_compile import comm, passes
+from npu_compile import comm, passes, regions
 from npu_compile.config import Options
 from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.plots import memory_png
@@ -72,6 +72,10 @@ class Report:
     compile_s: dict[str, float] = dataclasses.field(default_factory=dict)
     # memory_budget "auto": the budget chosen, the cap, and every budget tried with its planned peak
     budget: dict[str, Any] | None = None
+    # Nested compile regions (invoke_subgraph, e.g. N identical layers): name -> {"fusions": {rule: sites in one
+    # call}, "calls": call sites in the graph}. Each region's rules run once; ``fusions`` above counts every
+    # call (sites × calls).
+    regions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,8 +95,21 @@ def op_name(node: torch.fx.Node) -> str | None:
 
 
 def count_ops(*graphs: torch.fx.GraphModule) -> dict[str, int]:
-    """Operator counts over ``graphs``, most frequent first."""
-    counts = Counter(name for gm in graphs for n in gm.graph.nodes if (name := op_name(n)) is not None)
+    """Operator counts over ``graphs`` as they run, most frequent first: a region call counts as
+    ``higher_order.invoke_subgraph`` and as the ops of its subgraph, once per call."""
+    counts: Counter[str] = Counter()
+
+    def walk(gm: torch.fx.GraphModule) -> None:
+        for n in gm.graph.nodes:
+            sub = regions.subgraph(n)
+            if sub is not None:
+                counts["higher_order.invoke_subgraph"] += 1
+                walk(sub)
+            elif (name := op_name(n)) is not None:
+                counts[name] += 1
+
+    for gm in graphs:
+        walk(gm)
     return dict(counts.most_common())
 
 
@@ -117,6 +134,15 @@ def collect() -> Iterator[list[Report]]:
         _collectors.remove(reports)
 
 
+@dataclasses.dataclass
+class _Region:
+    fusions: dict[str, int]
+    unfused: list[dict[str, str]]
+    modules: list[Any]
+    name: str | None = None
+    calls: int = 0
+
+
 class Recorder:
     """Assembles the report of one Dynamo graph as the backend compiles it, and writes it to the dump dir."""
 
@@ -136,6 +162,9 @@ class Recorder:
         self.before: tuple | None = None  # (buffers, steps) of the graph(s) as aot_autograd gave them
         # kind -> simulated comm timelines of the graph as aot_autograd gave it and after the aten stages
         self.comm_timelines: dict[str, tuple[comm.Timeline, comm.Timeline]] = {}
+        self._own_fusions: dict[str, int] = {}  # the graph's own sites, regions apart
+        self._regions: dict[int, _Region] = {}  # id(region subgraph) -> its record (forward and backward alike)
+        self._named: dict[str, _Region] = {}
         publish(self.report)
 
     @contextlib.contextmanager
@@ -161,8 +190,60 @@ class Recorder:
 
     def fusions(self, counts: dict[str, int], unfused: list[dict[str, str]]) -> None:
         for rule, n in counts.items():
-            self.report.fusions[rule] = self.report.fusions.get(rule, 0) + n
+            self._own_fusions[rule] = self._own_fusions.get(rule, 0) + n
         self.report.unfused += unfused
+        self._total_fusions()
+
+    # -- regions: counted once each, with their calls
+    def region_rules(self, gm: torch.fx.GraphModule, enabled: Callable[[str], bool],
+                     mode: str) -> tuple[dict[str, int], list[dict[str, str]]]:
+        """Apply the fusion rules to one region's graph, timed as ``rules``; counted when the region is named."""
+        traced_before = passes.engine.TRACING.seconds
+        with self.timed("rule_matching"):
+            counts, unfused = passes.apply_rules(gm, enabled, mode)
+        tracing = passes.engine.TRACING.seconds - traced_before
+        self.report.compile_s["rule_matching"] = round(self.report.compile_s["rule_matching"] - tracing, 4)
+        self.report.compile_s["rule_tracing"] = round(self.report.compile_s.get("rule_tracing", 0.0) + tracing, 4)
+        return counts, unfused
+
+    def region_partitioned(self, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule | None,
+                           counts: dict[str, int], unfused: list[dict[str, str]]) -> None:
+        region = _Region(dict(counts), list(unfused), [fw, bw])  # holds the modules: their ids stay theirs
+        for gm in (fw, bw):
+            if gm is not None:
+                self._regions[id(gm)] = region
+
+    def knows_region(self, gm: torch.fx.GraphModule) -> bool:
+        return id(gm) in self._regions
+
+    def region_called(self, gm: torch.fx.GraphModule, name: str, calls: int) -> None:
+        """The region whose (forward or backward) subgraph is ``gm`` is ``name``, called ``calls`` times."""
+        region = self._regions[id(gm)]
+        if region.name is None:
+            region.name = name
+            self._named[name] = region
+            self.report.unfused += [{**u, "region": name} for u in region.unfused]
+        region.calls = max(region.calls, calls)
+        self._total_fusions()
+
+    def regions_json(self) -> dict[str, dict[str, Any]]:
+        return {name: {"fusions": r.fusions, "calls": r.calls, "unfused": r.unfused} for name, r in self._named.items()}
+
+    def restore_regions(self, stored: dict[str, dict[str, Any]]) -> None:
+        """The regions of a graph loaded from the cache, as ``regions_json`` stored them."""
+        for name, r in stored.items():
+            self._named[name] = _Region(dict(r["fusions"]), list(r["unfused"]), [], name, r["calls"])
+            self.report.unfused += [{**u, "region": name} for u in r["unfused"]]
+        self._total_fusions()
+
+    def _total_fusions(self) -> None:
+        total = dict(self._own_fusions)
+        for r in self._named.values():
+            for rule, n in r.fusions.items():
+                total[rule] = total.get(rule, 0) + n * r.calls
+        self.report.fusions = total
+        self.report.regions = {name: {"fusions": {k: v for k, v in r.fusions.items() if v}, "calls": r.calls}
+                               for name, r in self._named.items()}
 
     def budget(self, chosen: recompute.Plan, tried: list[recompute.Plan], device_memory: int) -> None:
         self.report.budget = {"chosen": chosen.budget, "device_memory": device_memory,

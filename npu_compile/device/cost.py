@@ -20,6 +20,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
+from npu_compile import regions
 from npu_compile.device import nodes
 from npu_compile.device.profile import DeviceProfile, load
 from npu_compile.ops.layout import BNSD_DIMS
@@ -75,7 +76,11 @@ _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.defaul
 
 
 def flops(node: torch.fx.Node) -> int:
-    """Matrix FLOPs of a node (0 for ops that do not use the cube, and for nodes without shapes)."""
+    """Matrix FLOPs of a node (0 for ops that do not use the cube, and for nodes without shapes); a region call's
+    are its subgraph's."""
+    sub = regions.subgraph(node)
+    if sub is not None:
+        return sum(flops(n) for n in sub.graph.nodes if n.op == "call_function")
     target = node.target
     if target in _MATMULS:
         a, b = (_shape(node.args[i]) for i in _MATMULS[target])
@@ -137,6 +142,9 @@ def compute_us(node: torch.fx.Node, profile: DeviceProfile) -> float:
     """Roofline time of a compute node: max(FLOPs / rate, bytes / HBM bandwidth); an MC2 node's fused time."""
     if is_free(node) or nodes.is_collective(node):
         return 0.0
+    sub = regions.subgraph(node)
+    if sub is not None:  # its nodes one after another (a collective inside, too: the call holds the stream)
+        return sum(node_us(n, profile) for n in sub.graph.nodes if n.op == "call_function")
     if nodes.fused_collective(node) is not None:
         return mc2_cost(node, profile).fused_us
     dtype = _dtype(node)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -25,6 +26,8 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from npu_compile import regions
 
 log = logging.getLogger("npu_compile")
 
@@ -177,8 +180,12 @@ def _meta(a: object) -> object:
 def workspace_bytes(node: torch.fx.Node) -> int:
     """Scratch a node's kernel allocates and frees within its own step, beyond its outputs: for our fused ops,
     found by running the op's reference kernel on FakeTensors of the node's shapes while counting the live
-    bytes of the storages it creates (memoised per op and signature). Aten kernels' scratch is not modelled;
-    after lowering to ``npu`` the device kernels keep their tiles on chip."""
+    bytes of the storages it creates (memoised per op and signature); for a region call, the live-bytes peak of
+    the region's own schedule beyond its outputs. Aten kernels' scratch is not modelled; after lowering to
+    ``npu`` the device kernels keep their tiles on chip."""
+    sub = regions.subgraph(node)
+    if sub is not None:
+        return _region_scratch(sub)
     if node.op != "call_function" or getattr(node.target, "namespace", None) != "npu_compile":
         return 0
     args = tuple(_meta(a) for a in node.args)
@@ -198,6 +205,23 @@ def workspace_bytes(node: torch.fx.Node) -> int:
     if key not in _SCRATCH:
         _SCRATCH[key] = _scratch(qualname, args, kwargs)
     return _SCRATCH[key]
+
+
+_REGION_SCRATCH: "weakref.WeakKeyDictionary[torch.fx.GraphModule, tuple[tuple, int]]" = weakref.WeakKeyDictionary()
+
+
+def _region_scratch(sub: torch.fx.GraphModule) -> int:
+    """What one call of a region holds at its peak besides what it returns; its inputs stay with the caller
+    (the calling graph holds them until the call returns). Memoised per region and its current schedule."""
+    order = tuple(n.name for n in sub.graph.nodes)
+    memo = _REGION_SCRATCH.get(sub)
+    if memo is not None and memo[0] == order:
+        return memo[1]
+    gb = graph_buffers(sub.graph)
+    outputs = {id(b): b.bytes for b in gb.by_output_node.values()}
+    scratch = max(liveness(gb.buffers, len(gb.steps)).peak - sum(outputs.values()), 0)
+    _REGION_SCRATCH[sub] = (order, scratch)
+    return scratch
 
 
 # Ops whose output shares its first argument's storage (``_unsafe_view`` is a view without autograd's tracking).

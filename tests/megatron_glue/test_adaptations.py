@@ -312,11 +312,11 @@ def test_adapt_applies_what_any_parallel_layout_needs_and_leaves_torch_compile_a
 
 
 @pytest.mark.parametrize("device, training, expected", [
-    ("cpu", False, ("cpu", "compile", "tp_compile", "sp")),
+    ("cpu", False, ("cpu", "compile", "tp_compile", "sp", "regions")),
     (torch.device("cpu"), True, ("cpu", "compile", "tp_compile", "sp", "training")),
-    ("meta", False, ("cpu", "compile", "tp_compile", "sp")),
+    ("meta", False, ("cpu", "compile", "tp_compile", "sp", "regions")),
     ("npu:3", True, ("compile", "tp_compile", "sp", "training")),  # torch_npu's transfer_to_npu serves CUDA calls
-    ("cuda", False, ("compile", "tp_compile", "sp")),
+    ("cuda", False, ("compile", "tp_compile", "sp", "regions")),
 ])
 def test_groups_for_a_device_are_the_same_at_every_parallel_layout(device, training, expected):
     from megatron_glue.adaptations import groups_for
