@@ -68,7 +68,7 @@ def _graph_id(gm: torch.fx.GraphModule) -> str:
 
 
 
-def _graph_key(step: str, gm: torch.fx.GraphModule, opts: config.Options, communicator: Callable | None) -> str:
+def _graph_key(step: str, gm: torch.fx.GraphModule, opts: config.Options, communicator: Callable | None = None) -> str:
     """``cache.graph_key`` of ``gm``, and of every region it calls: the graph's own code names a region only by
     its attribute, so two graphs calling different regions would share a key."""
     subs = regions.regions(gm)
