@@ -44,19 +44,26 @@ $(STAMP012): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m megatron_glue.demo
 
+# Two pytest-xdist workers (this machine's two cores), each test module kept on one worker (its module-scoped
+# fixtures, e.g. a TP=2 gloo run, are made once).
+XDIST := -n 2 --dist loadscope
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 -m "not fuzz and not training"
+	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not training"
 
 # The training job over gloo processes: every parallel layout, checkpoints, mixed precision, the seed script.
 test-training: $(STAMP)
 	$(PY) -m pytest -q --durations=25 -m "training and not fuzz" tests/megatron_glue
 
-# The Megatron tests on megatron-core 0.12.1: the Megatron folders (less what is marked any_megatron_line: the
-# converter's own checks, the same on every line), and of tests/passes those that build on megatron-core
-# (megatron_glue.testing's --megatron-only).
+# The Megatron tests on megatron-core 0.12.1, limited to what can differ on that line: the Megatron folders' in-process
+# tests (less what is marked any_megatron_line: the converter's own checks, the same on every line), of the
+# multi-process training tests those marked megatron_lines (the code paths megatron_glue/versions.py switches:
+# interleaved pipeline stages, the distributed optimizer's checkpoint), and of tests/passes those that build on
+# megatron-core (megatron_glue.testing's --megatron-only).
 test-mcore012: $(STAMP012)
-	$(PY012) -m pytest -q --durations=25 -m "not fuzz and not any_megatron_line" tests/megatron_glue tests/lowering/test_megatron.py
-	$(PY012) -m pytest -q --durations=25 -m "not fuzz" -p megatron_glue.testing --megatron-only tests/passes
+	$(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not any_megatron_line and (not training or megatron_lines)" \
+		tests/megatron_glue tests/lowering/test_megatron.py
+	$(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz" -p megatron_glue.testing --megatron-only tests/passes
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz

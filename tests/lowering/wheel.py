@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from filelock import FileLock
 
 VERSION = "2.13.0"
 # One pinned wheel, whatever machine runs the tests: the schemas are the same in every platform's wheel.
@@ -38,6 +39,13 @@ def wheel_path() -> Path:
     if path.is_file():
         return path
     CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(CACHE / "download.lock")):  # make test's workers (pytest-xdist) fetch it once
+        if not path.is_file():
+            _download(path)
+    return path
+
+
+def _download(path: Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11", "--implementation", "cp",
            "--abi", "cp311", f"torch-npu=={VERSION}", "-d", str(CACHE)]
@@ -47,7 +55,6 @@ def wheel_path() -> Path:
             f"could not download the torch-npu {VERSION} wheel, whose op schemas this test checks against "
             f"({' '.join(cmd)} exited {result.returncode}: {result.stderr.strip()[-500:]}). With no network, "
             f"set {WHEEL_ENV} to a local copy of {WHEEL}.")
-    return path
 
 
 @functools.cache

@@ -25,7 +25,9 @@ RESUME_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+# megatron_lines: the distributed optimizer's sharded state (versions.optimizer_sharded_state_dict) differs by line
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=[pytest.mark.megatron_lines] if n.startswith("dp2") else [])
+                                    for n in RESUME_LAYOUTS])
 def test_resume_is_bitwise(layout, tmp_path):
     """6 iterations in one go == 3, stop, load iteration 3, 3 more: losses and grad norms of 4-6 identical, dropout
     on. Compiled, 2 processes (TP=2: test_tp2_checkpoint_loads_at_tp1_and_pp2)."""
