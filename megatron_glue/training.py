@@ -52,6 +52,11 @@ def initialize(args):
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
                                      args.data_parallel_size)
+    # as Megatron-LM's initialize_megatron (--rerun-mode's default, disabled): set up before the first step asks for
+    # it, which would otherwise initialize it implicitly with a warning
+    from megatron.core.rerun_state_machine import initialize_rerun_state_machine
+
+    initialize_rerun_state_machine()
     # Megatron-LM's _set_random_seed: pipeline stages differ so that their dropout masks do
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
