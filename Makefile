@@ -53,7 +53,7 @@ test: $(STAMP)
 
 # The training job over gloo processes: every parallel layout, checkpoints, mixed precision, the seed script.
 test-training: $(STAMP)
-	$(PY) -m pytest -q --durations=25 -m "training and not fuzz" tests/megatron_glue
+	$(PY) -m pytest -q --durations=25 $(XDIST) -m "training and not fuzz" tests/megatron_glue
 
 # The Megatron tests on megatron-core 0.12.1, limited to what can differ on that line: the Megatron folders' in-process
 # tests (less what is marked any_megatron_line: the converter's own checks, the same on every line), of the
