@@ -232,17 +232,13 @@ class _FastMask:
             self.dead = dead  # [mb, mn, sq or 1], broadcasts over [b, nq, sq]
 
 
-@functools.lru_cache(maxsize=8)
-def _causal_pattern(sq: int, sk: int, device: torch.device) -> Tensor:
-    """True where key j is hidden from query i under top-left causality (j > i): SDPA's is_causal."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1)
-
-
 def _is_causal_mask(mask4: Tensor, sq: int, sk: int) -> bool:
-    """Whether a bool [b?, n?, sq, sk] mask hides exactly what is_causal hides, in every batch and head."""
+    """Whether a bool [b?, n?, sq, sk] mask hides exactly what is_causal hides (key j from query i iff j > i,
+    top-left), in every batch and head. The pattern is built per call, never cached: a call under a fake mode
+    (the memory planner runs kernels so) would leave a fake tensor behind."""
     if tuple(mask4.shape[2:]) != (sq, sk):
         return False
-    pattern = _causal_pattern(sq, sk, mask4.device)
+    pattern = torch.ones(sq, sk, dtype=torch.bool, device=mask4.device).triu_(1)
     return torch.equal(mask4, pattern.expand(mask4.shape))
 
 
