@@ -9,7 +9,7 @@ the machine's load falls on all four alike; a step is forward, backward and the 
 median of ``--repeats``. Peak memory: profiler CPU memory events over one forward+backward (bench.harness).
 Writes bench/results/step_time.md and step_time.png.
 
-    python -m bench.step_time [--seqs 128,1024,2048] [--layers 2,8,32] [--repeats 5]
+    python -m bench.step_time [--seqs 128,1024,2048] [--layers 2,8,32] [--repeats 5] [--threads 1]
                               [--skip inductor:32] [--skip inductor:32:2048 ...]
 
 ``--skip COLUMN:LAYERS[:SEQ]`` leaves a column out of the cells it names (Inductor takes minutes to compile 32
@@ -40,7 +40,8 @@ from megatron_glue.training import compile_model
 from bench.harness import peak_bytes
 megatron_glue.adapt(); models.init_single_process()
 seq, layers, repeats, columns = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
-hidden, heads, batch, vocab = (int(a) for a in sys.argv[5:9])
+hidden, heads, batch, vocab, threads = (int(a) for a in sys.argv[5:10])
+torch.set_num_threads(threads)
 data = models.synthetic_batch(batch, seq, vocab, seed=0)
 runs = {}
 for column in columns:
@@ -78,14 +79,14 @@ print(json.dumps(out))
 """
 
 
-def measure(seq: int, layers: int, repeats: int, columns: list[str]) -> dict:
+def measure(seq: int, layers: int, repeats: int, columns: list[str], threads: int) -> dict:
     root = Path(__file__).parent.parent
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as inductor:
-        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", NPU_COMPILE_CACHE_DIR=cache,
-                   TORCHINDUCTOR_CACHE_DIR=inductor, PYTHONWARNINGS="ignore",
+        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS=str(threads),
+                   NPU_COMPILE_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=inductor, PYTHONWARNINGS="ignore",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         done = subprocess.run([sys.executable, "-c", _CHILD, str(seq), str(layers), str(repeats), ",".join(columns),
-                               str(HIDDEN), str(HEADS), str(BATCH), str(VOCAB)],
+                               str(HIDDEN), str(HEADS), str(BATCH), str(VOCAB), str(threads)],
                               env=env, capture_output=True, text=True, timeout=7200, cwd=root)
     if done.returncode:
         raise RuntimeError(f"seq {seq}, {layers} layers failed:\n{done.stderr[-3000:]}")
@@ -147,30 +148,13 @@ def plot(cells: list[tuple[int, int, dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.step_time", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqs", default="128,1024,2048")
-    p.add_argument("--layers", default="2,8,32")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--skip", action="append", default=[], metavar="COLUMN:LAYERS[:SEQ]")
-    args = p.parse_args(argv)
-    import torch
-
-    cells = []
-    for seq in (int(s) for s in args.seqs.split(",")):
-        for layers in (int(n) for n in args.layers.split(",")):
-            columns = [c for c in COLUMNS if not skipped(args.skip, c, layers, seq)]
-            print(f"seq {seq}, {layers} layers: {', '.join(columns)} ...", flush=True)
-            r = measure(seq, layers, args.repeats, columns)
-            cells.append((seq, layers, r))
-            print("  " + ", ".join(f"{c} {v['step_s'] * 1e3:.0f} ms" for c, v in r.items()), flush=True)
+def write(cells: list[tuple[int, int, dict]], args: argparse.Namespace, torch_version: str) -> Path:
     text = (
         f"# CPU training-step time: eager vs Inductor vs ascend (whole model and per layer)\n\n"
         f"megatron-core GPTModel, hidden {HIDDEN}, {HEADS} heads, LayerNorm + GeLU, causal, batch {BATCH}, vocab "
-        f"{VOCAB}, fp32; torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores. A step is forward, "
-        f"backward and AdamW; median of {args.repeats} steps after two warm-up steps, the four columns timed in "
-        f"turn in one process per row. ascend = `torch.compile(gpt_model, backend=\"ascend\")` after "
+        f"{VOCAB}, fp32; torch {torch_version}, {platform.machine()}, {args.threads} thread(s) on {os.cpu_count()} "
+        f"cores. A step is forward, backward and AdamW; median of {args.repeats} steps after two warm-up steps, the "
+        f"four columns timed in turn in one process per row. ascend = `torch.compile(gpt_model, backend=\"ascend\")` after "
         f"`megatron_glue.adapt()`; job = the training job's per-layer compile (`compile_model`). Peak: profiler CPU "
         f"memory events over one forward+backward. `python -m bench.step_time`"
         + (f" (skipped: {', '.join(args.skip)})" if args.skip else "") + ".\n\n" + table(cells) + "\n"
@@ -180,7 +164,31 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(text)
     (out.parent / "step_time.json").write_text(json.dumps([[s, n, r] for s, n, r in cells], indent=1))
     plot(cells, out.with_suffix(".png"))
-    print("\n" + text + f"\nwritten to {out} and {out.with_suffix('.png')}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.step_time", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", default="128,1024,2048")
+    p.add_argument("--layers", default="2,8,32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (default 1: on a shared machine OpenMP's barriers measure the load)")
+    p.add_argument("--skip", action="append", default=[], metavar="COLUMN:LAYERS[:SEQ]")
+    args = p.parse_args(argv)
+    import torch
+
+    cells = []
+    for layers in (int(n) for n in args.layers.split(",")):
+        for seq in (int(s) for s in args.seqs.split(",")):
+            columns = [c for c in COLUMNS if not skipped(args.skip, c, layers, seq)]
+            print(f"seq {seq}, {layers} layers: {', '.join(columns)} ...", flush=True)
+            r = measure(seq, layers, args.repeats, columns, args.threads)
+            cells.append((seq, layers, r))
+            print("  " + ", ".join(f"{c} {v['step_s'] * 1e3:.0f} ms" for c, v in r.items()), flush=True)
+            out = write(cells, args, torch.__version__)  # after each row: a long run leaves what it measured
+    print("\n" + out.read_text() + f"\nwritten to {out} and {out.with_suffix('.png')}")
     return 0
 
 

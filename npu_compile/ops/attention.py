@@ -45,8 +45,8 @@ either): dropout_p == 0, CPU tensors of fp32/fp64 (bf16/fp16 stay tiled, see _FA
 row is not what the flash kernel computes, so such calls take the tiles). attn_mask, attn_bias and causal
 become the kernel's additive float mask (0 / −inf) and is_causal, an attn_mask that hides exactly the future
 keys (Megatron's causal mask) becoming is_causal alone: the kernel then skips the blocks above the diagonal,
-the same result bitwise, about 1.7× faster at sequence 1024 and no Sq×Sk mask built; GQA is the kernel's own. Its forward returns
-the statistics as (lse, 1), which satisfy p = exp(s − max)/sum as the device's (max, Σexp) do, and rows
+the same result bitwise, about 1.7× faster at sequence 1024 and no Sq×Sk mask built; GQA is the kernel's own.
+Its forward returns the statistics as (lse, 1), which satisfy p = exp(s − max)/sum as the device's (max, Σexp) do, and rows
 with no visible key get out = 0 and (0, 0) as above. Its backward takes either form: lse = max + log(sum)
 (0 where sum == 0; those rows' scores are all −inf, so their probabilities and gradients are 0 for any lse).
 Everything else (dropout_p > 0 above all: the mask must stay rng.drop_mask's) takes the tiled kernels.
