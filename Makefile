@@ -77,6 +77,7 @@ bench: $(STAMP)
 	$(PY) -m bench.compile_time
 	$(PY) -m bench.memory_fit
 	$(PY) -m bench.fused_loss
+	$(PY) -m bench.step_time
 
 clean:
 	rm -rf $(VENV) $(VENV012) npu_compile_dump .pytest_cache .hypothesis

@@ -4,27 +4,55 @@ aot_autograd calls compiled graphs with the boxed convention: one list of argume
 clear. ``make_boxed_func(gm)`` keeps that list alive for the whole call, so every saved activation lives to
 the end of the backward; here the generated code itself unpacks and clears the list, and the code FX generates
 drops every value (inputs included) after its last use.
+
+The code is straight-line Python generated once per graph (FX's code generation), not an interpreter loop:
+each node is one call. What that call is, is decided per node in ``_dispatch``: a target may give a table of
+kernels to call in place of an op (the reference target calls its fused ops' Python kernels directly, without
+the custom-op dispatcher's Python layers around each call), and ``detach``, a no-op in a graph that runs with
+no autograd recording, is dropped where only other nodes read it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.fx.graph import _BoxedCodeGen
 
 from npu_compile import regions
 
+Kernels = Mapping[object, Callable]
 
-def boxed_executor(gm: torch.fx.GraphModule) -> Callable[[list], object]:
-    """A boxed callable running ``gm`` that releases its arguments as it goes; a region call runs the region's
-    compiled subgraph."""
+
+def boxed_executor(gm: torch.fx.GraphModule, kernels: Kernels | None = None) -> Callable[[list], object]:
+    """A boxed callable running ``gm`` that releases its arguments as it goes; ``kernels`` maps an op
+    (OpOverload) to the callable to run for it; a region call runs the region's compiled subgraph. ``gm`` is left as
+    it is (it may be cached or dumped), but for its region calls, which call the compiled regions."""
     regions.run_compiled(gm)
-    gm.graph.set_codegen(_BoxedCodeGen())
-    gm.recompile()
+    graph = torch.fx.Graph()
+    out, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(out, type_expr=old_output.type)
+    for node in list(graph.nodes):
+        if node.op == "call_function":
+            _dispatch(graph, node, kernels or {})
+    graph.set_codegen(_BoxedCodeGen())
+    runner = torch.fx.GraphModule(gm, graph)
 
     def run(args: list) -> object:
-        return gm(args)
+        return runner(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
+    run.graph_module = runner  # type: ignore[attr-defined]  # the code that runs, for dumps and tests
     return run
+
+
+def _dispatch(graph: torch.fx.Graph, node: torch.fx.Node, kernels: Kernels) -> None:
+    """What the generated code calls for ``node``: the per-node decision point."""
+    if node.target is torch.ops.aten.detach.default and all(u.op == "call_function" for u in node.users):
+        # Graph outputs keep their detach: aot_autograd's output aliasing analysis saw a distinct tensor.
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+        return
+    kernel = kernels.get(node.target)
+    if kernel is not None:
+        node.target = kernel

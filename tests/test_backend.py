@@ -201,6 +201,37 @@ def test_executor_frees_each_input_after_its_last_use():
     assert args == [] and seen_alive == [False] and out.shape == (3,)
 
 
+def test_reference_executor_calls_the_kernels_directly():
+    """The reference target runs each fused op's Python kernel without the dispatcher (no npu_compile:: op
+    event, the kernel's aten ops only), drops a detach only other nodes read, keeps one that is an output,
+    still frees as it goes, and leaves the graph it was given as it was."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from npu_compile.lowering import reference
+
+    g = torch.fx.Graph()
+    x_node, b_node = g.placeholder("x"), g.placeholder("b")
+    gelu = g.call_function(torch.ops.npu_compile.bias_gelu.default, (x_node, b_node))
+    inner = g.call_function(torch.ops.aten.detach.default, (gelu,))
+    twice = g.call_function(torch.ops.aten.mul.Tensor, (inner, 2.0))
+    g.output((twice, g.call_function(torch.ops.aten.detach.default, (gelu,))))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    code_before = gm.code
+    run = reference.TARGET.executor(gm, [], None)
+    assert gm.code == code_before
+    ran_graph = run.graph_module.graph
+    assert [n.target for n in ran_graph.nodes if n.op == "call_function"].count(torch.ops.aten.detach.default) == 1
+
+    x, b = torch.randn(4, 8), torch.randn(8)
+    want = torch.nn.functional.gelu(x + b)
+    args = [x, b]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        doubled, out = run(args)
+    ran = {e.name for e in prof.events()}
+    assert "npu_compile::bias_gelu" not in ran and "aten::gelu" in ran, ran
+    assert args == [] and torch.equal(out, want) and torch.equal(doubled, want * 2)
+
+
 def test_entry_point_works_in_fresh_interpreter():
     code = textwrap.dedent(
         """

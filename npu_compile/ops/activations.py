@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from npu_compile.ops.common import acc_dtype, no_grad_placeholder, sum_to_shape
+from npu_compile.ops.common import acc_dtype, broadcasts_to, no_grad_placeholder, sum_to_shape
 
 GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -23,7 +23,7 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 def _check_gelu(x: Tensor, bias: Optional[Tensor], approximate: str) -> None:
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
-    if bias is not None and (bias.dtype != x.dtype or torch.broadcast_shapes(x.shape, bias.shape) != x.shape):
+    if bias is not None and (bias.dtype != x.dtype or not broadcasts_to(bias.shape, x.shape)):
         raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} must broadcast to x {tuple(x.shape)} {x.dtype}")
 
 

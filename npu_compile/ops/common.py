@@ -27,3 +27,18 @@ def sum_to_shape(t: Tensor, shape) -> Tensor:
     must not alias each other (grad_x and grad_bias of an op whose bias is as large as x)."""
     reduced = t.sum_to_size(shape)
     return reduced.clone() if reduced is t else reduced
+
+
+def broadcasts_to(shape, target) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` without growing it.
+
+    Plain ints are compared here: ``torch.broadcast_shapes`` goes through the symbolic-shape machinery and costs
+    about a hundred times a small kernel on every call of a reference kernel. Symbolic sizes (the fake kernels
+    under dynamic shapes) still take it, so that no guard is added."""
+    shape, target = tuple(shape), tuple(target)
+    if not all(type(s) is int for s in shape + target):
+        try:
+            return tuple(torch.broadcast_shapes(target, shape)) == target
+        except RuntimeError:
+            return False
+    return len(shape) <= len(target) and all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from npu_compile.ops import rng
-from npu_compile.ops.common import acc_dtype, no_grad_placeholder, sum_to_shape
+from npu_compile.ops.common import acc_dtype, broadcasts_to, no_grad_placeholder, sum_to_shape
 
 # Elements of x per RNG block: the keep mask exists 1 Mi elements (1 MiB of bool) at a time.
 DROPOUT_BLOCK = 1 << 20
@@ -36,7 +36,7 @@ DROPOUT_BLOCK = 1 << 20
 def _check(x: Tensor, bias: Optional[Tensor], residual: Tensor, p: float) -> None:
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
-    if bias is not None and (bias.dtype != x.dtype or torch.broadcast_shapes(x.shape, bias.shape) != x.shape):
+    if bias is not None and (bias.dtype != x.dtype or not broadcasts_to(bias.shape, x.shape)):
         raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} must broadcast to x {tuple(x.shape)} {x.dtype}")
     rng.check_p(p)
 

@@ -230,6 +230,16 @@ def add_layer_norm_backward(grad_y: Tensor, grad_sum: Optional[Tensor], total: T
     dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·γ, x̂ = (sum − mean)·rstd; plus grad_sum."""
     dims = _norm_dims(total, weight)
     acc = rstd.dtype
+    if total.dtype == acc and grad_y.dtype == acc and weight.dtype == acc and mean.dtype == acc:
+        # All in the statistics' dtype: torch's kernel computes the same formula in one pass instead of a dozen
+        # elementwise ops. It reads its bias argument only as the template of grad_bias (empty_like), which
+        # has the weight's shape and dtype: the weight serves.
+        grad_x, grad_weight, grad_bias = torch.ops.aten.native_layer_norm_backward(
+            grad_y, total, weight.shape, mean, rstd, weight, weight if bias_grad else None, [True, True, bias_grad])
+        if grad_sum is not None:
+            grad_x.add_(grad_sum.to(acc))
+        return (grad_x.contiguous(), grad_weight.contiguous(),
+                grad_bias.contiguous() if bias_grad else no_grad_placeholder(weight))
     x_hat = (total.to(acc) - mean) * rstd
     dy = grad_y.to(acc)
     g = dy * weight.to(acc)

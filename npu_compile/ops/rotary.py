@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from npu_compile.ops.common import acc_dtype, no_grad_placeholder, sum_to_shape
+from npu_compile.ops.common import acc_dtype, broadcasts_to, no_grad_placeholder, sum_to_shape
 
 ROTARY_MODES = ("half", "interleave")
 
@@ -41,7 +41,7 @@ def _rotary_dim(x: Tensor, cos: Tensor, sin: Tensor, mode: str) -> int:
     if rot % 2 != 0 or rot > x.shape[-1]:
         raise ValueError(f"the rotated width {rot} must be even and at most x's last dim {x.shape[-1]}")
     rotated_shape = tuple(x.shape[:-1]) + (rot,)
-    if torch.broadcast_shapes(rotated_shape, cos.shape) != rotated_shape:
+    if not broadcasts_to(cos.shape, rotated_shape):
         raise ValueError(f"cos/sin {tuple(cos.shape)} must broadcast to x[..., :{rot}] {rotated_shape}")
     return rot
 

@@ -622,3 +622,47 @@ def test_fast_path_working_memory_at_seq_2048():
     backward_peak, backward_largest = allocation_profile(
         lambda: torch.autograd.grad(result["out"], (q, k, v), grad_out))
     assert max(forward_peak, backward_peak, forward_largest, backward_largest) < full / 8
+
+
+def flash_mask_shapes(fn):
+    """The attn_mask shape each call of torch's flash kernels (forward, backward) received: [] for none."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    found = {}
+    for e in prof.events():
+        if e.name in (FLASH, FLASH_BACKWARD):
+            # forward: (q, k, v, dropout_p, is_causal, attn_mask, scale); backward: (grad_out, q, k, v, out,
+            # logsumexp, dropout_p, is_causal, attn_mask, scale)
+            found[e.name] = e.input_shapes[5 if e.name == FLASH else 8]
+    return found
+
+
+@pytest.mark.parametrize("sq,sk", [(64, 64), (40, 72)])
+def test_a_causal_mask_tensor_runs_as_is_causal(sq, sk):
+    """Megatron's causal mask, given as a tensor, runs as the kernel's is_causal (no float mask built, the blocks
+    above the diagonal skipped), bitwise what causal=True computes; a mask one position off stays a mask."""
+    gen = torch.Generator().manual_seed(11)
+    b, n, d = 2, 4, 16
+    q = leaf(torch.randn(sq, b, n, d, generator=gen))
+    k, v = (leaf(torch.randn(sk, b, n, d, generator=gen)) for _ in range(2))
+    g = torch.randn(sq, b, n, d, generator=gen)
+    mask = torch.ones(1, 1, sq, sk, dtype=torch.bool).triu(1)
+    result = {}
+
+    def run(m, causal):
+        out, *_ = fused_attention(q, k, v, m, layout="sbnd", causal=causal, fill=-10000.0)
+        result[(m is None, causal)] = (out, *torch.autograd.grad(out, (q, k, v), g))
+
+    assert flash_mask_shapes(lambda: run(mask, False)) == {FLASH: [], FLASH_BACKWARD: []}
+    run(None, True)
+    for got, want in zip(result[(False, False)], result[(True, True)]):
+        assert torch.equal(got, want)
+
+    off = mask.clone()
+    off[0, 0, sq // 2, 0] = True  # one more hidden key: not the causal pattern
+    assert flash_mask_shapes(lambda: run(off, False)) == {FLASH: [1, 1, sq, sk], FLASH_BACKWARD: [1, 1, sq, sk]}
+    ref_in = [leaf(t) for t in (q, k, v)]
+    ref = eager_attention(*ref_in, layout="sbnd", attn_mask=off, fill=-10000.0)
+    assert_matches(result[(False, False)][0], ref, torch.float32, "out")
+    for got, want in zip(result[(False, False)][1:], torch.autograd.grad(ref, ref_in, g)):
+        assert_matches(got, want, torch.float32, "grad")

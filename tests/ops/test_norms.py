@@ -234,3 +234,30 @@ def test_add_norms_of_an_fp32_residual_stream(low, narrow_first):
             assert_matches(g, w, t.dtype, "grad")
     with pytest.raises(ValueError, match="or be a bf16/fp16 tensor and an fp32 one"):
         ops.add_rms_norm(narrow, wide.double(), weight, 1e-6)
+
+
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_fp32_add_layer_norm_backward_is_torchs_kernel(bias_grad):
+    """In fp32 the backward is aten's layer-norm backward (one pass; the weight stands in as grad_bias's
+    template), plus grad_sum; gradients as the float64 formula gives them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(3)
+    x, residual, grad_y, grad_sum = (torch.randn(6, 2, 32, generator=gen) for _ in range(4))
+    weight, bias = torch.randn(32, generator=gen), torch.randn(32, generator=gen)
+    _, mean, rstd, total = ops.add_layer_norm(x, residual, weight, bias)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = ops.add_layer_norm_backward(grad_y, grad_sum, total, mean, rstd, weight, bias_grad)
+    ran = [e.name for e in prof.events()]
+    assert "aten::native_layer_norm_backward" in ran and "aten::mean" not in ran, ran
+
+    ref = [leaf(t.double()) for t in (x, residual, weight, bias)]
+    total_ref = ref[0] + ref[1]
+    y = F.layer_norm(total_ref, (32,), ref[2], ref[3])
+    want = torch.autograd.grad((y * grad_y.double()).sum() + (total_ref * grad_sum.double()).sum(), ref)
+    assert_matches(got[0], want[0].float(), torch.float32, "grad_x")
+    assert_matches(got[1], want[2].float(), torch.float32, "grad_weight")
+    if bias_grad:
+        assert_matches(got[2], want[3].float(), torch.float32, "grad_bias")
+    else:
+        assert got[2].shape == (0,)

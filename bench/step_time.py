@@ -1,0 +1,196 @@
+"""CPU training-step time of a megatron-core GPT (hidden 128, 4 heads, batch 2, fp32): eager, Inductor, ascend on
+the whole model (``megatron_glue.adapt()`` + ``torch.compile(gpt_model, backend="ascend")``) and ascend per layer as
+the training job compiles it (``megatron_glue.training.compile_model``), at sequence 128 / 1024 / 2048 and 2 / 8 /
+32 layers.
+
+Each (sequence, layers) cell runs in a fresh process that builds the four models from one seed, compiles them,
+takes two warm-up steps each, then times their steps in turn (eager, Inductor, ascend, job, eager, ...) so that
+the machine's load falls on all four alike; a step is forward, backward and the AdamW step, the figure the
+median of ``--repeats``. Peak memory: profiler CPU memory events over one forward+backward (bench.harness).
+Writes bench/results/step_time.md and step_time.png.
+
+    python -m bench.step_time [--seqs 128,1024,2048] [--layers 2,8,32] [--repeats 5] [--threads 1]
+                              [--skip inductor:32] [--skip inductor:32:2048 ...]
+
+``--skip COLUMN:LAYERS[:SEQ]`` leaves a column out of the cells it names (Inductor takes minutes to compile 32
+layers); a skipped figure shows as "–".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+COLUMNS = ("eager", "inductor", "ascend", "job")
+HIDDEN, HEADS, BATCH, VOCAB = 128, 4, 2, 128
+MiB = 2**20
+
+_CHILD = r"""
+import json, statistics, sys, time, types
+import torch
+import megatron_glue
+from megatron_glue import models
+from megatron_glue.training import compile_model
+from bench.harness import peak_bytes
+megatron_glue.adapt(); models.init_single_process()
+seq, layers, repeats, columns = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+hidden, heads, batch, vocab, threads = (int(a) for a in sys.argv[5:10])
+torch.set_num_threads(threads)
+data = models.synthetic_batch(batch, seq, vocab, seed=0)
+runs = {}
+for column in columns:
+    model = models.build_gpt_model(models.gpt_config(hidden_size=hidden, num_attention_heads=heads,
+                                                     num_layers=layers), vocab, seq, seed=0)
+    if column == "inductor":
+        model = torch.compile(model)
+    elif column == "ascend":
+        model = torch.compile(model, backend="ascend")
+    elif column == "job":
+        compile_model(model, types.SimpleNamespace(npu_compile_options={}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t = time.perf_counter()
+    losses = [models.train_step(model, data, opt)]  # compiles
+    compile_s = time.perf_counter() - t
+    losses.append(models.train_step(model, data, opt))  # warm-up
+    runs[column] = dict(model=model, opt=opt, times=[], compile_s=compile_s, losses=losses)
+for _ in range(repeats):
+    for r in runs.values():
+        t = time.perf_counter()
+        models.train_step(r["model"], data, r["opt"])
+        r["times"].append(time.perf_counter() - t)
+out = {}
+for column, r in runs.items():
+    model = r["model"]
+
+    def fwd_bwd():
+        for p in model.parameters():
+            p.grad = None
+        models.loss_fn(model, data).backward()
+
+    out[column] = dict(step_s=statistics.median(r["times"]), times=r["times"], peak=peak_bytes(fwd_bwd),
+                       compile_s=r["compile_s"], losses=r["losses"])
+print(json.dumps(out))
+"""
+
+
+def measure(seq: int, layers: int, repeats: int, columns: list[str], threads: int) -> dict:
+    root = Path(__file__).parent.parent
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as inductor:
+        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS=str(threads),
+                   NPU_COMPILE_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=inductor, PYTHONWARNINGS="ignore",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(seq), str(layers), str(repeats), ",".join(columns),
+                               str(HIDDEN), str(HEADS), str(BATCH), str(VOCAB), str(threads)],
+                              env=env, capture_output=True, text=True, timeout=7200, cwd=root)
+    if done.returncode:
+        raise RuntimeError(f"seq {seq}, {layers} layers failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def skipped(skips: list[str], column: str, layers: int, seq: int) -> bool:
+    for s in skips:
+        parts = s.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in COLUMNS:
+            raise SystemExit(f"--skip {s!r}: expected COLUMN:LAYERS[:SEQ] with COLUMN one of {', '.join(COLUMNS)}")
+        if parts[0] == column and int(parts[1]) == layers and (len(parts) == 2 or int(parts[2]) == seq):
+            return True
+    return False
+
+
+def table(cells: list[tuple[int, int, dict]]) -> str:
+    def ms(r, c):
+        return f"{r[c]['step_s'] * 1e3:.0f}" if c in r else "–"
+
+    def ratio(r, c, base):
+        return f"{r[c]['step_s'] / r[base]['step_s']:.2f}" if c in r and base in r else "–"
+
+    def peak(r, c):
+        return f"{r[c]['peak'] / MiB:.0f}" if c in r else "–"
+
+    head = ["seq", "layers", "eager ms", "inductor ms", "ascend ms", "job ms", "ascend ×eager", "ascend ×inductor",
+            "job ×eager", "job ×inductor", "inductor ×eager", "peak MiB eager / inductor / ascend / job"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for seq, layers, r in cells:
+        lines.append("| " + " | ".join([
+            str(seq), str(layers), ms(r, "eager"), ms(r, "inductor"), ms(r, "ascend"), ms(r, "job"),
+            ratio(r, "ascend", "eager"), ratio(r, "ascend", "inductor"), ratio(r, "job", "eager"),
+            ratio(r, "job", "inductor"), ratio(r, "inductor", "eager"),
+            " / ".join(peak(r, c) for c in COLUMNS)]) + " |")
+    return "\n".join(lines)
+
+
+def plot(cells: list[tuple[int, int, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"s{seq}\nL{layers}" for seq, layers, _ in cells]
+    fig, ax = plt.subplots(figsize=(max(8, len(cells) * 1.1), 4.5))
+    shown = ("inductor", "ascend", "job")
+    width = 0.8 / len(shown)
+    for i, c in enumerate(shown):
+        ys = [r[c]["step_s"] / r["eager"]["step_s"] if c in r and "eager" in r else 0 for _, _, r in cells]
+        ax.bar([x + i * width for x in range(len(cells))], ys, width, label=c)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width for x in range(len(cells))], labels, fontsize=8)
+    ax.set_ylabel("median step time × eager")
+    ax.set_title(f"megatron-core GPT training step on CPU (hidden {HIDDEN}, batch {BATCH}, fp32)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(cells: list[tuple[int, int, dict]], args: argparse.Namespace, torch_version: str) -> Path:
+    text = (
+        f"# CPU training-step time: eager vs Inductor vs ascend (whole model and per layer)\n\n"
+        f"megatron-core GPTModel, hidden {HIDDEN}, {HEADS} heads, LayerNorm + GeLU, causal, batch {BATCH}, vocab "
+        f"{VOCAB}, fp32; torch {torch_version}, {platform.machine()}, {args.threads} thread(s) on {os.cpu_count()} "
+        f"cores. A step is forward, backward and AdamW; median of {args.repeats} steps after two warm-up steps, the "
+        f"four columns timed in turn in one process per row. ascend = `torch.compile(gpt_model, backend=\"ascend\")` after "
+        f"`megatron_glue.adapt()`; job = the training job's per-layer compile (`compile_model`). Peak: profiler CPU "
+        f"memory events over one forward+backward. `python -m bench.step_time`"
+        + (f" (skipped: {', '.join(args.skip)})" if args.skip else "") + ".\n\n" + table(cells) + "\n"
+    )
+    out = Path(__file__).parent / "results" / "step_time.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    (out.parent / "step_time.json").write_text(json.dumps([[s, n, r] for s, n, r in cells], indent=1))
+    plot(cells, out.with_suffix(".png"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.step_time", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", default="128,1024,2048")
+    p.add_argument("--layers", default="2,8,32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (default 1: on a shared machine OpenMP's barriers measure the load)")
+    p.add_argument("--skip", action="append", default=[], metavar="COLUMN:LAYERS[:SEQ]")
+    args = p.parse_args(argv)
+    import torch
+
+    cells = []
+    for layers in (int(n) for n in args.layers.split(",")):
+        for seq in (int(s) for s in args.seqs.split(",")):
+            columns = [c for c in COLUMNS if not skipped(args.skip, c, layers, seq)]
+            print(f"seq {seq}, {layers} layers: {', '.join(columns)} ...", flush=True)
+            r = measure(seq, layers, args.repeats, columns, args.threads)
+            cells.append((seq, layers, r))
+            print("  " + ", ".join(f"{c} {v['step_s'] * 1e3:.0f} ms" for c, v in r.items()), flush=True)
+            out = write(cells, args, torch.__version__)  # after each row: a long run leaves what it measured
+    print("\n" + out.read_text() + f"\nwritten to {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
