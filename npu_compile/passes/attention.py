@@ -40,13 +40,18 @@ unfused site; ``check`` supplies the reason when a match was declined.
 
 from __future__ import annotations
 
+import collections
+import functools
 import inspect
 import itertools
+import operator
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile.*)
 from npu_compile.ops.layout import BNSD_DIMS
@@ -82,12 +87,19 @@ def variant(body: Callable, params: tuple[str, ...], **knobs) -> Callable:
     def spelled(*args):
         return body(**dict(zip(params, args)), **knobs)
 
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    spelled.__signature__ = inspect.Signature([inspect.Parameter(p, kind) for p in params])
+    spelled.__signature__ = _signature(params)
     spelled.__name__ = spelled.__qualname__ = (
         f"{body.__name__}({', '.join(params)}{''.join(f', {k}={v!r}' for k, v in knobs.items())})"
     )
     return spelled
+
+
+@functools.cache
+def _signature(params: tuple[str, ...]) -> inspect.Signature:
+    """One Signature per argument list: thousands of spellings share a few dozen (building one is most of the
+    cost of registering a rule)."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter(p, kind) for p in params])
 
 
 def draw_seed(device) -> torch.Tensor:
@@ -324,12 +336,18 @@ def repeat_kv(t, groups: int, spelling: str):
 
 
 # How the scores are scaled: "mul" q kᵀ · scale; "div" q kᵀ / scale; "div_tensor" q kᵀ divided by a 0-dim
-# tensor, torch.full([], scale); "query" (q · scale) kᵀ. ``scale`` is the multiplier or the divisor as written.
-SCALINGS = ("mul", "div", "div_tensor", "query")
+# tensor, torch.full([], scale); "query" (q · scale) kᵀ; "none" not at all (a query scaled before its heads were
+# split, as OPT's ``q_proj(x) * scaling``, which then passes scaling=1.0: ``scores * 1.0`` is no op in the graph,
+# and the op takes scale 1). ``scale`` is the multiplier or the divisor as written.
+SCALINGS = ("mul", "div", "div_tensor", "query", "none")
 
 # Where the softmax runs: "same" in the scores' dtype; "float" scores.float().softmax(-1) and back to v's dtype;
 # "softmax_dtype" F.softmax(scores, -1, dtype=torch.float32) and back. (For fp32 scores all three are one graph.)
 SOFTMAXES = ("same", "float", "softmax_dtype")
+
+# kᵀ as written: ``transpose(-2, -1)``, HF's ``transpose(2, 3)`` (Llama and its kin) or ``transpose(-1, -2)``
+# (GPT-2, OPT); aten keeps the dims as they were written.
+KEY_DIMS = ((-2, -1), (2, 3), (-1, -2))
 
 
 def written_out_attention(query, key, value, mask=None, keep=None, fill=None, bias=None, scale=None, dropout_p=0.0,
@@ -338,8 +356,8 @@ def written_out_attention(query, key, value, mask=None, keep=None, fill=None, bi
     learned); ``mask`` (True = masked) is filled by ``masked_fill(mask, fill)``; ``keep`` (True = attend) by
     ``torch.where(keep, scores, fill)``.
 
-    ``key_dims``: kᵀ as ``transpose(-2, -1)`` or ``transpose(2, 3)`` (HF's spelling); aten keeps the dims as
-    they were written.
+    A dropout of p = 0 in training (HF models pass their attention_dropout, 0.0 by default) is a clone in the
+    graph, which normalization drops: no spelling of its own.
     """
     if layout == "bsnd":
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -377,112 +395,243 @@ def written_out_attention(query, key, value, mask=None, keep=None, fill=None, bi
     return out.transpose(1, 2).contiguous()
 
 
+def heads_inside_rows(t) -> bool:
+    """Whether a [b, n, s, d] tensor lies in memory as [b, s, n, d]: a transposed view of a projection's
+    output (HF models split heads with ``view(b, s, n, d).transpose(1, 2)``), or a single row."""
+    return t.size(2) == 1 or statically_known_true(t.stride(1) < t.stride(2))
+
+
 def written_out_fused_attention(query, key, value, mask=None, keep=None, fill=None, bias=None, scale=None,
                                 dropout_p=0.0, *, layout, repeat, key_dims, scaling, softmax):
-    """The op computes its softmax in fp32 whatever the spelling (statistics in fp32, one rounding at the end)."""
+    """The op computes its softmax in fp32 whatever the spelling (statistics in fp32, one rounding at the end).
+
+    A transposed result from q, k and v that are [b, s, n, d] in memory runs the op in "bsnd": the inputs
+    transposed back are views (torch_npu's BSH takes them as they are) and the op's output is the contiguous
+    [b, s, n, d] the pattern copied out, so neither side copies. Otherwise the op runs in [b, n, s, d]: with k
+    and v read from a KV cache ([b, n, s, d] contiguous) that keeps the cache from being copied each step."""
     if keep is not None:
         mask = keep.logical_not()  # where: True = attend; the op: True = masked
+    op_layout = IN_LAYOUT[layout]
+    if layout == "bnsd->bsnd" and all(heads_inside_rows(t) for t in (query, key, value)):
+        query, key, value, op_layout = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), "bsnd"
     out = fused(
-        query, key, value, mask, bias, layout=IN_LAYOUT[layout], scale=scale if scaling in ("mul", "query") else 1.0 / scale,
+        query, key, value, mask, bias, layout=op_layout,
+        scale={"mul": scale, "query": scale, "none": 1.0}.get(scaling, None if scale is None else 1.0 / scale),
         dropout_p=dropout_p, fill=None if fill == float("-inf") else fill,  # -inf removes keys, as the op does
     )
-    return out.transpose(1, 2).contiguous() if layout == "bnsd->bsnd" else out
+    return out.transpose(1, 2).contiguous() if layout == "bnsd->bsnd" and op_layout == "bnsd" else out
 
 
 WRITTEN_OUT_MASKS = {"none": (), "bias": ("bias",), "fill": ("mask", "fill"), "where": ("keep", "fill")}
 
 
+def batch_merge_copies(t) -> bool:
+    """Whether torch.matmul copies the 4-D operand ``t`` to batch it: it reshapes t to [b·n, x, y], a view only
+    where b and n merge (the last two dims may be strided, as a transposed kᵀ is)."""
+    b, n = t.shape[0], t.shape[1]
+    return not (b == 1 or n == 1 or t.stride(0) == n * t.stride(1))
+
+
+def written_out_operands(example, *, layout, repeat, key_dims) -> tuple[bool, bool, bool, bool]:
+    """What the matmuls of ``example`` (a spelling's q, k, v, ...) copy: (q, kᵀ, v, the transposed result), as
+    ``operand_copies`` reads it off a graph. Run on the example's own (small) tensors."""
+    query, key, value = example[:3]
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
+        query, key, value = (t.detach() for t in (query, key, value))
+        if layout == "bsnd":
+            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if repeat:
+            key = repeat_kv(key, query.size(1) // key.size(1), repeat)
+            value = repeat_kv(value, query.size(1) // value.size(1), repeat)
+        out_copies = layout != "bnsd" and not (query.size(1) == 1 or query.size(2) == 1)
+        return (batch_merge_copies(query), batch_merge_copies(key.transpose(*key_dims)), batch_merge_copies(value),
+                out_copies)
+
+
+def written_out_examples(layout, repeat, mask, softmax) -> list[list]:
+    """Size-1 dims trace graphs of their own, where a reshape or product takes a view instead of a copy:
+    one kv head (MQA) repeated by expand + reshape, and one query row (a decode step) transposed.
+    A float mask is a constant or a learned bias (its gradient is then an output too, summed over the
+    dims it broadcasts over: a graph per kind of broadcast). A softmax in fp32 is traced in bf16.
+
+    [b, n, s, d] inputs come in both memory orders, each of q, k and v: contiguous, or [b, s, n, d] in memory
+    (HF models: a projection's output viewed as heads and transposed, then maybe rotated elementwise). The
+    matmul copies the second to batch it and not the first, so each traces its own graph; repeated k and v are
+    contiguous after the repeat either way."""
+    dtype = torch.float32 if softmax == "same" else torch.bfloat16
+
+    def tensor(n, s, heads_inside):
+        if layout == "bsnd":
+            return leaf(B, s, n, D, dtype=dtype)
+        if heads_inside:
+            return torch.empty_strided((B, n, s, D), (s * n * D, D, n * D, 1), dtype=dtype, requires_grad=True)
+        return leaf(B, n, s, D, dtype=dtype)
+
+    extra = {
+        "bias": lambda sq: [[torch.zeros(1, 1, sq, S, dtype=dtype)], [leaf(1, 1, sq, S, dtype=dtype)],
+                            [leaf(sq, S, dtype=dtype)], [leaf(B, NQ, sq, S, dtype=dtype)]],
+        "fill": lambda sq: [[torch.zeros(1, 1, sq, S, dtype=torch.bool)]],
+        "where": lambda sq: [[torch.ones(1, 1, sq, S, dtype=torch.bool)]],
+    }.get(mask, lambda sq: [[]])
+    kv_heads = {"expand": (NKV, 1), "repeat_interleave": (NKV,), None: (NQ,)}[repeat]
+    rows = (S,) if layout == "bnsd" else (S, 1)
+    if layout == "bsnd":
+        memories = [(False, False, False)]
+    else:
+        kv_memories = ((False, False),) if repeat else ((False, False), (True, True), (False, True), (True, False))
+        memories = [(q, *kv) for q in (False, True) for kv in kv_memories]
+    return [[tensor(NQ, sq, q_mem), tensor(kv, S, k_mem), tensor(kv, S, v_mem), *masks]
+            for sq in rows for kv in kv_heads for masks in extra(sq) for q_mem, k_mem, v_mem in memories]
+
+
 def written_out_rules() -> Iterator[Rule]:
-    """{the three layouts} × {repeat_interleave, expand, no repeat} × {kᵀ spellings} × SCALINGS
+    """{the three layouts} × {repeat_interleave, expand, no repeat} × KEY_DIMS × SCALINGS
     × {no mask, float mask, masked_fill, where} × SOFTMAXES × {dropout off, on}.
 
     Transposed outputs before [b, n, s, d] ones, and GQA before MHA (an MHA pattern would match a GQA graph
-    and leave the repeat in it); both orders hold under ``wanted``, which is the same within each group.
+    and leave the repeat in it). ``wanted`` reads all of these off the graph (written_out_sites), and
+    ``wanted_example`` which of a spelling's examples the graph's matmuls fit, so a graph traces the few
+    variants its sites can match and not the thousands the family holds.
     """
     for layout, repeat, key_dims, scaling, (mask, mask_params), softmax, dropout in itertools.product(
-        IN_LAYOUT, ("repeat_interleave", "expand", None), ((-2, -1), (2, 3)), SCALINGS,
+        IN_LAYOUT, ("repeat_interleave", "expand", None), KEY_DIMS, SCALINGS,
         WRITTEN_OUT_MASKS.items(), SOFTMAXES, ((), ("dropout_p",)),
     ):
-        params = ("query", "key", "value", *mask_params, "scale", *dropout)
+        params = ("query", "key", "value", *mask_params, *(("scale",) if scaling != "none" else ()), *dropout)
         knobs = dict(layout=layout, repeat=repeat, key_dims=key_dims, scaling=scaling, softmax=softmax)
-
-        def examples(layout=layout, repeat=repeat, mask=mask, softmax=softmax):
-            """Size-1 dims trace graphs of their own, where a reshape or product takes a view instead of a copy:
-            one kv head (MQA) repeated by expand + reshape, and one query row (a decode step) transposed.
-            A float mask is a constant or a learned bias (its gradient is then an output too, summed over the
-            dims it broadcasts over: a graph per kind of broadcast). A softmax in fp32 is traced in bf16."""
-            dtype = torch.float32 if softmax == "same" else torch.bfloat16
-            shape = (lambda n, s: (B, s, n, D)) if layout == "bsnd" else (lambda n, s: (B, n, s, D))
-            extra = {
-                "bias": lambda sq: [[torch.zeros(1, 1, sq, S, dtype=dtype)], [leaf(1, 1, sq, S, dtype=dtype)],
-                                    [leaf(sq, S, dtype=dtype)], [leaf(B, NQ, sq, S, dtype=dtype)]],
-                "fill": lambda sq: [[torch.zeros(1, 1, sq, S, dtype=torch.bool)]],
-                "where": lambda sq: [[torch.ones(1, 1, sq, S, dtype=torch.bool)]],
-            }.get(mask, lambda sq: [[]])
-            kv_heads = {"expand": (NKV, 1), "repeat_interleave": (NKV,), None: (NQ,)}[repeat]
-            rows = (S,) if layout == "bnsd" else (S, 1)
-            return [[leaf(*shape(NQ, sq), dtype=dtype), leaf(*shape(kv, S), dtype=dtype),
-                     leaf(*shape(kv, S), dtype=dtype), *masks]
-                    for sq in rows for kv in kv_heads for masks in extra(sq)]
-
+        site = (layout, repeat, key_dims, scaling, mask, softmax, bool(dropout))
         yield Rule(
             NAME,
             variant(written_out_attention, params, **knobs),
             variant(written_out_fused_attention, params, **knobs),
-            example_inputs=examples,
+            example_inputs=functools.partial(written_out_examples, layout, repeat, mask, softmax),
             scalars=scalars_of(params),
             extra_check=lambda match, layout=IN_LAYOUT[layout], mask=(mask_params or (None,))[0]: check(
                 match, layout=layout, mask=mask
             ),
             anchors=ANCHORS,
-            wanted=lambda graph, site=(mask, scaling, softmax, bool(dropout), key_dims): site in written_out_sites(graph),
+            wanted=lambda graph, site=site: site in written_out_sites(graph),
+            wanted_example=lambda graph, example, site=site: written_out_sites(graph).get(site, set()) & {
+                ANY_OPERANDS, written_out_operands(example, layout=site[0], repeat=site[1], key_dims=site[2])},
         )
 
 
-def written_out_sites(graph: torch.fx.Graph) -> set[tuple]:
-    """(mask, scaling, softmax, dropout, kᵀ dims) of every softmax a written-out spelling could have produced:
-    a softmax (maybe between casts) of scaled scores, maybe masked in between (``add``/``masked_fill``/``where``),
-    maybe dropped after."""
-    sites = set()
-    for node in calls(graph, aten._softmax.default):
-        scores, mask, softmax, probs = node.args[0], "none", "same", node
-        if scores.target is aten._to_copy.default:  # softmax in fp32
-            softmax = "softmax_dtype" if "layout" in scores.kwargs else "float"
-            scores = scores.args[0]
-            probs = next((u for u in node.users if u.target is aten._to_copy.default), node)
-        if scores.target is aten.masked_fill.Scalar:
-            scores, mask = scores.args[0], "fill"
-        elif scores.target is aten.where.self:
-            scores, mask = scores.args[1], "where"
-        elif scores.target is aten.add.Tensor:
-            scores, mask = scores.args[0], "bias"
-        if scores.target is aten.mul.Tensor:
-            scaling, product = "mul", scores.args[0]
-        elif scores.target is aten.div.Tensor:
-            scaling, product = ("div_tensor" if isinstance(scores.args[1], torch.fx.Node) else "div"), scores.args[0]
-        else:
-            scaling, product = "query", scores
-        dropout = any(user.target is aten.native_dropout.default for user in probs.users)
-        for key_dims in transposed_key_dims(product):
-            sites.add((mask, scaling, softmax, dropout, key_dims))
-    return sites
-
+# An operand reading that could not be made: any example may be the one.
+ANY_OPERANDS = None
 
 _MATMUL_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.expand.default)
 
+# graph -> (its softmax nodes, the sites read from them): the rules ask once each, the graph changes only as
+# sites are fused (their softmax goes)
+_sites_read: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-def transposed_key_dims(product) -> tuple[tuple[int, int], ...]:
-    """The dims of the kᵀ transpose behind ``q @ kᵀ`` (between them, matmul adds only views and copies);
-    every spelling's when the graph does not show it."""
-    node = product.args[0] if product.target is aten.view.default else None
-    if not isinstance(node, torch.fx.Node) or node.target is not aten.bmm.default:
-        return ((-2, -1), (2, 3))
-    node = node.args[1]
-    while node.target in _MATMUL_VIEWS:
+
+def written_out_sites(graph: torch.fx.Graph) -> dict[tuple, set]:
+    """Every written-out spelling a softmax of ``graph`` could have come from, as (layout, repeat, kᵀ dims,
+    scaling, mask, softmax, dropout) → the operand copies its matmuls show (``written_out_operands``; ANY_OPERANDS
+    where the graph does not show them). Where a part cannot be read off the graph, every value of it is
+    listed, so a site is never missed, only traced for longer."""
+    softmaxes = tuple(calls(graph, aten._softmax.default))
+    cached = _sites_read.get(graph)
+    if cached is not None and cached[0] == softmaxes:
+        return cached[1]
+    sites: dict[tuple, set] = collections.defaultdict(set)
+    for node in softmaxes:
+        for site, operands in _softmax_sites(node):
+            sites[site].add(operands)
+    _sites_read[graph] = (softmaxes, sites)
+    return sites
+
+
+def _softmax_sites(node: torch.fx.Node) -> Iterator[tuple[tuple, tuple | None]]:
+    scores, mask, softmax, probs = node.args[0], "none", "same", node
+    if scores.target is aten._to_copy.default:  # softmax in fp32
+        softmax = "softmax_dtype" if "layout" in scores.kwargs else "float"
+        scores = scores.args[0]
+        probs = next((u for u in node.users if u.target is aten._to_copy.default), node)
+    if scores.target is aten.masked_fill.Scalar:
+        scores, mask = scores.args[0], "fill"
+    elif scores.target is aten.where.self:
+        scores, mask = scores.args[1], "where"
+    elif scores.target is aten.add.Tensor:
+        scores, mask = scores.args[0], "bias"
+    if scores.target is aten.mul.Tensor:
+        scalings, product = ("mul",), scores.args[0]
+    elif scores.target is aten.div.Tensor:
+        scalings, product = ("div_tensor" if isinstance(scores.args[1], torch.fx.Node) else "div",), scores.args[0]
+    else:
+        scalings, product = ("query", "none"), scores
+    dropout = next((u for u in probs.users if u.target is aten.native_dropout.default), None)
+
+    q = k = v = None  # (input, copied) of each matmul operand
+    out_copies = layouts = None
+    first = product.args[0] if product.target is aten.view.default else None
+    if _is(first, aten.bmm.default):
+        q, k = _operand(first.args[0]), _operand(first.args[1])
+    if q is not None and scalings == ("query", "none") and not _is(q[0], aten.mul.Tensor):
+        scalings = ("none",)
+    second = _next_bmm(probs if dropout is None else next(iter(dropout.users), dropout))
+    if second is not None:
+        v = _operand(second.args[1])
+        out = next((u for u in second.users if u.target is aten.view.default), None)
+        back = [u for u in (out.users if out is not None else ()) if u.target is aten.transpose.int]
+        if out is not None and not back:
+            layouts, out_copies = ("bnsd",), False
+        elif back:
+            out_copies = any(u.target is aten.clone.default for u in back[0].users)
+            query_in = q[0].args[0] if q is not None and _is(q[0], aten.mul.Tensor) else (q[0] if q else None)
+            transposed_in = _is(query_in, aten.transpose.int) and sorted(query_in.args[1:3]) == [1, 2]
+            layouts = ("bsnd", "bnsd->bsnd") if transposed_in or q is None else ("bnsd->bsnd",)
+    repeats: tuple = ("repeat_interleave", "expand", None)
+    key_dims: tuple = KEY_DIMS
+    if k is not None and _is(k[0], aten.transpose.int):
+        key_dims = (tuple(k[0].args[1:3]),)
+        repeats = ("repeat_interleave", "expand") if _repeated(k[0].args[0]) else (None,)
+    operands = None if None in (q, k, v, out_copies) else (q[1], k[1], v[1], out_copies)
+    for layout, repeat, dims, scaling in itertools.product(layouts or tuple(IN_LAYOUT), repeats, key_dims, scalings):
+        yield (layout, repeat, dims, scaling, mask, softmax, dropout is not None), operands
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target is target
+
+
+def _operand(node) -> tuple[torch.fx.Node, bool] | None:
+    """(the tensor, whether it was copied) of a matmul operand as aten batches it: ``view(expand(t))``, or
+    ``_unsafe_view(clone(expand(t)))`` where t's batch dims do not merge (the expand may be gone)."""
+    if _is(node, aten._unsafe_view.default) and _is(node.args[0], aten.clone.default):
+        node, copied = node.args[0].args[0], True
+    elif _is(node, aten.view.default):
+        node, copied = node.args[0], False
+    else:
+        return None
+    return (node.args[0] if _is(node, aten.expand.default) else node), copied
+
+
+def _next_bmm(node: torch.fx.Node, hops: int = 4) -> torch.fx.Node | None:
+    """The bmm that takes ``node`` (the probabilities, or their dropout) as its first operand, through
+    matmul's expand/view/copy and a dropout's output (getitem 0)."""
+    frontier = [node]
+    for _ in range(hops):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user.target is aten.bmm.default and user.args[0] is n:
+                    return user
+                if user.target in _MATMUL_VIEWS or (user.target is operator.getitem and user.args[1] == 0):
+                    nxt.append(user)
+        frontier = nxt
+    return None
+
+
+def _repeated(node) -> bool:
+    """Whether kv heads were repeated: a view of ``expand(unsqueeze(k))`` (maybe copied between)."""
+    if not (_is(node, aten.view.default) or _is(node, aten._unsafe_view.default)):
+        return False
+    node = node.args[0]
+    if _is(node, aten.clone.default):
         node = node.args[0]
-    if node.target is aten.transpose.int:
-        return (tuple(node.args[1:3]),)
-    return ((-2, -1), (2, 3))
+    return _is(node, aten.expand.default) and _is(node.args[0], aten.unsqueeze.default)
 
 
 # ===============================================================================================================
