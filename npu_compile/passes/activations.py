@@ -399,11 +399,11 @@ def swiglu_up_first(x):
 # HF's Llama-style MLPs (Llama, Mistral, Qwen2/3, ...) write ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
 # with two nn.Linear. npu_swiglu takes [gate | up] as one tensor along the last dim, so one of two things is
 # concatenated:
-# - training: the weights, [W_gate; W_up] (2·I·H elements), and one matmul gives [gate | up]. The matmul's
-#   backward then gives both weight gradients as contiguous halves of one [2I, H] product and x's gradient as
-#   one matmul (autograd's: two and a sum); activations are not copied either way. Concatenating the outputs
-#   instead would copy 2·T·I elements forward and again backward, to give the halves' gradients the layout
-#   the graph was traced with; with T (tokens) of the order of H or more, as in training, that is more.
+# - training: the weights, [W_gate; W_up] (2·I·H elements), and one matmul gives [gate | up]; the backward
+#   gives both weight gradients as contiguous halves of one [2I, H] product (ProjectedSwiGLU), and no
+#   activation is copied. Concatenating the outputs instead would copy 2·T·I elements forward and again
+#   backward, to give the halves' gradients the layout the graph was traced with; with T (tokens) of the order
+#   of H or more, as in training, that is more.
 # - inference: the outputs, [gate | up] (2·T·I): a decode step has T = batch, and copying the weights every
 #   step would move more than the matmuls read. Any two tensors a, b of one shape take this form.
 
