@@ -575,7 +575,7 @@ def _softmax_sites(node: torch.fx.Node) -> Iterator[tuple[tuple, tuple | None]]:
         q, k = _operand(first.args[0]), _operand(first.args[1])
     if q is not None and scalings == ("query", "none") and not _is(q[0], aten.mul.Tensor):
         scalings = ("none",)
-    second = _next_bmm(probs if dropout is None else next(iter(dropout.users), dropout))
+    second = _next_bmm(probs if dropout is None else dropout)
     if second is not None:
         v = _operand(second.args[1])
         out = next((u for u in second.users if u.target is aten.view.default), None)
