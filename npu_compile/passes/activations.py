@@ -43,6 +43,7 @@ one dtype) and the same strides, which replacements keep with ``in_layout_of`` (
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 
@@ -408,20 +409,27 @@ def swiglu_up_first(x):
 #   step would move more than the matmuls read. Any two tensors a, b of one shape take this form.
 
 
-def linear_swiglu(x, w_gate, w_up):
-    return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+def two_projection_swiglu(gate_first: bool, silu_left: bool, bias: bool):
+    """``silu(gate_proj(x)) · up_proj(x)`` as a pattern: the projection computed first (it orders the two
+    gradients autograd sums into x's) and the factor written first (aten's mul keeps it) each trace their own
+    graph; with or without biases."""
 
+    def body(x, w_gate, w_up, b_gate=None, b_up=None):
+        if gate_first:
+            gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+        else:
+            up, gate = F.linear(x, w_up, b_up), F.linear(x, w_gate, b_gate)
+        return F.silu(gate) * up if silu_left else up * F.silu(gate)
 
-def linear_swiglu_up_first(x, w_gate, w_up):
-    return F.linear(x, w_up) * F.silu(F.linear(x, w_gate))
-
-
-def biased_linear_swiglu(x, w_gate, w_up, b_gate, b_up):
-    return F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)
-
-
-def biased_linear_swiglu_up_first(x, w_gate, w_up, b_gate, b_up):
-    return F.linear(x, w_up, b_up) * F.silu(F.linear(x, w_gate, b_gate))
+    if bias:
+        def pattern(x, w_gate, w_up, b_gate, b_up):
+            return body(x, w_gate, w_up, b_gate, b_up)
+    else:
+        def pattern(x, w_gate, w_up):
+            return body(x, w_gate, w_up)
+    pattern.__name__ = pattern.__qualname__ = (
+        f"two_projection_swiglu(gate_first={gate_first}, silu_left={silu_left}, bias={bias})")
+    return pattern
 
 
 class ProjectedSwiGLU(torch.autograd.Function):
@@ -544,11 +552,11 @@ for _pattern, _replacement, _examples, _scalars in (
     ))
 
 # two projections: in training their weights are concatenated, in inference their outputs (see above)
-for _pattern, _bias in ((linear_swiglu, False), (linear_swiglu_up_first, False), (biased_linear_swiglu, True),
-                        (biased_linear_swiglu_up_first, True)):
+# HF's Llama-style MLP first: gate computed first, silu(gate) · up
+for _bias, _gate_first, _silu_left in itertools.product((False, True), (True, False), (True, False)):
     register_rule(Rule(
         name="swiglu",
-        pattern=_pattern,
+        pattern=two_projection_swiglu(_gate_first, _silu_left, _bias),
         replacement=fused_linear_swiglu,
         example_inputs=functools.partial(linear_swiglu_examples, _bias),
         extra_check=linear_swiglu_check,

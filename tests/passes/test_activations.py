@@ -212,10 +212,13 @@ def two_projection_cases(draw):
     inputs = [t(*lead, h, grad=x_grad), t(i, h, grad=w_grad), t(i, h, grad=w_grad)]
     if form == "linears_bias":
         inputs += [t(i, grad=w_grad), t(i, grad=w_grad)]
-    up_first = form == "linears_up_first"
+    up_first, gate_computed_first = form == "linears_up_first", draw(st.booleans())
 
     def mlp(x, w_gate, w_up, *biases):
-        gate, up = F.linear(x, w_gate, *biases[:1]), F.linear(x, w_up, *biases[1:])
+        if gate_computed_first:  # the order of the two gradients autograd sums into x's
+            gate, up = F.linear(x, w_gate, *biases[:1]), F.linear(x, w_up, *biases[1:])
+        else:
+            up, gate = F.linear(x, w_up, *biases[1:]), F.linear(x, w_gate, *biases[:1])
         return up * F.silu(gate) if up_first else F.silu(gate) * up
 
     return mlp, inputs, grads == "no_grad", form
