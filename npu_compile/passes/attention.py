@@ -516,13 +516,23 @@ def written_out_rules() -> Iterator[Rule]:
             ),
             anchors=ANCHORS,
             wanted=lambda graph, site=site: site in written_out_sites(graph),
-            wanted_example=lambda graph, example, site=site: written_out_sites(graph).get(site, set()) & {
-                ANY_OPERANDS, written_out_operands(example, layout=site[0], repeat=site[1], key_dims=site[2])},
+            wanted_example=lambda graph, example, site=site: wanted_memory(graph, example, site),
         )
 
 
 # An operand reading that could not be made: any example may be the one.
 ANY_OPERANDS = None
+
+
+def wanted_memory(graph: torch.fx.Graph, example, site: tuple) -> bool:
+    """Contiguous q, k and v are always traced (size-1 dims of a real graph can make its matmuls copy less than
+    the example's, and the exact match that follows is what decides); an example with operands laid out
+    [b, s, n, d] only where a site's matmuls copy what that example's copy."""
+    if all(t.is_contiguous() for t in example[:3]):
+        return True
+    found = written_out_sites(graph).get(site, set())
+    return bool(found & {ANY_OPERANDS, written_out_operands(example, layout=site[0], repeat=site[1],
+                                                             key_dims=site[2])})
 
 _MATMUL_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.expand.default)
 
