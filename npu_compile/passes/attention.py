@@ -603,7 +603,13 @@ def _softmax_sites(node: torch.fx.Node) -> Iterator[tuple[tuple, tuple | None]]:
         key_dims = (tuple(k[0].args[1:3]),)
         repeats = ("repeat_interleave", "expand") if _repeated(k[0].args[0]) else (None,)
     operands = None if None in (q, k, v, out_copies) else (q[1], k[1], v[1], out_copies)
-    for layout, repeat, dims, scaling in itertools.product(layouts or tuple(IN_LAYOUT), repeats, key_dims, scalings):
+    # The layout, the repeat and the query scaling as read above name what the matmuls' operands show; they are
+    # not used to leave spellings out: size-1 dims (one batch row, one kv head, a decode step) and symbolic
+    # lengths change those ops, and the exact match decides. The operand copies choose examples (wanted_memory).
+    del layouts, repeats
+    scalings = scalings if scalings[0] in ("mul", "div", "div_tensor") else ("query", "none")
+    for layout, repeat, dims, scaling in itertools.product(tuple(IN_LAYOUT), ("repeat_interleave", "expand", None),
+                                                           key_dims, scalings):
         yield (layout, repeat, dims, scaling, mask, softmax, dropout is not None), operands
 
 
