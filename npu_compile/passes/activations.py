@@ -30,9 +30,11 @@ Rules and the forms they take (each as megatron-core 0.16.1 traces it under Dyna
   - ``silu(a) · b`` on the two halves of ``x``; Megatron's ``bias_swiglu_impl`` (bias_activation_fusion=True),
     an autograd.Function with a hand-written backward, without and with a bias (``x + bias`` then stays an
     add in front of the fused op: npu_swiglu takes no bias).
-  - ``silu(a) · b`` with a and b from separate tensors (two linears) is left unfused, by choice: npu_swiglu
-    takes [a | b] as one tensor, and concatenating them would copy both halves forward and split the gradient
-    backward, more memory traffic than the silu and mul it would save. Such sites are reported with that reason.
+  - ``b · silu(a)`` on the two halves: Phi-3's MLP (``up_states * act(gate)`` after its gate_up_proj).
+  - ``silu(gate_proj(x)) · up_proj(x)`` with two linears (HF's Llama-style MLPs, with or without biases, either
+    factor first): in training the two weights are concatenated and one matmul gives [gate | up]; in inference
+    any ``silu(a) · b`` with a and b two tensors of one shape has a and b concatenated (see "two projections"
+    below for why each).
 
 Every match must give what the pattern gave: the same dtype (no type promotion inside the pattern; the ops take
 one dtype) and the same strides, which replacements keep with ``in_layout_of`` (checked by ``layout_check``).
@@ -40,6 +42,8 @@ one dtype) and the same strides, which replacements keep with ``in_layout_of`` (
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import operator
 
@@ -47,7 +51,8 @@ import torch
 import torch.nn.functional as F
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
-from npu_compile.passes.engine import Rule, bias_problem, contiguous_outputs, in_layout_of, layout_check, register_rule
+from npu_compile.passes.engine import (INFERENCE, TRAINING, Rule, bias_problem, contiguous_outputs, in_layout_of,
+                                      layout_check, register_rule)
 
 aten = torch.ops.aten
 fused = torch.ops.npu_compile
@@ -385,6 +390,133 @@ def megatron_bias_swiglu_examples():
         yield [torch.empty(8, 16, requires_grad=True), torch.empty(16, requires_grad=bias_grad)]
 
 
+def swiglu_up_first(x):
+    """b · silu(a): Phi-3's MLP (``up_states * act(gate)`` on the halves of its gate_up_proj)."""
+    a, b = torch.chunk(x, 2, dim=-1)
+    return b * F.silu(a)
+
+
+# ---- two projections: silu(gate(x)) · up(x) ------------------------------------------------------------
+# HF's Llama-style MLPs (Llama, Mistral, Qwen2/3, ...) write ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
+# with two nn.Linear. npu_swiglu takes [gate | up] as one tensor along the last dim, so one of two things is
+# concatenated:
+# - training: the weights, [W_gate; W_up] (2·I·H elements), and one matmul gives [gate | up]; the backward
+#   gives both weight gradients as contiguous halves of one [2I, H] product (ProjectedSwiGLU), and no
+#   activation is copied. Concatenating the outputs instead would copy 2·T·I elements forward and again
+#   backward, to give the halves' gradients the layout the graph was traced with; with T (tokens) of the order
+#   of H or more, as in training, that is more.
+# - inference: the outputs, [gate | up] (2·T·I): a decode step has T = batch, and copying the weights every
+#   step would move more than the matmuls read. Any two tensors a, b of one shape take this form.
+
+
+def two_projection_swiglu(gate_first: bool, silu_left: bool, bias: bool):
+    """``silu(gate_proj(x)) · up_proj(x)`` as a pattern: the projection computed first (it orders the two
+    gradients autograd sums into x's) and the factor written first (aten's mul keeps it) each trace their own
+    graph; with or without biases."""
+
+    def body(x, w_gate, w_up, b_gate=None, b_up=None):
+        if gate_first:
+            gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+        else:
+            up, gate = F.linear(x, w_up, b_up), F.linear(x, w_gate, b_gate)
+        return F.silu(gate) * up if silu_left else up * F.silu(gate)
+
+    if bias:
+        def pattern(x, w_gate, w_up, b_gate, b_up):
+            return body(x, w_gate, w_up, b_gate, b_up)
+    else:
+        def pattern(x, w_gate, w_up):
+            return body(x, w_gate, w_up)
+    pattern.__name__ = pattern.__qualname__ = (
+        f"two_projection_swiglu(gate_first={gate_first}, silu_left={silu_left}, bias={bias})")
+    return pattern
+
+
+class ProjectedSwiGLU(torch.autograd.Function):
+    """swiglu(x·[W_gate; W_up]ᵀ + [b_gate; b_up]) that keeps x, the weights and the projection for its
+    backward, not the concatenated weights. Left to autograd, x's gradient would be grad_h·[W_gate; W_up] and
+    the partitioner would keep that [2I, H] copy alive from forward to backward, a weight's worth of memory per
+    MLP (concatenated again in the backward, the graph's CSE merges it with the forward's). So x's gradient is
+    taken half by half, as autograd takes it for two linears; both weights' gradients are one matmul, whose
+    halves are the two gradients."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, b_gate=None, b_up=None):
+        h = F.linear(x, torch.cat((w_gate, w_up)), None if b_gate is None else torch.cat((b_gate, b_up)))
+        ctx.save_for_backward(x, w_gate, w_up, h)
+        return fused.swiglu(h, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_gate, w_up, h = ctx.saved_tensors
+        grad_h = fused.swiglu_backward(grad, h, -1)
+        needs = ctx.needs_input_grad
+        grads = [None] * 5
+        if needs[0]:
+            grad_gate, grad_up = grad_h.chunk(2, -1)
+            grads[0] = grad_gate @ w_gate + grad_up @ w_up
+        flat = grad_h.reshape(-1, grad_h.size(-1))
+        if needs[1] or needs[2]:
+            grad_w = flat.t() @ x.reshape(-1, x.size(-1))
+            grads[1], grads[2] = grad_w[: w_gate.size(0)], grad_w[w_gate.size(0):]
+        if needs[3] or needs[4]:
+            grad_b = flat.sum(0)
+            grads[3], grads[4] = grad_b[: w_gate.size(0)], grad_b[w_gate.size(0):]
+        return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def fused_linear_swiglu(x, w_gate, w_up, b_gate=None, b_up=None):
+    return ProjectedSwiGLU.apply(x, w_gate, w_up, b_gate, b_up)
+
+
+def linear_swiglu_examples(bias: bool = False):
+    """x of rank 2 (one mm) and 3 (mm between views); x, weights and biases with and without grad
+    (grad_optional), fp32 (each match is re-traced in its dtype; a bf16 linear traces the same ops)."""
+    for shape in ((4, 8), (2, 4, 8)):
+        example = [torch.empty(shape, requires_grad=True), torch.empty(6, 8, requires_grad=True),
+                   torch.empty(6, 8, requires_grad=True)]
+        yield example + ([torch.empty(6, requires_grad=True), torch.empty(6, requires_grad=True)] if bias else [])
+
+
+def linear_swiglu_check(match):
+    """The two projections share x and their shapes; everything in one dtype (linear does not promote)."""
+    vals = {k: n.meta["val"] for k, n in match.kwargs.items() if isinstance(n, torch.fx.Node)}
+    if vals["w_gate"].shape != vals["w_up"].shape:
+        return (f"gate and up weights of shapes {tuple(vals['w_gate'].shape)} and {tuple(vals['w_up'].shape)}: "
+                "npu_swiglu takes two halves of one size")
+    if "b_gate" in vals and vals["b_gate"].shape != vals["b_up"].shape:
+        return "gate and up biases differ in shape"
+    dtypes = {k: v.dtype for k, v in vals.items()}
+    if len(set(dtypes.values())) > 1:
+        return f"dtypes differ ({dtypes}): the concatenated projection takes one"
+    return contiguous_outputs(match)
+
+
+def pair_swiglu(a, b):
+    return F.silu(a) * b
+
+
+def pair_swiglu_up_first(a, b):
+    return b * F.silu(a)
+
+
+def fused_pair_swiglu(a, b):
+    return in_layout_of(fused.swiglu(torch.cat((a, b), -1), -1), a)
+
+
+def pair_swiglu_examples():
+    for shape in ((2, 4, 8), (8,)):
+        yield [torch.empty(shape), torch.empty(shape)]
+
+
+def pair_swiglu_check(match):
+    a, b = (match.kwargs[k].meta["val"] for k in ("a", "b"))
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return (f"silu(a)·b with a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype}: npu_swiglu takes "
+                "two halves of one shape and dtype")
+    return layout_check("a")(match)
+
+
 def swiglu_check(match):
     offset = match.kwargs.get("offset", 0.0)
     if offset != 0.0:
@@ -395,21 +527,15 @@ def swiglu_check(match):
     return in_x_layout(match)
 
 
-def swiglu_site(node: torch.fx.Node) -> bool | str:
-    """silu(a)·b is a site; when a and b are not the two halves of one tensor it stays unfused by choice."""
-    products = [u for u in node.users if u.target == aten.mul.Tensor]
-    if not products:
-        return False  # a plain SiLU activation: nothing to fuse it with
-    whole = _split_above(node.args[0])
-    if whole is not None and any(_split_above(arg) is whole for u in products for arg in u.args if arg is not node):
-        return True  # halves of one tensor (perhaps clamped or offset on the way): a miss
-    return ("silu(a)·b with a and b from separate tensors: npu_swiglu takes [a | b] as one tensor, and "
-            "concatenating them would copy both halves (left unfused by choice)")
+def swiglu_site(node: torch.fx.Node) -> bool:
+    """silu(a)·b (or b·silu(a)) is a site, a and b halves of one tensor or two tensors."""
+    return any(u.target == aten.mul.Tensor for u in node.users)  # a plain SiLU activation: nothing to fuse with
 
 
 for _pattern, _replacement, _examples, _scalars in (
     (swiglu_offset, fused_swiglu_offset, swiglu_offset_examples, {"offset": OFFSET}),
     (swiglu, fused_swiglu, swiglu_examples, {}),
+    (swiglu_up_first, fused_swiglu, swiglu_examples, {}),
     (megatron_swiglu, fused_swiglu, megatron_swiglu_examples, {}),
     (megatron_bias_swiglu, fused_bias_swiglu, megatron_bias_swiglu_examples, {}),
 ):
@@ -420,6 +546,34 @@ for _pattern, _replacement, _examples, _scalars in (
         example_inputs=_examples,
         scalars=_scalars,
         extra_check=swiglu_check,
+        anchors=(aten.silu.default,),
+        site=swiglu_site,
+        wanted=_calls(aten.silu.default),
+    ))
+
+# two projections: in training their weights are concatenated, in inference their outputs (see above)
+# HF's Llama-style MLP first: gate computed first, silu(gate) · up
+for _bias, _gate_first, _silu_left in itertools.product((False, True), (True, False), (True, False)):
+    register_rule(Rule(
+        name="swiglu",
+        pattern=two_projection_swiglu(_gate_first, _silu_left, _bias),
+        replacement=fused_linear_swiglu,
+        example_inputs=functools.partial(linear_swiglu_examples, _bias),
+        extra_check=linear_swiglu_check,
+        modes=(TRAINING,),
+        anchors=(aten.silu.default,),
+        site=swiglu_site,
+        wanted=_calls(aten.silu.default, aten.addmm.default if _bias else aten.mm.default),
+        grad_optional=("x", "w_gate", "w_up", *(("b_gate", "b_up") if _bias else ())),
+    ))
+for _pattern in (pair_swiglu, pair_swiglu_up_first):
+    register_rule(Rule(
+        name="swiglu",
+        pattern=_pattern,
+        replacement=fused_pair_swiglu,
+        example_inputs=pair_swiglu_examples,
+        extra_check=pair_swiglu_check,
+        modes=(INFERENCE,),
         anchors=(aten.silu.default,),
         site=swiglu_site,
         wanted=_calls(aten.silu.default),
@@ -440,16 +594,3 @@ def _mentions(node, value: float, depth: int, tolerance: float = 1e-6) -> bool:
         return False
     return any((isinstance(a, float) and abs(a - value) < tolerance) or _mentions(a, value, depth - 1, tolerance)
                for a in node.args)
-
-
-def _split_above(node, hops: int = 3):
-    """The tensor that ``node`` is a piece of a split of, through up to ``hops`` ops on the way (Megatron's glu
-    may clamp a half or add an offset to it), else None."""
-    for _ in range(hops + 1):
-        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
-            return None
-        if node.target is operator.getitem and (_call_to(node.args[0], aten.split.Tensor)
-                                               or _call_to(node.args[0], aten.split_with_sizes.default)):
-            return node.args[0].args[0]
-        node = node.args[0] if node.args else None
-    return None

@@ -272,6 +272,10 @@ class Rule:
     # Whether a graph may hold this rule's sites (a cheap look at the graph). A rule is traced only once a
     # graph wants it, so a family of many spellings pays only for those that occur. None: every graph.
     wanted: Callable[[torch.fx.Graph], bool] | None = None
+    # Which of the rule's examples a graph may hold (a cheap look at the graph and at one example list): where
+    # examples trace different graphs for reasons the graph shows (strides that make a matmul copy its operand,
+    # a decode step's single query row), a graph traces only those that can match it. None: every example.
+    wanted_example: Callable[[torch.fx.Graph, Sequence[Any]], bool] | None = None
     # Inputs whose gradient a training graph may or may not want (a norm's input after a frozen embedding, a
     # bias that is frozen while its weight trains): in training the rule is also traced with each subset of
     # those that need grad in an example switched off (see grad_variants). Each subset is its own joint graph.
@@ -371,6 +375,8 @@ class _Group:
             for variant in self._variants(index, rule):
                 if self.stoppable and not self.open_sites(graph):
                     return count
+                if rule.wanted_example is not None and not rule.wanted_example(graph, variant.example):
+                    continue
                 p = self._traced(variant)
                 if p is not None:
                     count += p.apply(graph)

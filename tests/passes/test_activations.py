@@ -184,6 +184,72 @@ def test_swiglu_equals_eager(case, against_eager):
     check_swiglu(case, against_eager)
 
 
+# ---- SwiGLU of two projections (HF's Llama-style MLPs) and up · silu(gate) (Phi-3) -----------------------
+
+@st.composite
+def two_projection_cases(draw):
+    """(fn, inputs, no_grad, form): ``silu(gate(x)) · up(x)`` with two linears (either factor first, with or
+    without biases; x of rank 2 or 3; x, weights and biases with or without grad, or no_grad), Phi-3's
+    ``up · silu(gate)`` on the halves of one projection, or (inference) ``silu(a) · b`` of any two tensors."""
+    dtype = draw(st.sampled_from(DTYPES))
+    form = draw(st.sampled_from(["linears", "linears_up_first", "linears_bias", "phi3", "pair"]))
+    lead = draw(st.lists(st.integers(1, 4), min_size=1, max_size=2))
+    # at least 2 features in and out: a projection to or from one feature is no model's MLP, and with one row
+    # its [1, 1] products trace other views than the rule's examples
+    h, i = draw(st.integers(2, 8)), draw(st.integers(2, 8))
+    grads = draw(st.sampled_from(["all", "frozen-weights", "input-without-grad", "no_grad"]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+
+    def t(*shape, grad):
+        return (torch.randn(shape, generator=gen) / max(shape[-1], 1) ** 0.5).to(dtype).requires_grad_(grad)
+
+    x_grad, w_grad = grads not in ("input-without-grad", "no_grad"), grads not in ("frozen-weights", "no_grad")
+    if form == "pair":  # any two tensors: fused in inference (their outputs concatenated), not in training
+        return (lambda a, b: F.silu(a) * b), [t(*lead, i, grad=False), t(*lead, i, grad=False)], True, form
+    if form == "phi3":
+        return (lambda x, w: (lambda g, u: u * F.silu(g))(*F.linear(x, w).chunk(2, -1))), \
+            [t(*lead, h, grad=x_grad), t(2 * i, h, grad=w_grad)], grads == "no_grad", form
+    inputs = [t(*lead, h, grad=x_grad), t(i, h, grad=w_grad), t(i, h, grad=w_grad)]
+    if form == "linears_bias":
+        inputs += [t(i, grad=w_grad), t(i, grad=w_grad)]
+    up_first, gate_computed_first = form == "linears_up_first", draw(st.booleans())
+
+    def mlp(x, w_gate, w_up, *biases):
+        if gate_computed_first:  # the order of the two gradients autograd sums into x's
+            gate, up = F.linear(x, w_gate, *biases[:1]), F.linear(x, w_up, *biases[1:])
+        else:
+            up, gate = F.linear(x, w_up, *biases[1:]), F.linear(x, w_gate, *biases[:1])
+        return up * F.silu(gate) if up_first else F.silu(gate) * up
+
+    return mlp, inputs, grads == "no_grad", form
+
+
+def check_two_projection_swiglu(case, against_eager):
+    fn, inputs, no_grad, form = case
+    if not (no_grad or any(t.requires_grad for t in inputs)):
+        inputs[0].requires_grad_()
+    run = against_eager(fn, *inputs, rules=RULES, no_grad=no_grad, fp32_against_float64=True)
+    assert run.fusions["swiglu"] == 1 and run.report.unfused == [], run.report.unfused
+    ops = run.report.lowered_ops
+    assert "aten.silu" not in ops and "aten.silu_backward" not in ops and "npu_compile.swiglu" in ops
+    if form.startswith("linears"):
+        # training: the weights concatenated, one matmul for both projections; inference: the two outputs
+        assert ops["aten.cat"] == (1 if no_grad else 1 + (form == "linears_bias"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=two_projection_cases())
+def test_two_projection_swiglu_equals_eager(case, against_eager):
+    check_two_projection_swiglu(case, against_eager)
+
+
+@pytest.mark.fuzz
+@settings(settings.get_profile("fuzz"))
+@given(case=two_projection_cases())
+def test_two_projection_swiglu_equals_eager_fuzz(case, against_eager):
+    check_two_projection_swiglu(case, against_eager)
+
+
 @pytest.mark.fuzz
 @settings(settings.get_profile("fuzz"))
 @given(case=bias_gelu_cases())
@@ -237,12 +303,16 @@ def test_transposed_input_is_fused_in_its_layout_for_inference():
     assert fusions["bias_gelu"] == 1 and sites == []
 
 
-def test_swiglu_of_two_tensors_is_left_unfused_by_choice():
+def test_swiglu_of_two_tensors_in_training_without_projections_is_reported():
+    # silu(a)·b of two tensors that are not two projections of one x: in training only two linears are taken
+    # (their weights concatenated); inference takes any two tensors
     fusions, sites = unfused(lambda a, b: F.silu(a) * b, torch.randn(4, 8, requires_grad=True),
                              torch.randn(4, 8, requires_grad=True))
     assert fusions["swiglu"] == 0
-    [(op, reason)] = sites
-    assert op == "aten.silu.default" and reason.startswith("silu(a)·b with a and b from separate tensors")
+    assert sites == [("aten.silu.default", "no swiglu pattern matched the ops around it")]
+    with torch.no_grad():
+        fusions, sites = unfused(lambda a, b: F.silu(a) * b, torch.randn(4, 8), torch.randn(4, 8))
+    assert fusions["swiglu"] == 1 and sites == []
 
 
 def test_glu_offset_other_than_zero_is_declined_with_the_reason():
