@@ -1,6 +1,7 @@
 """The house's floors, checked on the source: which room may import which, and where targets are named.
 
-    device/    the ground floor: the device model; imports only itself and the attention layout table (ops/layout)
+    device/    the ground floor: the device model; imports only itself, the attention layout table (ops/layout) and
+               the region lookup (regions.py: which subgraph a call node runs), which imports nothing of ours
     comm/      collectives for every target: imports no target (lowering/) and no pass, names no target
     passes/    rules and aten passes: import no target
     backend    composes what the target object declares: names no target
@@ -38,9 +39,11 @@ def test_no_module_of_comm_or_passes_imports_a_target(room):
 
 
 def test_device_imports_nothing_above_it():
-    allowed = re.compile(r"npu_compile\.device(\.|$)|npu_compile\.ops\.layout(\.|$)|npu_compile\.ops$")
+    allowed = re.compile(r"npu_compile\.device(\.|$)|npu_compile\.ops\.layout(\.|$)|npu_compile\.ops$|"
+                         r"npu_compile\.regions$|npu_compile$")
     offenders = {p.name: sorted(m for m in _imports(p) if not allowed.match(m)) for p in _modules("device")}
     assert {k: v for k, v in offenders.items() if v} == {}
+    assert _imports(PACKAGE / "regions.py") == set()  # the ground floor's own ground
 
 
 def test_backend_and_comm_name_no_target():

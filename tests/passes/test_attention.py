@@ -553,19 +553,7 @@ FAMILY_RUNS = {"written_out": (20, 12), "sdpa": (16, 13), "megatron": (10, 20)}
 STRUCTURES = {style: structures(style, count) for style, (count, _) in FAMILY_RUNS.items()}
 
 
-def known_gaps(structures):
-    """The structures whose graphs are left unfused today, each marked as an expected failure with why (strict: a
-    fix shows up as a failure to unmark)."""
-    marked = []
-    for structure in structures:
-        if structure.training and structure.n_kv == 1 and structure.groups > 1 and structure.sp.get("repeat") == "expand":
-            structure = pytest.param(structure, marks=pytest.mark.xfail(strict=True, reason=(
-                "one kv head repeated by expand + reshape, in training, with a symbolic length: no spelling matches")))
-        marked.append(structure)
-    return marked
-
-
-@pytest.mark.parametrize("structure", known_gaps(STRUCTURES["written_out"]), ids=str)
+@pytest.mark.parametrize("structure", STRUCTURES["written_out"], ids=str)
 def test_written_out_attention_equals_eager(structure):
     check_structure("written_out", structure, settings(max_examples=FAMILY_RUNS["written_out"][1], deadline=None))
 
