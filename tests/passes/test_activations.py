@@ -113,7 +113,7 @@ GELU_LEFT_TAIL = ("gelu", torch.linspace(-5.8, -2.7, 16).reshape(2, 8).requires_
                   torch.zeros(8).requires_grad_(), False)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(case=bias_gelu_cases())
 @example(case=GELU_LEFT_TAIL)
 def test_bias_gelu_equals_eager(case, against_eager):
@@ -178,7 +178,7 @@ def check_swiglu(case, against_eager):
     assert "npu_compile.swiglu" in run.report.lowered_ops
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(case=swiglu_cases())
 def test_swiglu_equals_eager(case, against_eager):
     check_swiglu(case, against_eager)

@@ -110,7 +110,7 @@ def check_dropout_add(case):
                            p, out.detach(), grads, grad_out)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(case=dropout_add_cases())
 def test_bias_dropout_add_drops_one_mask_forward_and_backward(case):
     check_dropout_add(case)

@@ -189,7 +189,7 @@ def check_norm(case, against_eager):
     assert f"npu_compile.{rule}" in run.report.lowered_ops
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(case=norm_cases())
 def test_norm_rules_equal_eager(case, against_eager):
     check_norm(case, against_eager)
