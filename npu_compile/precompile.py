@@ -384,7 +384,8 @@ class _Artifacts:
                     path.unlink()
                 continue
             self.loaded.append(_Artifact(fn, groups))
-        counts["loaded"] += len(self.loaded)
+        if self.loaded:
+            counts["loaded"] += len(self.loaded)
 
     def store(self, artifact: _Artifact) -> None:
         try:
