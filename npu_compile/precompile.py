@@ -389,11 +389,18 @@ class _Artifacts:
 
     def store(self, artifact: _Artifact) -> None:
         try:
+            from torch._dynamo.package import load_guards_state
+
+            # Dynamo's guard state can hold what it cannot load back (a tensor it stored as a placeholder inside an
+            # object the scope reaches, e.g. an optimizer's state through Megatron's config callbacks): tried here,
+            # so that no later process pays for an artifact that cannot load
+            load_guards_state(artifact.fn._artifacts.guards_state)
             payload = pickle.dumps((artifact.groups, AOTCompiledFunction.serialize(artifact.fn).serialized_data))
             _write(self.dir / f"{hashlib.sha256(payload).hexdigest()[:32]}.bin", payload)
             counts["stored"] += 1
         except Exception as e:  # not storable: this process still runs it
-            log.warning("npu_compile precompile: cannot store an artifact of %s (%s: %s)", self.key[:12],
+            counts["unstorable"] += 1
+            log.info("npu_compile precompile: cannot store an artifact of %s (%s: %s)", self.key[:12],
                         type(e).__name__, e)
 
     def give_up(self, reason: str) -> None:
@@ -405,6 +412,30 @@ class _Artifacts:
 
 _artifacts: dict[str, _Artifacts] = {}
 counts: collections.Counter = collections.Counter()  # loaded, stored, hit (calls run by a loaded artifact), ...
+
+
+@contextlib.contextmanager
+def _grads_set_aside(values: Any) -> Any:
+    """The ``.grad`` of the arguments' tensors and of their modules' parameters set to None while Dynamo saves its
+    guard state: it stores a tensor's grad as a placeholder (torch/_dynamo/guards.py, ``GuardsStatePickler``:
+    a tensor outside the guard tree becomes ``_Missing``) and loading it assigns that placeholder back
+    (``_unpickle_tensor``: ``ret.grad = grad``), which raises "TypeError: assigned grad expected to be a Tensor or
+    None but got grad of type _Missing" once a training step has filled the grads (an evaluation compiled after
+    it). The compile traces with fake tensors and reads no grad here (a guard on one would test None)."""
+    tensors = []
+    for value in values:
+        if isinstance(value, torch.nn.Module):
+            tensors += list(value.parameters())
+        elif isinstance(value, torch.Tensor):
+            tensors.append(value)
+    held = [(t, t.grad) for t in tensors if t.is_leaf and t.grad is not None]
+    try:
+        for t, _ in held:
+            t.grad = None
+        yield
+    finally:
+        for t, grad in held:
+            t.grad = grad
 
 
 def _unpickled_wrapper() -> None:
@@ -472,7 +503,8 @@ class Precompiled:
         options = {**self._options, "guard_filter_fn": _guard_filter(dict(f_locals), groups)}
         compiled = torch.compile(self._fn, backend="ascend", options=options, fullgraph=True)
         try:
-            return _Artifact(compiled.aot_compile((args, kwargs)), groups)
+            with _grads_set_aside(f_locals.values()):
+                return _Artifact(compiled.aot_compile((args, kwargs)), groups)
         except (config.OptionError, config.TargetUnavailable):
             raise
         except Exception as e:  # a graph break, or an output that does not serialize: plain torch.compile
