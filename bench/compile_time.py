@@ -1,6 +1,7 @@
 """First-step compile time of a megatron-core GPT (hidden 128, seq 128) at 2, 8 and 32 layers, per-layer compiled
 as the training job does (megatron_glue.training.compile_model): backend="ascend" cold, "ascend" warm (a second
-process on the persistent cache), and Inductor cold, each in a fresh subprocess with its own empty caches.
+process on the persistent cache: npu_compile.precompile loads each compile, Dynamo and aot_autograd trace nothing),
+and Inductor cold, each in a fresh subprocess with its own empty caches.
 
     python -m bench.compile_time          # writes bench/results/compile_time.md and .png
 """
@@ -41,8 +42,9 @@ parts = {}
 for r in reports:
     for k, v in r.compile_s.items():
         parts[k] = parts.get(k, 0.0) + v
+from npu_compile import precompile
 print(json.dumps({"first_step_s": first, "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                  "parts": parts}))
+                  "parts": parts, "precompile": dict(precompile.counts)}))
 """
 
 
@@ -63,6 +65,8 @@ def main() -> None:
                 tempfile.TemporaryDirectory() as ind2:
             cold = run(layers, "ascend", cache, ind)
             warm = run(layers, "ascend", cache, ind)  # same cache dir: a restarted job
+            if warm["unique_graphs"] or warm["precompile"].get("compiled"):
+                raise RuntimeError(f"the warm run at {layers} layers traced again: {warm}")
             inductor = run(layers, "inductor", cache, ind2)
         rows.append((layers, cold, warm, inductor))
         print(layers, cold, warm, inductor, flush=True)
@@ -70,7 +74,8 @@ def main() -> None:
     parts = ("rule_tracing", "rule_matching", "partition", "aten_stages", "lowering", "cache")
     lines = ["# First-step time of a per-layer compiled GPT (hidden 128, seq 128, batch 2, CPU)", "",
              "Each figure from a fresh process; cold = empty caches, warm = a second process on the cache the cold "
-             "one wrote. `python -m bench.compile_time`.", "",
+             "one wrote: it loads each compile whole (`npu_compile.precompile`: Dynamo's guards, aot_autograd's "
+             "wrappers, the lowered graphs) and traces nothing. `python -m bench.compile_time`.", "",
              "| layers | ascend cold (s) | vs 2 layers | ascend warm (s) | warm / cold | inductor cold (s) | graphs |",
              "|---|---|---|---|---|---|---|"]
     for layers, cold, warm, ind in rows:

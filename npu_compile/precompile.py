@@ -15,10 +15,12 @@ on load given back to its target's executor.
 runs the first stored artifact whose Dynamo guards accept the arguments; when none does, it compiles one with
 ``aot_compile`` and stores it. Artifacts sit under ``precompiled/<key>/`` in the cache dir, where the key covers what
 Dynamo's guards do not see (``precompile_key``): the options, the versions and source digest of this package, the
-registered fusion rules, the traced function, and the process-group layout. Guards cover the rest: shapes, dtypes,
-strides, grad mode, module attributes read while tracing, the traced source (checked against its stored digest).
-A function Dynamo cannot capture whole (a graph break), or whose output does not serialize, runs under plain
-``torch.compile`` from then on (remembered in the same folder).
+registered fusion rules, Dynamo's and functorch's configs, the traced function, and the process-group layout.
+Dynamo's guards cover shapes, dtypes, strides, grad mode and the module attributes read while tracing; on load every
+source file Dynamo traced is checked against the digest it stored, and the guards on process groups, which torch
+cannot store, are checked here (``_Artifact.accepts``). A function Dynamo cannot capture whole (a graph break) runs
+under plain ``torch.compile`` from then on (remembered in the same folder); an artifact whose guard state torch
+cannot load back is not stored (``_Artifacts.store``).
 """
 
 from __future__ import annotations
