@@ -453,6 +453,7 @@ class Precompiled:
         self._artifacts: _Artifacts | None = None
         self._traced, self._self = torch._dynamo.convert_frame.get_traced_fn(fn)
         functools.update_wrapper(self, self._traced)
+        self.__wrapped__ = fn  # inspect.signature(module.forward) stays the bound method's, as with torch.compile
 
     def __reduce__(self) -> tuple:
         # a module holding this wrapper (``module.forward``) is pickled into Dynamo's guard state; the wrapper's
