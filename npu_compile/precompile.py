@@ -504,7 +504,10 @@ class Precompiled:
         groups: dict[str, str] = {}
         f_locals = inspect.signature(self._traced).bind(*full, **kwargs).arguments
         options = {**self._options, "guard_filter_fn": _guard_filter(dict(f_locals), groups)}
-        compiled = torch.compile(self._fn, backend="ascend", options=options, fullgraph=True)
+        # a module: what Dynamo traces of it (its forward, or __call__ with hooks), bound, since aot_compile is on
+        # torch.compile's function wrapper only
+        target = types.MethodType(self._traced, self._self) if isinstance(self._fn, torch.nn.Module) else self._fn
+        compiled = torch.compile(target, backend="ascend", options=options, fullgraph=True)
         try:
             with _grads_set_aside(f_locals.values()):
                 return _Artifact(compiled.aot_compile((args, kwargs)), groups)

@@ -334,3 +334,18 @@ def test_a_module_holding_another_process_group_gets_a_new_compile(cache_dir, tw
     other.load_state_dict(model.state_dict())
     assert_same(run(other, x), eager(other, x))
     assert precompile.counts == {"loaded": 1, "hit": 1, "compiled": 1, "stored": 1}
+
+
+def test_a_whole_module_starts_warm(cache_dir):
+    """precompile.compile(model): the module itself, as torch.compile(model) takes it."""
+    model, x = Block(), torch.randn(4, 16, requires_grad=True)
+    first = precompile.compile(model, ON)(x)
+    assert precompile.counts == {"compiled": 1, "stored": 1}
+    restart()
+    x = x.detach().requires_grad_(True)
+    out = precompile.compile(model, ON)(x)
+    out.sum().backward()
+    assert precompile.counts == {"loaded": 1, "hit": 1}
+    assert_traced_nothing()
+    assert torch.equal(out.detach(), first.detach())
+    assert_same((out.detach(), [p.grad for p in model.parameters()] + [x.grad]), eager(model, x.detach()))
