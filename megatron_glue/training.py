@@ -122,9 +122,12 @@ def compile_model(chunk, args) -> None:
     of the same structure share one compiled graph: Dynamo (torch 2.13, inline_inbuilt_nn_modules) takes their parameters as inputs and
     guards on structure, not identity, so N identical layers compile once and never approach the recompile limit;
     report.json ``reused_by`` counts the layers running each graph. The module's own hooks stay outside the graph
-    (megatron_glue.training_adaptations: --overlap-param-gather)."""
+    (megatron_glue.training_adaptations: --overlap-param-gather). With the ``cache`` option on (the default), each
+    is compiled through npu_compile.precompile: a restarted job loads what Dynamo, aot_autograd and the backend
+    made instead of tracing again."""
     from megatron_glue.training_adaptations import COMPILED_FORWARD
 
+    from npu_compile import precompile
     from npu_compile.config import DUMP_DIR_ENV
 
     options = dict(args.npu_compile_options)
@@ -138,7 +141,7 @@ def compile_model(chunk, args) -> None:
     if chunk.post_process:
         if loss_in_graph(chunk, args):
             # the output layer and the loss in one graph, where the loss fuses (vocab_parallel_cross_entropy)
-            chunk._postprocess = torch.compile(chunk._postprocess, backend="ascend", options=options)
+            chunk._postprocess = precompile.compile(chunk._postprocess, options)
         else:
             modules.append(chunk.output_layer)
     layer_options = options
@@ -150,7 +153,7 @@ def compile_model(chunk, args) -> None:
         layer_options.setdefault("activation_copies", len(chunk.decoder.layers) * in_flight_micro_batches(args))
     for module in modules:
         opts = layer_options if module in chunk.decoder.layers else options
-        module.forward = torch.compile(module.forward, backend="ascend", options=opts)
+        module.forward = precompile.compile(module.forward, opts)
         setattr(module, COMPILED_FORWARD, True)
 
 

@@ -31,7 +31,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from npu_compile import cache, comm, config, lowering, passes, regions
+from npu_compile import cache, comm, config, lowering, passes, precompile, regions
 from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.report import Recorder
 from npu_compile.debug.verify import verified
@@ -217,7 +217,7 @@ class _Compilation:
                 self.record.comm_timelines[kind] = hit["comm"]
                 self.dump.stage(kind, f"cached_lowered_{self.opts.target}", lowered)
                 self.record.graph_done(kind, lowered)
-                return self.target.executor(lowered, example_inputs, self.opts)
+                return precompile.AscendOutputCode(lowered, example_inputs, self.opts, self.target)
             unfused_from = len(self.report.unfused)
             counts: dict[str, int] = {}
             if kind == "inference":
@@ -240,7 +240,8 @@ class _Compilation:
                               "comm": self.record.comm_timelines[kind],
                               "regions": self.record.regions_json() if kind == "inference" else {}})
             self.record.graph_done(kind, gm)
-            return self.target.executor(gm, example_inputs, self.opts)  # op by op, or torchair on the NPU
+            # op by op, or torchair on the NPU; an OutputCode, which precompile can serialize
+            return precompile.AscendOutputCode(gm, example_inputs, self.opts, self.target)
 
         return compile_graph
 
@@ -294,4 +295,5 @@ def _count_users(compiled: Callable, gm: torch.fx.GraphModule, example_inputs: S
 
     if boxed:
         run._boxed_call = True  # type: ignore[attr-defined]
+    run.serialize = getattr(compiled, "serialize", None)  # type: ignore[attr-defined]  # what precompile saves
     return run
