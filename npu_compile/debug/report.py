@@ -179,12 +179,7 @@ class Recorder:
 
     def rules(self, gm: torch.fx.GraphModule, enabled: Callable[[str], bool], mode: str) -> dict[str, int]:
         """Apply the fusion rules to ``gm``, recording their counts, unfused sites and time (tracing apart)."""
-        traced_before = passes.engine.TRACING.seconds
-        with self.timed("rule_matching"):
-            counts, unfused = passes.apply_rules(gm, enabled, mode)
-        tracing = passes.engine.TRACING.seconds - traced_before
-        self.report.compile_s["rule_matching"] = round(self.report.compile_s["rule_matching"] - tracing, 4)
-        self.report.compile_s["rule_tracing"] = round(self.report.compile_s.get("rule_tracing", 0.0) + tracing, 4)
+        counts, unfused = self.region_rules(gm, enabled, mode)
         self.fusions(counts, unfused)
         return counts
 
