@@ -162,6 +162,7 @@ def test_restart_loads_the_artifact_and_equals_eager(cache_dir, tmp_path):
     assert report.cache == {"partition": "precompiled", "forward": "precompiled", "backward": "precompiled"}
     assert (report.fusions, report.graphs, report.lowered_ops) == (cold[0].fusions, cold[0].graphs,
                                                                      cold[0].lowered_ops)
+    assert report.compile_s == {} and cold[0].compile_s  # seconds spent compiling in this process: none
     assert '"precompiled"' in (tmp_path / "dump" / report.graph_id / "report.json").read_text()
 
 
