@@ -338,11 +338,26 @@ def _group_name(value: Any) -> str:
 
 
 class _Artifact:
-    """One stored compile: torch's AOTCompiledFunction and the process groups its guards left to us."""
+    """One stored compile: torch's AOTCompiledFunction, the process groups its guards left to us, and the
+    report.json of each graph it compiled (given again, ``cache`` "precompiled", the first time it runs in a
+    process: ``npu_compile.debug.report.collect`` and the dump dir see a loaded compile as they see a new one)."""
 
-    def __init__(self, fn: Any, groups: dict[str, str]):
-        self.fn, self.groups = fn, groups
+    def __init__(self, fn: Any, groups: dict[str, str], reports: list[dict]):
+        self.fn, self.groups, self.reports = fn, groups, reports
+        self.published = False
         self._paths = {name: builtins.compile(name, "<process group guard>", "eval") for name in groups}
+
+    def publish(self, dump_dir: str | None) -> None:
+        from npu_compile.debug.dump import GraphDump
+        from npu_compile.debug.report import Report, publish
+
+        self.published = True
+        for content in self.reports:
+            # nothing was spent compiling here: compile_s is this process's
+            report = Report(**{**content, "cache": dict.fromkeys(content["cache"] or ("graph",), "precompiled"),
+                               "compile_s": {}})
+            publish(report)
+            GraphDump(dump_dir, report.graph_id).report(report.to_json())
 
     def accepts(self, args: tuple, kwargs: dict) -> bool:
         if not self.fn.guard_check(*args, **kwargs):
@@ -374,7 +389,7 @@ class _Artifacts:
             pass
         for path in sorted(self.dir.glob("*.bin")) if self.fallback is None else ():
             try:
-                groups, data = pickle.loads(_read(path))
+                groups, reports, data = pickle.loads(_read(path))
                 fn = AOTCompiledFunction.deserialize(data, f_globals)
                 changed = _sources_unchanged(fn)
                 if changed:
@@ -385,7 +400,7 @@ class _Artifacts:
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue
-            self.loaded.append(_Artifact(fn, groups))
+            self.loaded.append(_Artifact(fn, groups, reports))
         if self.loaded:
             counts["loaded"] += len(self.loaded)
 
@@ -397,7 +412,8 @@ class _Artifacts:
             # object the scope reaches, e.g. an optimizer's state through Megatron's config callbacks): tried here,
             # so that no later process pays for an artifact that cannot load
             load_guards_state(artifact.fn._artifacts.guards_state)
-            payload = pickle.dumps((artifact.groups, AOTCompiledFunction.serialize(artifact.fn).serialized_data))
+            payload = pickle.dumps((artifact.groups, artifact.reports,
+                                    AOTCompiledFunction.serialize(artifact.fn).serialized_data))
             _write(self.dir / f"{hashlib.sha256(payload).hexdigest()[:32]}.bin", payload)
             counts["stored"] += 1
         except Exception as e:  # not storable: this process still runs it
@@ -414,6 +430,25 @@ class _Artifacts:
 
 _artifacts: dict[str, _Artifacts] = {}
 counts: collections.Counter = collections.Counter()  # loaded, stored, hit (calls run by a loaded artifact), ...
+
+
+@contextlib.contextmanager
+def _never_torchs_autograd_cache() -> Any:
+    """aot_compile looks the graph up in torch's AOTAutograd cache (on disk, shared by processes), whose key knows
+    nothing of this backend (its options, its rules): a hit there is another compile's graphs. With the FX graph
+    cache off, that key is refused (autograd_cache.py, ``check_cacheable``) and aot_compile keys the entry by a
+    nonce, ``str(random.random())`` (``autograd_cache_key``), drawn from Python's global ``random``, which training
+    seeds: every run would draw the same nonces and hit the last run's entries. So the nonce is drawn from a fresh
+    seed, and the caller's ``random`` stream is given back as it was (a compile consumes none of it)."""
+    import random
+
+    state = random.getstate()
+    random.seed(os.urandom(16))
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            yield
+    finally:
+        random.setstate(state)
 
 
 @contextlib.contextmanager
@@ -469,7 +504,7 @@ class Precompiled:
         if self._plain is not None:
             return self._plain(*args, **kwargs)
         if self._artifacts is None:
-            opts = config.resolve(self._options)
+            opts = self._resolved = config.resolve(self._options)
             if not opts.cache or opts.verify:  # verify runs the graph beside eager: nothing to keep
                 return self._plain_compile()(*args, **kwargs)
             key = precompile_key(self._fn, opts)
@@ -483,6 +518,8 @@ class Precompiled:
         for artifact in store.loaded:
             if artifact.accepts(full, kwargs):
                 counts["hit"] += 1
+                if not artifact.published:
+                    artifact.publish(self._resolved.dump_dir)
                 return artifact.fn.fn(*full, **kwargs)
         if store.loaded and log.isEnabledFor(logging.DEBUG):
             first = store.loaded[0].fn
@@ -509,8 +546,13 @@ class Precompiled:
         target = types.MethodType(self._traced, self._self) if isinstance(self._fn, torch.nn.Module) else self._fn
         compiled = torch.compile(target, backend="ascend", options=options, fullgraph=True)
         try:
-            with _grads_set_aside(f_locals.values()):
-                return _Artifact(compiled.aot_compile((args, kwargs)), groups)
+            from npu_compile.debug.report import collect
+
+            with _grads_set_aside(f_locals.values()), _never_torchs_autograd_cache(), collect() as reports:
+                fn = compiled.aot_compile((args, kwargs))  # the backward too: aot_compile lowers it eagerly
+            artifact = _Artifact(fn, groups, [r.to_json() for r in reports])
+            artifact.published = True  # this process has its reports already
+            return artifact
         except (config.OptionError, config.TargetUnavailable):
             raise
         except Exception as e:  # a graph break, or an output that does not serialize: plain torch.compile

@@ -142,16 +142,28 @@ def test_a_second_process_runs_the_stored_compile_without_tracing(tmp_path, monk
     sys.modules.pop("warm_model", None)
 
 
-def test_restart_loads_the_artifact_and_equals_eager(cache_dir):
+def test_restart_loads_the_artifact_and_equals_eager(cache_dir, tmp_path):
+    from npu_compile.debug.report import collect
+
     model, x = Block(), torch.randn(4, 16)
-    first = run(model, x)
+    with collect() as cold:
+        first = run(model, x)
     assert precompile.counts == {"compiled": 1, "stored": 1} and len(artifacts(cache_dir)) == 1
     restart()
-    second = run(model, x)
-    assert precompile.counts == {"loaded": 1, "hit": 1}
+    with collect() as warm:
+        second = run(model, x, {"cache": True, "dump_dir": str(tmp_path / "dump")})
+        run(model, x)  # given once per process
+    assert precompile.counts == {"loaded": 1, "hit": 2}
     assert_traced_nothing()
     assert_same(second, first)
     assert_same(second, eager(model, x))
+    # the compile's report.json, as it was made, marked as loaded
+    (report,) = warm
+    assert report.cache == {"partition": "precompiled", "forward": "precompiled", "backward": "precompiled"}
+    assert (report.fusions, report.graphs, report.lowered_ops) == (cold[0].fusions, cold[0].graphs,
+                                                                     cold[0].lowered_ops)
+    assert report.compile_s == {} and cold[0].compile_s  # seconds spent compiling in this process: none
+    assert '"precompiled"' in (tmp_path / "dump" / report.graph_id / "report.json").read_text()
 
 
 def test_modules_of_one_structure_share_an_artifact(cache_dir):
@@ -184,11 +196,24 @@ def test_what_dynamo_guards_gets_a_new_compile(cache_dir, change):
 
 
 def test_other_options_are_another_key(cache_dir):
+    """Compiled again by this backend with the new options: torch's AOTAutograd cache, which aot_compile consults
+    and whose key knows nothing of them, never answers (even with Python's random seeded as training seeds it)."""
+    import random
+
+    from npu_compile.debug.report import collect
+
     model, x = Block(), torch.randn(4, 16)
-    run(model, x)
+    random.seed(1234)
+    with collect() as reports:
+        run(model, x)
+    assert reports[0].fusions.get("bias_gelu") == 1
     restart()
-    run(model, x, {"cache": True, "fusions": []})
+    random.seed(1234)
+    with collect() as reports:
+        run(model, x, {"cache": True, "fusions": []})
     assert precompile.counts == {"compiled": 1, "stored": 1}  # nothing loaded: another folder
+    # compiled by this backend with these options, not taken from torch's AOTAutograd cache of the same graph
+    assert reports[0].graphs == ["forward", "backward"] and not reports[0].fusions.get("bias_gelu")
     assert len({p.parent for p in artifacts(cache_dir)}) == 2
     restart()
     run(model, x, {"cache": True, "memory_budget": 0.5})
@@ -349,3 +374,16 @@ def test_a_whole_module_starts_warm(cache_dir):
     assert_traced_nothing()
     assert torch.equal(out.detach(), first.detach())
     assert_same((out.detach(), [p.grad for p in model.parameters()] + [x.grad]), eager(model, x.detach()))
+
+
+def test_nested_collect_blocks_end_cleanly():
+    """precompile collects a compile's reports inside the caller's block: both get each report and both end."""
+    from npu_compile.debug import report as report_module
+
+    r, later = (report_module.Report(graph_id=g, target="reference") for g in ("g", "later"))
+    with report_module.collect() as outer:
+        with report_module.collect() as inner:
+            report_module.publish(r)
+        report_module.publish(later)  # after the inner block: the outer one only
+    assert (inner, outer) == ([r], [r, later])
+    assert not report_module._collectors

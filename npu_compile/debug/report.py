@@ -131,7 +131,8 @@ def collect() -> Iterator[list[Report]]:
     try:
         yield reports
     finally:
-        _collectors.remove(reports)
+        # by identity: nested blocks hold equal lists (each report goes to every block)
+        _collectors[:] = [c for c in _collectors if c is not reports]
 
 
 @dataclasses.dataclass
