@@ -53,6 +53,9 @@ class Adaptation:
     build: Callable[[Any], Any]  # original -> new object; runs once per apply
     # The megatron-core versions it applies to: a PEP 440 specifier set ("<0.13", ">=0.13"); None: every version.
     megatron_versions: str | None = None
+    # True: the class attribute does not exist on those versions and the adaptation adds it (build gets None;
+    # revert removes it); applying where the class has it after all is an error, not a silent override.
+    adds: bool = False
 
     def __post_init__(self):
         if self.megatron_versions is not None:
@@ -92,8 +95,9 @@ class _Applied:
     new: Any
 
 
-def resolve(target: str) -> tuple[Any, str]:
-    """(owner, attribute name) for a dotted path, importing the longest module prefix."""
+def resolve(target: str, absent_ok: bool = False) -> tuple[Any, str]:
+    """(owner, attribute name) for a dotted path, importing the longest module prefix; absent_ok: the last
+    name may be missing (an attribute an adaptation adds)."""
     parts = target.split(".")
     owner, rest = None, []
     for i in range(len(parts) - 1, 0, -1):
@@ -114,7 +118,7 @@ def resolve(target: str) -> tuple[Any, str]:
             found = ".".join(parts[: len(parts) - len(rest) + depth])
             raise AttributeError(f"target {target!r} does not exist: {found} has no attribute {part!r}")
         owner = getattr(owner, part)
-    if not hasattr(owner, rest[-1]):
+    if not absent_ok and not hasattr(owner, rest[-1]):
         raise AttributeError(f"target {target!r} does not exist: {'.'.join(parts[:-1])} has no attribute {rest[-1]!r}")
     return owner, rest[-1]
 
@@ -145,11 +149,13 @@ class Registry:
         self._known[adaptation.name] = adaptation
         return adaptation
 
-    def replaces(self, name: str, target: str, group: str, reason: str, megatron_versions: str | None = None):
-        """Decorator: the decorated object replaces `target` outright (on `megatron_versions` only, if given)."""
+    def replaces(self, name: str, target: str, group: str, reason: str, megatron_versions: str | None = None,
+                 adds: bool = False):
+        """Decorator: the decorated object replaces `target` outright (on `megatron_versions` only, if given);
+        adds=True: `target` is a class attribute those versions lack, and the object is added as it."""
         def register(new):
             self.add(Adaptation(name, target, group, reason, build=lambda original: new,
-                                megatron_versions=megatron_versions))
+                                megatron_versions=megatron_versions, adds=adds))
             return new
         return register
 
@@ -232,9 +238,16 @@ class Registry:
     # -- mechanics -----------------------------------------------------------------------------------------
     @staticmethod
     def _apply_one(adaptation: Adaptation) -> _Applied:
-        owner, attr = resolve(adaptation.target)
-        current = getattr(owner, attr)
-        raw = vars(owner).get(attr, _MISSING) if inspect.isclass(owner) else current
+        owner, attr = resolve(adaptation.target, absent_ok=adaptation.adds)
+        if adaptation.adds:
+            if not inspect.isclass(owner) or hasattr(owner, attr):
+                raise RuntimeError(
+                    f"adaptation {adaptation.name!r} adds {adaptation.target}, which megatron-core "
+                    f"{megatron_core_version()} already has: its range ({adaptation.megatron_versions}) is wrong")
+            current, raw = None, _MISSING
+        else:
+            current = getattr(owner, attr)
+            raw = vars(owner).get(attr, _MISSING) if inspect.isclass(owner) else current
         new = adaptation.build(current)
         setattr(owner, attr, new)
         _swap_in_modules(attr, current, new)
@@ -247,6 +260,8 @@ class Registry:
         else:
             setattr(record.owner, record.attr, record.original)
         # Also reaches modules imported after the apply that took the new object by name.
+        if record.adaptation.adds:
+            return  # nothing took an added attribute by name from a module
         _swap_in_modules(record.attr, record.new, getattr(record.owner, record.attr))
 
 
@@ -629,3 +644,47 @@ def _layer_compile_region(forward):
         return region(self, *args, **kwargs), None
 
     return layer_forward
+
+
+class _LinearImplByWeight:
+    """Class-level `_forward_impl` for 0.12/0.13's parallel linears: reads as the choice 0.14+ makes in its
+    `_forward_impl` method (frozen weight or not, decided per call from the weight passed), and takes the
+    per-call `self._forward_impl = ...` store of those lines without writing the module. Dynamo sees a store that
+    changes nothing, so a layer holding these linears stays reusable as a compile region."""
+
+    def __init__(self, adaptation: str):
+        self.adaptation = adaptation
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else _linear_by_weight
+
+    def __set__(self, obj, value):
+        from megatron.core.tensor_parallel import layers
+
+        if value is not layers.linear_with_frozen_weight and \
+                value is not layers.linear_with_grad_accumulation_and_async_allreduce:
+            raise AttributeError(
+                f"{type(obj).__name__}._forward_impl is chosen per call from the weight (adaptation "
+                f"{self.adaptation!r}, group 'regions'); setting it to {value!r} needs that adaptation reverted")
+
+
+def _linear_by_weight(input, weight, *args, **kwargs):
+    from megatron.core.tensor_parallel import layers
+
+    if not weight.requires_grad:
+        return layers.linear_with_frozen_weight(input, weight, *args, **kwargs)
+    return layers.linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
+
+
+for _linear in ("ColumnParallelLinear", "RowParallelLinear"):
+    _name = f"linear_impl_by_weight_0_13_{_linear}"
+    registry.replaces(
+        _name, f"megatron.core.tensor_parallel.layers.{_linear}._forward_impl",
+        "regions",
+        reason=f"{_linear}.forward stores its linear function on the module at every call (0.12.1: "
+        "tensor_parallel/layers.py:936-939,1171-1174; 0.14 made it a method), a side effect that keeps Dynamo from "
+        "reusing a traced layer region (torch/_dynamo/variables/invoke_subgraph.py, is_reuse_eligible): every "
+        "layer was traced again; a class-level descriptor makes the store a no-op and the read the same choice",
+        megatron_versions="<0.14", adds=True,
+    )(_LinearImplByWeight(_name))
+del _linear, _name

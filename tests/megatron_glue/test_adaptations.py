@@ -118,6 +118,27 @@ def test_revert_of_an_inherited_attribute_uncovers_the_base_one(fake_modules):
     assert "inherited" not in vars(lib.Owner) and lib.Owner().inherited() == "base"
 
 
+def test_an_added_class_attribute_is_removed_again_on_revert(fake_modules):
+    lib, _, _ = fake_modules
+    reg = Registry()
+    reg.replaces("add_size", "fake_lib.Owner.size", "cpu", reason="r (fake.py:5)", adds=True)(property(lambda s: 3))
+    reg.apply("add_size")
+    assert lib.Owner().size == 3
+    reg.revert_all()
+    assert not hasattr(lib.Owner, "size")
+
+
+def test_adding_an_attribute_the_class_has_is_refused(fake_modules):
+    reg = Registry()
+    reg.replaces("add_method", "fake_lib.Owner.method", "cpu", reason="r (fake.py:6)", megatron_versions="<0.14",
+                 adds=True)(lambda self: "added")
+    reg._megatron_version = "0.12.1"
+    with pytest.raises(RuntimeError, match=r"adaptation 'add_method' adds fake_lib.Owner.method, which "
+                                           r"megatron-core .* already has: its range \(<0.14\) is wrong"):
+        reg.apply("add_method")
+    assert reg.applied() == {}
+
+
 def test_a_constant_is_replaced_on_its_owner_only(fake_modules):
     lib, user, _ = fake_modules
     lib.Owner.warned, user.warned = False, False  # equal constants are one object: identity proves nothing
@@ -268,7 +289,9 @@ def test_every_adaptation_cites_megatron_and_resolves(megatron_cpu):
         assert adaptation.target.startswith(("megatron.", "torch.")), name
         assert re.search(r"\w+\.py:\d+", adaptation.reason), name
     for name in registry.known():  # those for this megatron-core line resolve on it
-        resolve(registry.get(name).target)
+        adaptation = registry.get(name)
+        owner, attr = resolve(adaptation.target, absent_ok=adaptation.adds)
+        assert hasattr(owner, attr) != adaptation.adds, name  # an added attribute is one this line lacks
 
 
 # The fixes whose code differs between megatron-core lines: one entry per line, named <fix>_0_12 for 0.12's.
@@ -281,7 +304,8 @@ PER_LINE = {
 }
 # Fixes that only one line needs: 0.12 has bugs 0.16 fixed, 0.16 functions 0.12 lacks.
 ONE_LINE_ONLY = {"quiet_default_tp_group", "no_fp8_params_no_quantize", "checkpoint_writer_serialization_format",
-                 "flattened_shard_coordinates_numpy2", "flattened_shard_validation_numpy2", "shard_size_numpy2"}
+                 "flattened_shard_coordinates_numpy2", "flattened_shard_validation_numpy2", "shard_size_numpy2",
+                 "linear_impl_by_weight_0_13_ColumnParallelLinear", "linear_impl_by_weight_0_13_RowParallelLinear"}
 
 
 @pytest.mark.parametrize("version", ["0.12.1", "0.16.1"])  # the lines tested (make test-mcore012, make test)

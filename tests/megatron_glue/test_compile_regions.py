@@ -123,3 +123,23 @@ def _assert_same(expected, got):
         for n in grads0:
             torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"step {step} grad of {n}: {m}")
+
+
+@pytest.mark.skipif(not registry.applies("linear_impl_by_weight_0_13_ColumnParallelLinear"),
+                    reason="megatron-core >= 0.14 chooses its linear function in a method, without a store")
+def test_a_frozen_weight_still_takes_the_frozen_linear_under_the_descriptor(regions):
+    # 0.12/0.13 store the choice per call; the descriptor keeps the choice (what backward computes) and drops the
+    # store: a frozen weight gets no gradient, the input still does
+    from megatron.core.tensor_parallel import layers
+
+    model = build_gpt_model(CONFIGS["gpt"](), VOCAB, SEQ, seed=0)
+    linear = model.decoder.layers[0].self_attention.linear_qkv
+    linear.weight.requires_grad_(False)
+    x = torch.randn(SEQ, BATCH, 64, requires_grad=True)
+    out, _ = linear(x)
+    out.sum().backward()
+    assert linear.weight.grad is None and x.grad is not None
+    assert linear._forward_impl is not layers.linear_with_frozen_weight  # the dispatching function, not a store
+    with pytest.raises(AttributeError, match=r"ColumnParallelLinear._forward_impl is chosen per call from the "
+                                             r"weight \(adaptation 'linear_impl_by_weight_0_13_ColumnParallelLinear'"):
+        linear._forward_impl = print
