@@ -48,12 +48,15 @@ demo: $(STAMP)
 # fixtures, e.g. a TP=2 gloo run, are made once).
 XDIST := -n 2 --dist loadscope
 
+# Everything in one process (or a second process that is not a gloo group): ops, passes, lowering, the compiled
+# Megatron models, conversion, the job's argument checks.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not training"
+	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not training and not gloo"
 
-# The training job over gloo processes: every parallel layout, checkpoints, mixed precision, the seed script.
+# The multi-process tests over gloo: the training job at every parallel layout, checkpoints, mixed precision, the
+# seed script; and the other gloo groups (TP=2 capture, the TP=2 loss, overlap and MC2 over gloo, rank failures).
 test-training: $(STAMP)
-	$(PY) -m pytest -q --durations=25 $(XDIST) -m "training and not fuzz" tests/megatron_glue
+	$(PY) -m pytest -q --durations=25 $(XDIST) -m "(training or gloo) and not fuzz"
 
 # The Megatron tests on megatron-core 0.12.1, limited to what can differ on that line: the Megatron folders' in-process
 # tests (less what is marked any_megatron_line: the converter's own checks, the same on every line), of the

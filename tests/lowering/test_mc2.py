@@ -219,6 +219,7 @@ def worker(rank, store_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.gloo
 def test_mc2_rewrite_and_emulation_over_gloo(tmp_path):
     mp.spawn(worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
 

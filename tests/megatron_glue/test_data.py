@@ -207,7 +207,7 @@ def _read_on_rank(vocab, merges, prefix, cache):
     return loaded, [next(it)["tokens"] for _ in range(3)]
 
 
-@pytest.mark.slow
+@pytest.mark.gloo
 def test_two_ranks_rank0_builds_the_cache_and_each_reads_its_slice(gloo, data, tmp_path):
     cache = str(tmp_path / "shared_cache")
     (loaded0, tokens0), (loaded1, tokens1) = run_on_ranks(

@@ -122,15 +122,18 @@ def _sleeps():
     time.sleep(600)
 
 
+@pytest.mark.gloo
 def test_run_on_ranks_returns_each_ranks_result():
     assert run_on_ranks(_rank_and_world, 10, world_size=2, timeout=120) == [(10, 2), (11, 2)]
 
 
+@pytest.mark.gloo
 def test_run_on_ranks_raises_the_failing_ranks_traceback_and_kills_the_rest():
     with pytest.raises(RuntimeError, match=r"(?s)failed on rank 1 of 2.*ValueError: rank 1 gives up"):
         run_on_ranks(_fails_on_rank_1, world_size=2, timeout=120)
 
 
+@pytest.mark.gloo
 def test_run_on_ranks_times_out():
     with pytest.raises(TimeoutError, match="ran past 3 s"):
         run_on_ranks(_sleeps, world_size=2, timeout=3)

@@ -154,7 +154,7 @@ def _run_pair(job, how, watchdog=WATCHDOG_S, bound=None, start_timeout=300, env_
                 p.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.gloo
 def test_a_compiled_tp2_step_ends_when_a_rank_exits_mid_step():
     code, out, err, pid, seconds = _run_pair(_compiled_tp2_step, "exit")
     # the step before: one graph, no break, the fusions of one process (adapt() before the parallel state), the
@@ -167,7 +167,7 @@ def test_a_compiled_tp2_step_ends_when_a_rank_exits_mid_step():
     assert "rank 0 ran its backward" not in out
 
 
-@pytest.mark.slow
+@pytest.mark.gloo
 def test_a_stopped_rank_ends_the_other_within_the_watchdogs_seconds():
     # A stopped (or hung, or cut-off) rank keeps its sockets open: gloo alone would wait out the process
     # group's timeout (30 minutes here). Its heartbeat stops: the watchdog ends rank 0 after WATCHDOG_S.
@@ -181,7 +181,7 @@ def test_a_stopped_rank_ends_the_other_within_the_watchdogs_seconds():
     assert "all-reduced without rank 1" not in out
 
 
-@pytest.mark.slow
+@pytest.mark.gloo
 def test_a_rank_that_ends_normally_is_not_reported():
     code, out, err, pid, seconds = _run_pair(_eager_all_reduce, "leave", watchdog=2, bound=4 + SLACK_S)
     assert code == 0 and "rank 0 finished alone" in out, err[-3000:]

@@ -23,7 +23,7 @@ import torch
 from megatron_glue.distributed import run_on_ranks
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.gloo,
     # Dynamo traces through RotaryEmbedding.forward's lru_cache and says so; tracing it is exact.
     pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`"),
 ]

@@ -191,6 +191,7 @@ def tp2():
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 @pytest.mark.parametrize(("native", "smoothing"), LOSSES, ids=LOSS_IDS)
 def test_megatron_loss_tp2_fused_and_equal_to_eager(tp2, native, smoothing, sp):
