@@ -298,7 +298,7 @@ def machine_device() -> torch.device:
 
 def groups_for(device: str | torch.device | None = None, training: bool = False) -> tuple[str, ...]:
     """The adaptation groups megatron-core needs on `device` (default `machine_device()`); `training`: also the
-    training machinery's (group "training", megatron_glue.training_adaptations).
+    training machinery's (group "training", megatron_glue.capture.training_adaptations).
 
     "compile", "tp_compile" and "sp" are always in: each stands aside where it is not needed (the collectives
     are the originals outside Dynamo and are not called at TP=1, the norm is Megatron's own without

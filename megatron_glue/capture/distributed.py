@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_glue import adapt, quiet_megatron
+from megatron_glue.capture import adapt, quiet_megatron
 
 
 def init_distributed(tp: int, *, rank: int | None = None, world_size: int | None = None,
@@ -423,7 +423,7 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeou
         )
         if sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host: do not resolve its name
-        command = [sys.executable, "-c", "from megatron_glue.distributed import _rank_main; _rank_main()", tmp]
+        command = [sys.executable, "-c", "from megatron_glue.capture.distributed import _rank_main; _rank_main()", tmp]
         ranks = [subprocess.Popen(command, env=dict(env, RANK=str(r))) for r in range(world_size)]
         deadline = time.monotonic() + timeout
         try:

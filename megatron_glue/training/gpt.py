@@ -1,10 +1,10 @@
-"""GPT pretraining, Megatron-LM's `pretrain_gpt.py` on megatron-core, every transformer layer compiled with
-`torch.compile(backend="ascend")`:
+"""The GPT pieces of Megatron-LM's `pretrain_gpt.py` on megatron-core, every transformer layer compiled with
+`torch.compile(backend="ascend")`; `main` is what the door runs:
 
     torchrun --nproc_per_node=8 -m megatron_glue.pretrain_gpt <Megatron-LM's pretrain_gpt.py flags>
 
-The GPT pieces live here as they do in Megatron-LM's script (the model provider, the batch, the loss, the
-datasets); `megatron_glue.training.pretrain` is the job around them. `--no-npu-compile` runs the same job eagerly.
+The pieces live here as they do in Megatron-LM's script (the model provider, the batch, the loss, the datasets);
+`training.pretrain` is the job around them. `--no-npu-compile` runs the same job eagerly.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from functools import partial
 
 import torch
 
-from megatron_glue import quiet_megatron
-from megatron_glue.arguments import ArgumentError, parse_args
+from megatron_glue.capture import quiet_megatron
+from megatron_glue.training.arguments import ArgumentError, parse_args
 
 
 def tokenizer_for(args):
     """The tokenizer named by the flags (NullTokenizer: ids 0..vocab-size-1, eod = vocab-size)."""
-    from megatron_glue.tokenizer import NullTokenizer, build_tokenizer
+    from megatron_glue.data.tokenizer import NullTokenizer, build_tokenizer
 
     if args.tokenizer_type == "NullTokenizer":
         return NullTokenizer(args.vocab_size)
@@ -43,7 +43,7 @@ def model_vocab_size(args) -> int:
 def set_vocabulary(args) -> None:
     """The job's tokenizer and model vocabulary: args.tokenizer, args.orig_vocab_size (model_vocab_size) and
     args.padded_vocab_size (Megatron-LM's padding for --make-vocab-size-divisible-by and TP)."""
-    from megatron_glue.tokenizer import padded_vocab_size
+    from megatron_glue.data.tokenizer import padded_vocab_size
 
     args.tokenizer = tokenizer_for(args)
     args.orig_vocab_size = model_vocab_size(args)
@@ -56,7 +56,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_glue.versions import gpt_model_kwargs
+    from megatron_glue.training.versions import gpt_model_kwargs
 
     return GPTModel(
         config=config,
@@ -94,7 +94,7 @@ def forward_step(data_iterator, model):
 
 
 def datasets_provider(args):
-    from megatron_glue.data import build_datasets
+    from megatron_glue.data.datasets import build_datasets
 
     gbs = args.global_batch_size
     eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
@@ -105,10 +105,10 @@ def datasets_provider(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_glue import training
-    from megatron_glue.checkpointing import CheckpointError
-    from megatron_glue.data import build_loader
-    from megatron_glue.tokenizer import DataError
+    from megatron_glue.training import training
+    from megatron_glue.training.checkpointing import CheckpointError
+    from megatron_glue.data.datasets import build_loader
+    from megatron_glue.data.tokenizer import DataError
 
     try:
         args = parse_args(argv)
@@ -122,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pretrain_gpt: error: {e}", file=sys.stderr)
         return 1
     finally:
-        from megatron_glue.distributed import end_process_group
+        from megatron_glue.capture.distributed import end_process_group
 
         end_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

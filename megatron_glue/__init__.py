@@ -1,0 +1,23 @@
+"""Megatron on Ascend NPUs (and on CPU for tests), its transformer layers compiled with `backend="ascend"`.
+
+    torchrun ... -m megatron_glue.pretrain_gpt <Megatron-LM's pretrain_gpt.py flags>    the training job
+    import megatron_glue; megatron_glue.adapt()      megatron-core made capturable, for a loop of your own
+
+Its rooms, each a subpackage that a newcomer finds by name (which may import which: tests/megatron_glue/
+test_layering.py):
+
+    capture/     what makes megatron-core capturable and runnable off CUDA: the one adaptation registry and its
+                 groups, multi-process set-up and the rank watchdog, small models, one-layer capture, test fixtures
+    data/        the job's data: tokenizers, megatron-core datasets and the loader, `npu-compile preprocess`,
+                 the demo corpus
+    training/    the training job: its one argument surface, the GPT pieces, the loop, checkpoints, the device,
+                 logs, what differs between megatron-core lines
+    convert/     `npu-compile convert`: HuggingFace <-> Megatron checkpoints of the job's model
+
+and its doors, the modules run with `-m`: `pretrain_gpt` (the job) and `demo` (`make demo`). `adaptations` and
+`distributed` here are the paths the README documents for `capture.adaptations` and `capture.distributed`.
+"""
+
+from megatron_glue.capture import adapt, quiet_megatron
+
+__all__ = ["adapt", "quiet_megatron"]
