@@ -3,8 +3,8 @@
     torchrun ... -m megatron_glue.pretrain_gpt <Megatron-LM's pretrain_gpt.py flags>    the training job
     import megatron_glue; megatron_glue.adapt()      megatron-core made capturable, for a loop of your own
 
-Its rooms, each a subpackage that a newcomer finds by name (which may import which: tests/megatron_glue/
-test_layering.py):
+Its rooms, each a subpackage that a newcomer finds by name (which may import which:
+tests/megatron_glue/test_glue_layering.py):
 
     capture/     what makes megatron-core capturable and runnable off CUDA: the one adaptation registry and its
                  groups, multi-process set-up and the rank watchdog, small models, one-layer capture, test fixtures

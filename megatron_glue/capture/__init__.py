@@ -15,7 +15,7 @@ batches; `distributed` sets up TP workers, watches the job's ranks, launches wor
 work Megatron's DDP would; `layer` captures one layer at TP=8 over a fake process group for benchmarks; `testing`
 holds pytest fixtures shared by test folders.
 
-This room imports nothing of megatron_glue's other rooms (tests/megatron_glue/test_layering.py).
+This room imports nothing of megatron_glue's other rooms (tests/megatron_glue/test_glue_layering.py).
 """
 
 import contextlib
