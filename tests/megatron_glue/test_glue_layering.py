@@ -108,6 +108,20 @@ def test_every_module_lives_in_a_room():
     assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == set(MAY_IMPORT)
 
 
+def test_the_documented_paths_are_the_capture_rooms_modules():
+    """`megatron_glue.adaptations` and `megatron_glue.distributed` (README) are those modules, not copies: one
+    registry, one watchdog state."""
+    import megatron_glue.adaptations
+    import megatron_glue.capture.adaptations
+    import megatron_glue.capture.distributed
+    import megatron_glue.distributed
+    from megatron_glue.adaptations import registry
+
+    assert megatron_glue.adaptations is megatron_glue.capture.adaptations
+    assert megatron_glue.distributed is megatron_glue.capture.distributed
+    assert registry is megatron_glue.capture.adaptations.registry
+
+
 def test_the_check_sees_an_offender(tmp_path):
     """The rules are not vacuous: a function-level import of the job from data, an import of the face from a room,
     and a private name reached through a module are each found."""
