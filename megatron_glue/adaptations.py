@@ -1,5 +1,5 @@
-"""`megatron_glue.adaptations`, the path the README documents for its users: the module `megatron_glue.capture.adaptations`
-itself (the same module object, so the same names and state), not a copy."""
+"""`megatron_glue.adaptations`, the path the README documents for its users: the module
+`megatron_glue.capture.adaptations` itself (the same module object, so the same names and state), not a copy."""
 
 import sys
 

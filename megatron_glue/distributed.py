@@ -1,5 +1,5 @@
-"""`megatron_glue.distributed`, the path the README documents for its users: the module `megatron_glue.capture.distributed`
-itself (the same module object, so the same names and state), not a copy."""
+"""`megatron_glue.distributed`, the path the README documents for its users: the module
+`megatron_glue.capture.distributed` itself (the same module object, so the same names and state), not a copy."""
 
 import sys
 
