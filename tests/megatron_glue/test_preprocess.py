@@ -179,7 +179,7 @@ def test_demo_data_is_made_once_and_remade_when_broken(tmp_path):
 
     out = make_demo_data(str(tmp_path / "demo"))
     docs = corpus_documents()
-    assert any(d["path"] == os.path.join("megatron_glue", "demo_data.py") for d in docs)
+    assert any(d["path"] == os.path.join("megatron_glue", "data", "demo_data.py") for d in docs)
     assert [d["path"] for d in docs] == sorted(d["path"] for d in docs)
     assert out["documents"] == len(docs) and 2000 <= out["vocab_size"] <= 4000
     tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=out["vocab_file"], merge_file=out["merge_file"])
