@@ -1,4 +1,4 @@
-"""megatron_glue.data: megatron-core GPT datasets built from our preprocess output over a gloo group, read by
+"""megatron_glue.data.datasets: megatron-core GPT datasets built from our preprocess output over a gloo group, read by
 the Megatron-style pretraining loader (order, DP slices, resume), blends, mock data, and the error texts."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_glue.data import build_datasets, build_loader
-from megatron_glue.demo_data import train_bpe
-from megatron_glue.distributed import run_on_ranks, worker_store
-from megatron_glue.preprocess import preprocess
-from megatron_glue.tokenizer import DataError, build_tokenizer
+from megatron_glue.data.datasets import build_datasets, build_loader
+from megatron_glue.data.demo_data import train_bpe
+from megatron_glue.capture.distributed import run_on_ranks, worker_store
+from megatron_glue.data.preprocess import preprocess
+from megatron_glue.data.tokenizer import DataError, build_tokenizer
 
 SEQ = 16
 _rng = random.Random(0)

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from megatron_glue.adaptations import registry
-from megatron_glue.distributed import run_on_ranks
+from megatron_glue.capture.adaptations import registry
+from megatron_glue.capture.distributed import run_on_ranks
 
 # torch 2.13 deprecates the names Megatron calls (all_gather_into_tensor, reduce_scatter_tensor).
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)`")
@@ -79,7 +79,7 @@ def test_no_cuda_max_connections_warning(megatron_cpu):
 def test_sequence_parallel_norm_is_a_tagged_torch_norm(megatron_cpu):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_glue.models import gpt_config, llama_config
+    from megatron_glue.capture.models import gpt_config, llama_config
 
     with applied("sp"):
         norm = WrappedTorchNorm(llama_config(tensor_model_parallel_size=2, sequence_parallel=True), 64)

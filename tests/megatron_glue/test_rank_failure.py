@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megatron_glue.distributed import watch_ranks, watchdog_seconds
+from megatron_glue.capture.distributed import watch_ranks, watchdog_seconds
 
 WATCHDOG_S = 4  # $NPU_COMPILE_RANK_WATCHDOG_S of the ranks
 SLACK_S = 6  # beyond it: the watchdog's polling and grace, a loaded 2-core machine
@@ -45,7 +45,7 @@ def _compiled_tp2_step(how, store):
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     watch_ranks()
 
-    from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch, train_step
+    from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch, train_step
     from npu_compile.debug.report import collect
 
     model = build_gpt_model(gpt_config(num_layers=1, hidden_size=64, tensor_model_parallel_size=2,
@@ -74,7 +74,7 @@ def _init_distributed_all_reduce(how, store):
     import torch
     import torch.distributed as dist
 
-    from megatron_glue.distributed import init_distributed
+    from megatron_glue.capture.distributed import init_distributed
 
     rank = int(os.environ["RANK"])
     init_distributed(2, rank=rank, world_size=2, store=dist.FileStore(store, 2), rank_watchdog_s=WATCHDOG_S)
@@ -127,7 +127,7 @@ def _run_pair(job, how, watchdog=WATCHDOG_S, bound=None, start_timeout=300, env_
         env = dict(os.environ, WORLD_SIZE="2", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                    NPU_COMPILE_RANK_WATCHDOG_S=str(watchdog if env_watchdog is None else env_watchdog),
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        code = ("import sys; from megatron_glue.distributed import _find; "
+        code = ("import sys; from megatron_glue.capture.distributed import _find; "
                 "_find('test_rank_failure', sys.argv[2], sys.argv[1])(sys.argv[3], sys.argv[4])")
         logs = [(f"{tmp}/out{r}", f"{tmp}/err{r}") for r in range(2)]
         ranks = [subprocess.Popen([sys.executable, "-c", code, __file__, job.__name__, how, f"{tmp}/store"],
@@ -214,8 +214,8 @@ def test_watchdog_seconds(monkeypatch):
 
 
 def test_the_training_job_takes_the_watchdogs_seconds_from_the_environment(monkeypatch):
-    from megatron_glue.arguments import ArgumentError, parse_args
-    from megatron_glue.device import placement
+    from megatron_glue.training.arguments import ArgumentError, parse_args
+    from megatron_glue.training.device import placement
     from pretrain_runs import TINY
 
     args = parse_args([*TINY, "--train-iters", "1"])

@@ -78,15 +78,18 @@ class ArgumentError(SystemExit):
         return self.message
 
 
-class _Parser(argparse.ArgumentParser):
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose own errors (unknown flag, bad value) are ArgumentError's one line; the converter's
+    command line uses it too."""
+
     def error(self, message):  # argparse's own errors (unknown flag, bad value) in the same one-line form
         raise ArgumentError(f"{self.prog}: error: {message}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m megatron_glue.pretrain_gpt", allow_abbrev=False,
-                description="Megatron-LM GPT pretraining on megatron-core, each transformer layer compiled with "
-                            "torch.compile(backend='ascend').")
+    p = ArgumentParser(prog="python -m megatron_glue.pretrain_gpt", allow_abbrev=False,
+                       description="Megatron-LM GPT pretraining on megatron-core, each transformer layer compiled "
+                                   "with torch.compile(backend='ascend').")
 
     g = p.add_argument_group("network size")
     g.add_argument("--num-layers", type=int, required=True)
