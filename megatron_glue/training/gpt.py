@@ -60,7 +60,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization,
+                                                         qk_layernorm=getattr(args, "qk_layernorm", False)),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -97,6 +97,7 @@ def transformer_config(args, where):
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=_activation(args),
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=getattr(args, "qk_layernorm", False),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
