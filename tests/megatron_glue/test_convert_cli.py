@@ -254,6 +254,11 @@ def test_model_type_hf_names(hf, tmp_path, capsys):
         assert main(_hf_to_mg(qwen, tmp_path / f"mg{i}", *line, "--target-tensor-parallel-size", "2",
                               "--target-pipeline-parallel-size", "2")) == 0
         assert "--add-qkv-bias" in (tmp_path / f"mg{i}" / "model_flags.txt").read_text().split()
+    mistral = tmp_path / "magistral"  # MindSpeed-LLM's magistral: a MistralForCausalLM checkpoint
+    H.save_random_hf("mistral", str(mistral))
+    assert main(_hf_to_mg(mistral, tmp_path / "mg-magistral", "--model-type-hf", "magistral")) == 0
+    assert _fails(_hf_to_mg(qwen, tmp_path / "y", "--model-type-hf", "magistral"), capsys) == (
+        1, "--model-type-hf magistral expects config.json model_type mistral, the config says 'qwen2'")
     assert _fails(_hf_to_mg(hf["llama2"], tmp_path / "y", "--model-type-hf", "llama2", "--add-qkv-bias"),
                   capsys)[1].startswith("--add-qkv-bias: the llama model has no add qkv bias (its architecture flags: ")
     assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "llama3"), capsys) == (
