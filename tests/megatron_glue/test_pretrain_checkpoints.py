@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from pretrain_runs import assert_close, pretrain
 
@@ -125,3 +126,34 @@ def test_torch_format_resumes_exactly(tmp_path):
     assert (ckpt / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").is_file()
     second = pretrain(tmp_path / "parts", *common, "--save", str(ckpt), "--load", str(ckpt)).check()
     assert _train_rows(second) == _train_rows(whole)
+
+
+@pytest.mark.megatron_lines  # the distributed optimizer's parameter state: megatron-core's own, per line
+def test_torch_format_with_distributed_optimizer_resumes_bitwise(tmp_path):
+    """--ckpt-format torch --use-distributed-optimizer at DP=2 (45 of 48 of MindSpeed-LLM's pretraining scripts):
+    Megatron-LM's legacy layout, mp_rank_00/model_optim_rng.pt with the optimizer's state_dict() and distrib_optim.pt
+    beside it (the DP shards gathered to DP rank 0 by megatron-core's save_parameter_state); resumed at iteration 3
+    (load_parameter_state scatters them back), iterations 4-6 bitwise those of the run that went on, dropout on."""
+    ckpt = tmp_path / "ckpt"
+    flags = ["--train-iters", "6", "--save-interval", "3", "--use-distributed-optimizer", "--ckpt-format", "torch",
+             *DROPOUT]
+    whole = pretrain(tmp_path / "whole", *flags, "--save", str(ckpt), nproc=2).check()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000003", "iter_0000006",
+                                                      "latest_checkpointed_iteration.txt"]
+    for folder in ("iter_0000003", "iter_0000006"):  # one (TP, PP) rank: one folder, DP rank 0's two files
+        assert sorted(str(p.relative_to(ckpt / folder)) for p in (ckpt / folder).rglob("*")) == [
+            "mp_rank_00", "mp_rank_00/distrib_optim.pt", "mp_rank_00/model_optim_rng.pt"]
+    model = torch.load(ckpt / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert model["iteration"] == 3 and model["args"]["use_distributed_optimizer"] is True
+    # DistributedOptimizer.state_dict(): the param groups without the parameter state, which is in distrib_optim.pt
+    assert "state" not in model["optimizer"]["optimizer"] and model["optimizer"]["optimizer"]["param_groups"]
+    param_state = torch.load(ckpt / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt", weights_only=False)
+    words = sum(t.numel() for d in param_state[0].values() if isinstance(d, dict)
+                for k, t in d.items() if k == "param")
+    assert words == sum(t.numel() for t in model["model"].values() if isinstance(t, torch.Tensor))  # every DP shard
+
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")  # as if it had stopped at 3
+    resumed = pretrain(tmp_path / "resumed", *flags, "--load", str(ckpt), nproc=2).check()
+    assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 3" in resumed.output
+    assert [r["iteration"] for r in resumed.rows("train")] == [4, 5, 6]
+    assert _train_rows(resumed) == _train_rows(whole)[3:]
