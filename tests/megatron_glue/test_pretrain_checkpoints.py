@@ -74,14 +74,14 @@ def test_tp2_checkpoint_loads_at_tp1_and_pp2(tmp_path):
 
 
 INTERRUPT = """
-import sys
+import os, sys
 from megatron.core import dist_checkpointing
 import megatron_glue.training.checkpointing as ckpt
 
 real_save, calls = dist_checkpointing.save, []
 def save(state, folder, **kw):
     calls.append(folder)
-    if len(calls) == 2:  # the second save dies after writing part of its folder
+    if len(calls) == int(os.environ["DIE_AT_SAVE"]):  # this save dies after writing part of its folder
         open(folder + "/__0_0.distcp", "wb").write(b"partial")
         raise KeyboardInterrupt("killed during the save of " + folder)
     return real_save(state, folder, **kw)
@@ -91,20 +91,40 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path):
+def _interrupted(monkeypatch, folder, *flags, die_at: int):
+    monkeypatch.setenv("DIE_AT_SAVE", str(die_at))  # pretrain_runs.env() passes the environment on
+    return pretrain(folder, *flags, prefix=[sys.executable, "-c", INTERRUPT])
+
+
+def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch):
+    """A save that dies leaves the tracker and every iter_* folder as they were: its files are in
+    .iter_XXXXXXX.incomplete, which the next save removes; a committed iteration saved again (a resumed job's last
+    save of the iteration it loaded) is replaced only once the new folder is complete."""
     ckpt = tmp_path / "ckpt"
     flags = ["--train-iters", "6", "--save-interval", "2", "--save", str(ckpt)]
-    died = pretrain(tmp_path / "a", *flags, prefix=[sys.executable, "-c", INTERRUPT])
+    died = _interrupted(monkeypatch, tmp_path / "a", *flags, die_at=2)
     assert died.returncode != 0 and "killed during the save of" in died.output
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert (ckpt / "iter_0000004").is_dir()  # the broken folder is there, but nothing points at it
+    assert sorted(p.name for p in ckpt.iterdir()) == [".iter_0000004.incomplete", "iter_0000002",
+                                                      "latest_checkpointed_iteration.txt"]
+    assert (ckpt / ".iter_0000004.incomplete" / "__0_0.distcp").read_bytes() == b"partial"
 
     again = pretrain(tmp_path / "b", *flags, "--load", str(ckpt)).check()
     assert "at iteration 2" in again.output
     assert [r["iteration"] for r in again.rows("train")] == [3, 4, 5, 6]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
-    partial = ckpt / "iter_0000004" / "__0_0.distcp"
-    assert not partial.exists() or partial.read_bytes() != b"partial"  # the folder was written anew
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                                      "latest_checkpointed_iteration.txt"]
+
+    # loaded at 6 with nothing left to train: the job saves iteration 6 again (6 is no multiple of 4), and dies
+    resave = _interrupted(monkeypatch, tmp_path / "c", "--train-iters", "6", "--save-interval", "4", "--save", str(ckpt),
+                          "--load", str(ckpt), "--eval-iters", "0", die_at=1)
+    assert resave.returncode != 0 and "killed during the save of" in resave.output
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    assert (ckpt / "iter_0000006" / "metadata.json").is_file()  # the committed iteration 6, whole
+    assert (ckpt / ".iter_0000006.incomplete").is_dir()
+    last = pretrain(tmp_path / "d", "--train-iters", "6", "--load", str(ckpt), "--eval-iters", "0").check()
+    assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 6" in last.output
 
 
 def test_architecture_mismatch_is_refused(tmp_path):
