@@ -153,7 +153,8 @@ def test_torch_format_with_distributed_optimizer_resumes_bitwise(tmp_path):
     """--ckpt-format torch --use-distributed-optimizer at DP=2 (45 of 48 of MindSpeed-LLM's pretraining scripts):
     Megatron-LM's legacy layout, mp_rank_00/model_optim_rng.pt with the optimizer's state_dict() and distrib_optim.pt
     beside it (the DP shards gathered to DP rank 0 by megatron-core's save_parameter_state); resumed at iteration 3
-    (load_parameter_state scatters them back), iterations 4-6 bitwise those of the run that went on, dropout on."""
+    (load_parameter_state scatters them back), iterations 4-6 bitwise those of the run that went on, dropout on;
+    loaded at DP=1, the same optimizer state; loaded without the distributed optimizer, refused."""
     ckpt = tmp_path / "ckpt"
     flags = ["--train-iters", "6", "--save-interval", "3", "--use-distributed-optimizer", "--ckpt-format", "torch",
              *DROPOUT]
@@ -167,7 +168,7 @@ def test_torch_format_with_distributed_optimizer_resumes_bitwise(tmp_path):
     assert model["iteration"] == 3 and model["args"]["use_distributed_optimizer"] is True
     # DistributedOptimizer.state_dict(): the param groups without the parameter state, which is in distrib_optim.pt
     assert "state" not in model["optimizer"]["optimizer"] and model["optimizer"]["optimizer"]["param_groups"]
-    param_state = torch.load(ckpt / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt", weights_only=False)
+    param_state = torch.load(ckpt / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt")
     words = sum(t.numel() for d in param_state[0].values() if isinstance(d, dict)
                 for k, t in d.items() if k == "param")
     assert words == sum(t.numel() for t in model["model"].values() if isinstance(t, torch.Tensor))  # every DP shard
@@ -177,3 +178,20 @@ def test_torch_format_with_distributed_optimizer_resumes_bitwise(tmp_path):
     assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 3" in resumed.output
     assert [r["iteration"] for r in resumed.rows("train")] == [4, 5, 6]
     assert _train_rows(resumed) == _train_rows(whole)[3:]
+
+    # at DP=1 (one process, eager): megatron-core scatters the gathered state to the DP ranks there are; saved
+    # again at once (iteration 3, no step between), it is the same state
+    flags = ["--ckpt-format", "torch", "--no-npu-compile", "--eval-iters", "0", "--load", str(ckpt)]
+    pretrain(tmp_path / "dp1", "--train-iters", "3", "--save-interval", "4", "--use-distributed-optimizer", *flags,
+             "--save", str(tmp_path / "dp1" / "ckpt")).check()
+    again = torch.load(tmp_path / "dp1" / "ckpt" / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt")
+    assert again.keys() == param_state.keys() and again[0].keys() == param_state[0].keys()
+    for key, saved in param_state[0].items():
+        assert saved.keys() == again[0][key].keys() == {"param", "exp_avg", "exp_avg_sq", "numel_unpadded"}
+        assert all(torch.equal(saved[k], again[0][key][k]) for k in ("param", "exp_avg", "exp_avg_sq"))
+    # the other optimizer cannot take this state: refused at the load, naming both ways out
+    other = pretrain(tmp_path / "plain", "--train-iters", "4", *flags)
+    assert other.returncode == 1
+    assert (f"pretrain_gpt: error: {ckpt}/iter_0000003 was saved with --use-distributed-optimizer, this job runs "
+            "without it: the optimizer state is in the other's form; run with --use-distributed-optimizer, or load "
+            "the weights alone with --no-load-optim") in other.output
