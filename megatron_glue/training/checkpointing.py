@@ -230,7 +230,7 @@ def _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed,
     first = ps.get_data_parallel_rank() == 0  # DP replicas hold the same model; DP rank 0 writes the folder
     if first:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.use_distributed_optimizer and with_optim and optimizer is not None:
+    if with_optim and optimizer is not None and args.use_distributed_optimizer:
         optimizer.save_parameter_state(_distrib_optim_file(path))  # every DP rank: a gather to DP rank 0
     if not first:
         return
