@@ -352,7 +352,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.save:  # a job that cannot write its checkpoints is refused here, not after training to its first save
-        from megatron_glue.checkpointing import save_refusal
+        from megatron_glue.training.checkpointing import save_refusal
 
         if (why := save_refusal(args)) is not None:
             fail(why)

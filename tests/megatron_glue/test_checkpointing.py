@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_glue.arguments import ArgumentError, parse_args
+from megatron_glue.training.arguments import ArgumentError, parse_args
 from pretrain_runs import TINY
 
 BASE = [*TINY, "--train-iters", "4", "--save-interval", "2"]
