@@ -21,7 +21,8 @@ finished rank 0 renames it to `iter_XXXXXXX/` and then replaces the tracker file
 renamed). An interrupted save leaves the tracker and every `iter_*` folder as they were (no half-written
 `iter_*` folder exists for a loader or a script to pick); its `.incomplete` folder is removed by the next save.
 A committed folder of the same iteration (a resumed job that saves the iteration it loaded) is replaced only once
-the new one is complete.
+the new one is complete: moved aside to `.iter_XXXXXXX.replaced`, the new one renamed in, the old one removed (a
+save that dies between the two renames leaves it aside; the next load or save puts it back).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from megatron_glue.training.log import print_rank0
 TRACKER = "latest_checkpointed_iteration.txt"
 DISTRIB_OPTIM = "distrib_optim.pt"  # Megatron-LM's name for the distributed optimizer's state (torch format)
 INCOMPLETE = ".incomplete"  # the suffix of a folder being saved (.iter_0000100.incomplete)
+REPLACED = ".replaced"  # a committed folder moved aside while a new save of its iteration takes its name
 CHECKPOINT_VERSION = 3.0
 # Architecture flags a checkpoint must agree with (stored with it; `--load` refuses another value).
 ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -168,8 +170,26 @@ def save_refusal(args) -> str | None:
     return None
 
 
-def _incomplete_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, "." + os.path.basename(iteration_dir(root, iteration)) + INCOMPLETE)
+def _aside(root: str, iteration: int | str, suffix: str) -> str:
+    return os.path.join(root, "." + os.path.basename(iteration_dir(root, iteration)) + suffix)
+
+
+def _restore_replaced(root: str) -> None:
+    """Rank 0: a committed folder moved aside by a save that died before the new one took its name goes back."""
+    for name in sorted(os.listdir(root)):
+        committed = os.path.join(root, name[1:-len(REPLACED)])
+        if name.startswith(".iter_") and name.endswith(REPLACED) and not os.path.lexists(committed):
+            os.rename(os.path.join(root, name), committed)
+            print(f" {committed} restored from {name}, where a save of its iteration that died had moved it",
+                  flush=True)
+
+
+def _clear_interrupted(root: str) -> None:
+    """Rank 0, before a save: what interrupted saves left is removed, a committed folder they moved aside restored."""
+    _restore_replaced(root)
+    for name in os.listdir(root):
+        if name.startswith(".iter_") and name.endswith((INCOMPLETE, REPLACED)):
+            shutil.rmtree(os.path.join(root, name))
 
 
 def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed_train: int,
@@ -178,13 +198,11 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
     from megatron.core import dist_checkpointing
 
     root = args.save
-    folder, partial = iteration_dir(root, iteration), _incomplete_dir(root, iteration)
+    folder, partial = iteration_dir(root, iteration), _aside(root, iteration, INCOMPLETE)
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # left by interrupted saves: never committed
-            if name.startswith(".iter_") and name.endswith(INCOMPLETE):
-                shutil.rmtree(os.path.join(root, name))
+        _clear_interrupted(root)
         os.makedirs(partial)
     dist.barrier()
     with_optim, with_rng = not args.no_save_optim, not args.no_save_rng
@@ -199,7 +217,7 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
     if rank == 0:
         replaced = None
         if os.path.lexists(folder):  # this iteration saved before (a resumed job saving what it loaded)
-            replaced = partial + ".replaced"
+            replaced = _aside(root, iteration, REPLACED)
             os.rename(folder, replaced)
         os.rename(partial, folder)
         _write_tracker(root, iteration)
@@ -353,6 +371,9 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
                     "will not load any checkpoints and will start from random")
         return 0, 0, 0
     folder = iteration_dir(root, tracker)
+    if dist.get_rank() == 0:
+        _restore_replaced(root)
+    dist.barrier()
     if not os.path.isdir(folder):
         raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {tracker}, but {folder} is missing")
     release = tracker == "release"

@@ -99,7 +99,8 @@ def _interrupted(monkeypatch, folder, *flags, die_at: int):
 def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch):
     """A save that dies leaves the tracker and every iter_* folder as they were: its files are in
     .iter_XXXXXXX.incomplete, which the next save removes; a committed iteration saved again (a resumed job's last
-    save of the iteration it loaded) is replaced only once the new folder is complete."""
+    save of the iteration it loaded) is replaced only once the new folder is complete, and where the save died
+    with it moved aside, the next load puts it back."""
     ckpt = tmp_path / "ckpt"
     flags = ["--train-iters", "6", "--save-interval", "2", "--save", str(ckpt)]
     died = _interrupted(monkeypatch, tmp_path / "a", *flags, die_at=2)
@@ -123,7 +124,10 @@ def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypat
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert (ckpt / "iter_0000006" / "metadata.json").is_file()  # the committed iteration 6, whole
     assert (ckpt / ".iter_0000006.incomplete").is_dir()
+    # a save that died between its two renames: the committed folder moved aside, the new one not yet in its place
+    (ckpt / "iter_0000006").rename(ckpt / ".iter_0000006.replaced")
     last = pretrain(tmp_path / "d", "--train-iters", "6", "--load", str(ckpt), "--eval-iters", "0").check()
+    assert f"{ckpt}/iter_0000006 restored from .iter_0000006.replaced" in last.output
     assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 6" in last.output
 
 
