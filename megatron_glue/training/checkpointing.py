@@ -9,12 +9,15 @@
 Each checkpoint holds the model (one entry per virtual-pipeline chunk: `model`, or `model0`, `model1`, ...), the
 optimizer, the LR scheduler, the RNG states, the iteration, the consumed samples and the job's arguments (plain
 values), as Megatron-LM's `generate_state_dict` does. In the torch format the distributed optimizer's state goes
-where Megatron-LM puts it (megatron/training/checkpointing.py, save_checkpoint / load_checkpoint, core_v0.12.1 and
-core_v0.16.1): `model_optim_rng.pt` holds its `state_dict()` (param groups, step, grad scaler), and every rank calls
-megatron-core's `DistributedOptimizer.save_parameter_state(<mp_rank folder>/distrib_optim.pt)`, which gathers the
-DP shards of the main parameters and their Adam moments over the DP group's gloo group to DP rank 0, which writes
-the file; `load_parameter_state` reads it on DP rank 0 and scatters each DP rank its shard. DP rank 0 of each
-(TP, PP) rank writes `model_optim_rng.pt`; the other DP ranks hold the same model.
+where Megatron-LM puts it (megatron/training/checkpointing.py of core_v0.16.1 / core_v0.12.1:
+get_distributed_optimizer_checkpoint_name at :221 / :157, the save at :563 / :392, the load at :1794-1810 /
+:1394-1410): `model_optim_rng.pt` holds its `state_dict()` (param groups, step, grad scaler, no parameter state),
+and every rank calls megatron-core's `DistributedOptimizer.save_parameter_state(<mp_rank folder>/distrib_optim.pt)`
+(megatron/core/optimizer/distrib_optimizer.py, 0.16.1 :1126, 0.12.1 :1050), which gathers the DP shards of the
+main parameters and their Adam moments over the DP group's gloo group to DP rank 0, which writes the one file of
+that (TP, PP) rank; after `load_state_dict`, `load_parameter_state` (0.16.1 :2253, 0.12.1 :1822) reads it on DP
+rank 0 and scatters each DP rank its shard, for the DP size of the loading job. DP rank 0 of each (TP, PP) rank
+writes `model_optim_rng.pt`; the other DP ranks hold the same model.
 
 A save is committed only when complete: every rank writes into `.iter_XXXXXXX.incomplete/`, and when all have
 finished rank 0 renames it to `iter_XXXXXXX/` and then replaces the tracker file (written to a temporary name and
