@@ -118,8 +118,8 @@ def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypat
                                                       "latest_checkpointed_iteration.txt"]
 
     # loaded at 6 with nothing left to train: the job saves iteration 6 again (6 is no multiple of 4), and dies
-    resave = _interrupted(monkeypatch, tmp_path / "c", "--train-iters", "6", "--save-interval", "4", "--save", str(ckpt),
-                          "--load", str(ckpt), "--eval-iters", "0", die_at=1)
+    resave = _interrupted(monkeypatch, tmp_path / "c", "--train-iters", "6", "--save-interval", "4",
+                          "--save", str(ckpt), "--load", str(ckpt), "--eval-iters", "0", die_at=1)
     assert resave.returncode != 0 and "killed during the save of" in resave.output
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert (ckpt / "iter_0000006" / "metadata.json").is_file()  # the committed iteration 6, whole
