@@ -351,6 +351,11 @@ def validate(args: argparse.Namespace) -> None:
         fail("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local directory)")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.save:  # a job that cannot write its checkpoints is refused here, not after training to its first save
+        from megatron_glue.training.checkpointing import save_refusal
+
+        if (why := save_refusal(args)) is not None:
+            fail(why)
     if args.save_interval is not None and not args.save and int(os.environ.get("RANK", "0")) == 0:
         print(" WARNING: --save-interval has no effect without --save; no checkpoints will be written",
               file=sys.stderr)
