@@ -126,6 +126,7 @@ RUNS = {
     "none": [],
     "uniform": [*FULL, "--recompute-method", "uniform", "--recompute-num-layers", "1"],
     "block": [*FULL, "--recompute-method", "block", "--recompute-num-layers", "1"],
+    "selective": ["--recompute-activations"],
 }
 
 
@@ -170,5 +171,9 @@ def test_uniform_recomputes_every_layer_and_block_the_first_n(runs):
     assert _layer_graphs(runs["none"]) == {"forward+backward": 4}
     assert _layer_graphs(runs["uniform"]) == {"forward+backward": 4, "inference": 4}
     assert _layer_graphs(runs["block"]) == {"forward+backward": 4, "inference": 1}
+    # selective: core attention is the fused attention's, whose backward recomputes the probabilities; nothing is
+    # checkpointed around the layers
+    assert _layer_graphs(runs["selective"]) == {"forward+backward": 4}
+    assert_close(runs["selective"].losses, runs["none"].losses, 1e-5, "lm loss")
     for run in runs.values():
         assert all(json.loads(p.read_text())["graph_breaks"] == 0 for p in (run.folder / "dumps").glob("*/report.json"))
