@@ -140,11 +140,12 @@ def runs(tmp_path_factory):
     return {name: pretrain(root / name, *flags, *extra).check() for name, extra in RUNS.items()}
 
 
-def _layer_graphs(run) -> dict[str, int]:
+def _layer_graphs(run, rank: int | None = None) -> dict[str, int]:
     """{"forward+backward" / "inference": how many layers ran that graph} over the layer graphs (those with the
-    fused attention) this run compiled."""
+    fused attention) this run (this rank of it) compiled."""
     counts = {}
-    for report in sorted((run.folder / "dumps").glob("*/report.json")):
+    dumps = run.folder / "dumps" / ("" if rank is None else f"rank{rank}")
+    for report in sorted(dumps.glob("*/report.json")):
         r = json.loads(report.read_text())
         if r["fusions"].get("attention"):
             kind = "+".join(r["graphs"])
@@ -177,3 +178,16 @@ def test_uniform_recomputes_every_layer_and_block_the_first_n(runs):
     assert_close(runs["selective"].losses, runs["none"].losses, 1e-5, "lm loss")
     for run in runs.values():
         assert all(json.loads(p.read_text())["graph_breaks"] == 0 for p in (run.folder / "dumps").glob("*/report.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.training
+def test_block_recomputes_the_first_n_layers_of_each_pipeline_stage(tmp_path):
+    flags = ["--num-layers", "4", "--train-iters", "3", "--eval-iters", "0", "--pipeline-model-parallel-size", "2",
+             "--npu-compile-options", json.dumps({"dump_dir": "dumps", "cache": False})]
+    none = pretrain(tmp_path / "none", *flags, nproc=2).check()
+    block = pretrain(tmp_path / "block", *flags, *RUNS["block"], nproc=2).check()
+    for rank in (0, 1):  # two layers a stage: the first of each recomputed
+        assert _layer_graphs(block, rank) == {"forward+backward": 2, "inference": 1}
+    assert_close(block.losses, none.losses, 1e-5, "lm loss")
+    assert_close(*[[r["grad_norm"] for r in run.rows("train")] for run in (block, none)], 1e-5, "grad norm")
