@@ -361,6 +361,27 @@ def _inference_rng_tracker_0_12(initialize_rng_tracker):
 
 
 @registry.replaces(
+    "checkpoint_rng_state_on_cpu", "megatron.core.tensor_parallel.random._get_cuda_rng_state", "cpu",
+    reason="activation checkpointing (--recompute-granularity full) saves and restores the device generator around "
+    "the recomputed forward with torch.cuda.random.get_rng_state / default_generators (tensor_parallel/random.py:"
+    "447,457,514; 0.12.1: tensor_parallel/random.py:366,373,406); on a CPU the device generator is torch's CPU "
+    "generator",
+)
+def _cpu_rng_state(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+@registry.replaces(
+    "checkpoint_set_rng_state_on_cpu", "megatron.core.tensor_parallel.random._set_cuda_rng_state", "cpu",
+    reason="the restoring half of checkpoint_rng_state_on_cpu: _set_cuda_rng_state sets torch.cuda's default "
+    "generator (tensor_parallel/random.py:457,550; 0.12.1: tensor_parallel/random.py:373,441); on a CPU, torch's "
+    "CPU generator",
+)
+def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+@registry.replaces(
     "fresh_global_buffer", "megatron.core.utils.GlobalMemoryBuffer.get_tensor", "cpu",
     reason="GlobalMemoryBuffer allocates on torch.cuda.current_device() (utils.py:631; 0.12.1: utils.py:394); a "
     "fresh tensor on the default device also keeps cached state out of Dynamo guards and autograd: under SP a "

@@ -24,12 +24,6 @@ NOT_IMPLEMENTED = {
     "--expert-model-parallel-size": "MoE is not implemented",
     "--num-experts": "MoE is not implemented",
     "--transformer-impl": "only the local (megatron-core, no Transformer Engine) layers exist here; drop the flag",
-    "--recompute-granularity": "activation recompute is chosen by the compiler: --npu-compile-options "
-                               "'{\"memory_budget\": 0.5}'",
-    "--recompute-activations": "activation recompute is chosen by the compiler: --npu-compile-options "
-                               "'{\"memory_budget\": 0.5}'",
-    "--recompute-method": "activation recompute is chosen by the compiler: --npu-compile-options "
-                          "'{\"memory_budget\": 0.5}'",
     "--train-samples": "give --train-iters",
     "--rampup-batch-size": "batch-size ramp-up is not implemented; give a fixed --global-batch-size",
     "--async-save": "asynchronous checkpoint saves are not implemented",
@@ -124,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+
+    g = p.add_argument_group("activation recompute (Megatron-LM's meanings; see docs/recompute.md)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="the same as --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: checkpoint whole transformer layers (Megatron's own checkpointing around the compiled "
+                        "layers; needs --recompute-method and --recompute-num-layers); selective: core attention, "
+                        "which the backend's fused attention recomputes in its backward")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="uniform: every layer, in chunks of --recompute-num-layers checkpointed together; block: "
+                        "only the first --recompute-num-layers layers of each pipeline stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per checkpointed chunk (uniform), or layers recomputed per pipeline stage (block)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -331,6 +338,7 @@ def validate(args: argparse.Namespace) -> None:
                  f"multiple of --pipeline-model-parallel-size {pp}")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         fail("--overlap-param-gather needs --use-distributed-optimizer")
+    validate_recompute(args, fail)
 
     if args.split is None:
         args.split = "969, 30, 1"
@@ -389,6 +397,56 @@ def validate(args: argparse.Namespace) -> None:
             fail(f"--use-ascend-mc2 makes MC2 ops, which only the npu and npu-sim targets have; this job compiles for "
                  f"target 'reference' ({why}); to run them on the CPU, give --npu-compile-options "
                  "'{\"target\": \"npu-sim\"}'")
+
+
+def validate_recompute(args: argparse.Namespace, fail) -> None:
+    """Megatron-LM's recompute rules (megatron/training/arguments.py validate_args and TransformerConfig's
+    __post_init__, core_v0.16.1; docs/recompute.md cites the lines), each broken one a one-line error.
+    Afterwards args.recompute_activations is gone, as in Megatron-LM, and recompute_granularity says it all."""
+    if args.recompute_activations:  # Megatron-LM: --recompute-activations sets selective, over any granularity
+        args.recompute_granularity = "selective"
+    del args.recompute_activations
+    granularity, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    per_chunk = per_stage // (args.virtual_pipeline_model_parallel_size or 1)
+    if granularity is None:
+        if method is not None or n is not None:
+            given = "--recompute-method" if method is not None else "--recompute-num-layers"
+            fail(f"{given} has no effect without --recompute-granularity full (Megatron-LM ignores it); give "
+                 "--recompute-granularity full, or drop it")
+        return
+    if granularity == "selective":
+        fusions = args.npu_compile_options.get("fusions", "all")
+        attention_fused = fusions == "all" or (fusions.get("attention", False) if isinstance(fusions, dict)
+                                               else "attention" in fusions)
+        if args.npu_compile and not attention_fused:
+            fail("--recompute-granularity selective (core attention) is done by the fused attention, whose backward "
+                 "recomputes the attention probabilities, and --npu-compile-options 'fusions' leaves the attention "
+                 "rule out; add \"attention\" to 'fusions', or drop the recompute flag")
+        if method is not None:
+            fail("--recompute-method is not supported with --recompute-granularity selective (Megatron-LM: "
+                 "recompute method is not yet supported for selective recomputing granularity); drop "
+                 "--recompute-method, or use --recompute-granularity full")
+        if n is not None:
+            fail("--recompute-num-layers must be None with --recompute-granularity selective (selective "
+                 "recomputes core attention in every layer); drop --recompute-num-layers")
+        return
+    if method is None:
+        fail('--recompute-granularity full needs --recompute-method "block" or "uniform"')
+    if n is None or n < 1:
+        got = "" if n is None else f" (got {n})"
+        fail(f"--recompute-granularity full needs --recompute-num-layers between 1 and the {per_chunk} layers of "
+             f"each model chunk{got}")
+    if args.npu_compile and (args.hidden_dropout > 0 or args.attention_dropout > 0):
+        # the checkpointed forward runs the layer's no-grad graph, the recompute its training graph, and the two
+        # draw their dropout seeds in different orders: the backward would use other masks than the forward's
+        fail(f"--recompute-granularity full in the compiled job needs --hidden-dropout 0 and --attention-dropout 0 "
+             f"(got {args.hidden_dropout} and {args.attention_dropout}): the recomputed layer's graph draws its "
+             "dropout masks in another order than the forward's; set both to 0, or run --no-npu-compile")
+    if method == "uniform" and per_chunk % n:
+        # Megatron's uniform loop steps over chunks of n layers and would index past the last layer
+        fail(f"--recompute-method uniform checkpoints chunks of --recompute-num-layers {n} layers, which must "
+             f"divide the {per_chunk} layers of each model chunk; use a divisor of {per_chunk}")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:

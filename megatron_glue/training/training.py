@@ -112,10 +112,27 @@ def transformer_config(args, where):
         # from the same peer with the same tag, and gloo swaps activations and grads (wrong losses, no error)
         batch_p2p_comm=not interleaved, batch_p2p_sync=False, overlap_p2p_comm=False,
         deallocate_pipeline_outputs=pipelined,
+        **recompute_fields(args),
     )
     fields.update(versions.transformer_config_extras())
     with quiet_megatron():
         return TransformerConfig(**fields)
+
+
+def recompute_fields(args) -> dict:
+    """--recompute-* as TransformerConfig fields. Full recompute is megatron-core's own: TransformerBlock's
+    checkpointed forward wraps the chosen layers (uniform: every chunk of N; block: the first N of the stage) in
+    tensor_parallel.checkpoint, around the compiled layers, whose graphs stay whole (docs/recompute.md).
+    Selective (core attention): eagerly megatron-core's checkpointed core attention; compiled, the backend's
+    fused attention, whose backward recomputes the attention probabilities from the saved softmax statistics,
+    so the config asks for nothing more (checkpointing inside a layer's graph would break it)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity is None or granularity == "selective" and args.npu_compile:
+        return {}
+    if granularity == "selective":
+        return dict(recompute_granularity="selective")
+    return dict(recompute_granularity="full", recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers)
 
 
 def compile_model(chunk, args) -> None:
