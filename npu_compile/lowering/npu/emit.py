@@ -148,6 +148,14 @@ class Emitter:
             return node
         return self(aten._to_copy.default, node, dtype=dtype)
 
+    def where_zero(self, keep: Node, node: Node) -> Node:
+        """``node`` where ``keep``, else 0 of its dtype: ``aten.where.self`` against a 0-dim ``new_zeros`` of
+        ``node``. Not ``aten.where.ScalarOther``, which torchair has no GE converter for
+        (ge_converter/aten/where.py), and no zero made from nothing (``scalar_tensor``, ``full``): torchair's
+        aclgraph conversion re-runs each op on its inputs outside the fake mode when it compiles a backward
+        (fx2acl_converter.py, parse_node), where such an op makes a real tensor beside fake ones."""
+        return self(aten.where.self, keep, node, self(aten.new_zeros.default, node, []))
+
     def sum_to(self, node: Node, shape: Sequence[int], dtype: torch.dtype) -> Node:
         """``node`` summed (in fp32) down to ``shape``, which broadcasts to it, then cast to ``dtype``."""
         src = tuple(node.meta["val"].shape)

@@ -8,6 +8,7 @@ op and reason in report.json ``unfused``. The plan rides on the graph (``gm.meta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -108,18 +109,29 @@ def plan_graph(gm: GraphModule, graph_mode: str) -> GraphPlan:
     return GraphPlan(requested=graph_mode, graph_mode=mode, reasons=tuple(reasons))
 
 
-def torchair_compile(gm: GraphModule, example_inputs: Sequence[Any], plan: GraphPlan) -> Callable:
-    """Hand ``gm`` to torchair's per-graph compiler (the one torchair's own backend gives aot_autograd)."""
-    import torchair  # installed by torch_npu; only the npu target gets here
+def torchair_compile(gm: GraphModule, example_inputs: Sequence[Any], plan: GraphPlan,
+                     settings: dict[str, Any] | None = None) -> Callable:
+    """Hand ``gm`` to torchair's per-graph compiler (the one torchair's own backend gives aot_autograd), with
+    the plan's CompilerConfig fields and ``settings`` (dotted names) over them.
+
+    An aclgraph conversion runs under the example inputs' fake mode. aot_autograd compiles a forward with that
+    mode active but a backward lazily, at the first ``.backward()``, without it; torchair's aclgraph conversion
+    re-runs each op on the fake inputs outside its own fake pass (torchair/_acl_concrete_graph/
+    fx2acl_converter.py, ``parse_node``), so there an op that makes a tensor from sizes alone (the backward's
+    ``aten.zeros``) would make a real one beside fake ones, which torch refuses."""
+    import torchair  # installed by torch_npu; only the npu target (and torchair_check's child) gets here
+    from torch._guards import detect_fake_mode
 
     config = torchair.CompilerConfig()
-    for dotted, value in plan.torchair_settings().items():
+    for dotted, value in {**plan.torchair_settings(), **(settings or {})}.items():
         *path, leaf = dotted.split(".")
         owner = config
         for part in path:
             owner = getattr(owner, part)
         setattr(owner, leaf, value)
-    return torchair.get_compiler(config)(gm, list(example_inputs))
+    fake_mode = detect_fake_mode(example_inputs) if plan.graph_mode == "aclgraph" else None
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        return torchair.get_compiler(config)(gm, list(example_inputs))
 
 
 def executor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Callable:
