@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +26,8 @@ aten = torch.ops.aten
 PLAN_META = "npu_compile_graph_plan"
 
 # torch_npu ops with a GE converter in torchair 2.13 (torch_npu/dynamo/torchair/_ge_concrete_graph/ge_converter/
-# custom/); npu_add_layer_norm and its backward have none.
+# custom/); npu_add_layer_norm and its backward have none. tests/lowering/test_torchair.py checks this table
+# against the wheel's converters: every op here has one, every other npu op we emit has none.
 GE_CONVERTERS = frozenset({
     "npu_fusion_attention", "npu_fusion_attention_grad", "npu_rms_norm", "npu_rms_norm_backward",
     "npu_add_rms_norm", "npu_gelu", "npu_gelu_backward", "npu_fast_gelu", "npu_fast_gelu_backward",
@@ -35,6 +37,17 @@ GE_CONVERTERS = frozenset({
     "npu_all_gather_base_mm", "npu_mm_reduce_scatter_base", "npu_mm_all_reduce_base",
 })
 GE_ATTENTION_LAYOUTS = ("BSH", "BNSD")
+# aten ops whose torchair 2.13 converter raises whatever its arguments (ge_converter/aten/<op>.py); checked by
+# running the converters (tests/lowering/test_torchair.py).
+GE_REJECTED_ATEN = {
+    aten.randint.low: "torchair's GE converter for aten.randint.low is 'not supported' (the dropout seed draw)",
+    aten.where.ScalarOther: "torchair's GE converter for aten.where.ScalarOther is 'not supported'",
+    aten.amax.default: "torchair's GE converter for aten.amax is 'not implemented'",
+    aten.index_put.default: "torchair's GE converter for aten.index_put is 'not implemented'",
+}
+# Reductions GE's collectives take (torchair/_ge_concrete_graph/utils.py, normalize_reduceop_type).
+GE_REDUCE_OPS = ("sum", "min", "max", "product")
+ROTARY_GRAD_MAX_BROADCAST = 1024  # custom/npu_rotary_mul_backward.py: the product of r1's broadcast dims
 TORCHAIR_MODES = {"ge": "max-autotune", "aclgraph": "npugraph_ex"}
 
 
@@ -55,19 +68,56 @@ class GraphPlan:
         return {"mode": TORCHAIR_MODES[self.graph_mode]}
 
 
+def _static(*tensors: Any) -> bool:
+    return all(isinstance(s, int) for t in tensors for s in t.shape)
+
+
+def _rotary_blockers(name: str, call: dict[str, Any]) -> list[str]:
+    """torchair's rotary converters on Atlas A2/A3 (custom/npu_rotary_mul.py, npu_rotary_mul_backward.py)."""
+    problems = []
+    if call.get("rotary_mode", "half") != "half":
+        problems.append(f"torchair's GE converter builds RotaryMul, which rotates halves, whatever rotary_mode "
+                        f"says (got {call['rotary_mode']!r})")
+    if name == "npu_rotary_mul_backward":
+        x, r1 = call["self"].meta["val"], call["r1"].meta["val"]
+        if x.dim() != 4 or r1.dim() != 4:
+            problems.append(f"torchair's GE converter for npu_rotary_mul_backward takes rank-4 x and r1, got "
+                            f"{x.dim()} and {r1.dim()}")
+        elif not _static(*(call[k].meta["val"] for k in ("grad", "self", "r1", "r2"))):
+            problems.append("torchair's GE converter for npu_rotary_mul_backward takes static shapes only")
+        else:
+            broadcast = math.prod(s for s, r in zip(x.shape, r1.shape) if s != r)
+            if x.shape[3] % 64 or broadcast > ROTARY_GRAD_MAX_BROADCAST:
+                problems.append(
+                    f"torchair's GE converter for npu_rotary_mul_backward takes a last dim that is a multiple of 64 "
+                    f"and broadcast dims of product <= {ROTARY_GRAD_MAX_BROADCAST}, got {x.shape[3]} and "
+                    f"{broadcast}")
+    return problems
+
+
 def _ge_blockers(node: Node) -> list[str]:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return []
+    if target in GE_REJECTED_ATEN:
+        return [GE_REJECTED_ATEN[target]]
     ns, name = target.namespace, target._schema.name.split("::")[-1]
+    call = dict(zip((a.name for a in target._schema.arguments), node.args)) | dict(node.kwargs)
+    if ns == "_c10d_functional":
+        op = call.get("reduceOp", call.get("reduce_op"))
+        if isinstance(op, str) and op.lower() not in GE_REDUCE_OPS:
+            return [f"GE's collectives reduce by {', '.join(GE_REDUCE_OPS)} only, got {op!r} "
+                    f"(torchair: 'ge unsupported reduce type')"]
+        return []
     if ns == "npu_compile":
         return ["a reference kernel (Python custom op) has no GE converter"]
     if ns != "npu":
         return []
     if name not in GE_CONVERTERS:
         return [f"torchair has no GE converter for {name}"]
+    if name.startswith("npu_rotary_mul"):
+        return _rotary_blockers(name, call)
     if name.startswith("npu_fusion_attention"):
-        call = dict(zip((a.name for a in target._schema.arguments), node.args)) | dict(node.kwargs)
         problems = []
         if call.get("input_layout") not in GE_ATTENTION_LAYOUTS:
             problems.append(
