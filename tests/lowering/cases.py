@@ -20,6 +20,7 @@ import torch
 import npu_compile.ops  # noqa: F401
 from npu_compile import lowering
 from npu_compile.debug.report import Report, collect
+from npu_compile.lowering.npu import graph_modes, torchair_check
 
 F = torch.ops.npu_compile
 S, B, N, NKV, D, H = 16, 2, 4, 2, 16, 32
@@ -43,6 +44,7 @@ class Run:
     grads: list[torch.Tensor | None]
     expected_outputs: list[torch.Tensor]
     expected_grads: list[torch.Tensor | None]
+    calls: list[torchair_check.Graph]  # the graphs as target npu's executor would get them, with their plans
 
 
 def _t(*shape: int, grad: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -162,8 +164,10 @@ CASES: dict[str, Case] = {
 
 
 @contextlib.contextmanager
-def lowered_graphs() -> Iterator[list[torch.fx.GraphModule]]:
-    """Every graph lowered inside the block, as it runs (recorded where the backend hands it to its executor)."""
+def lowered_graphs(calls: list[torchair_check.Graph] | None = None) -> Iterator[list[torch.fx.GraphModule]]:
+    """Every graph lowered inside the block, as it runs (recorded where the backend hands it to its executor);
+    ``calls`` gets each one as target npu's executor would get it, with the graph mode target npu plans for it
+    (what torchair_check converts)."""
     graphs: list[torch.fx.GraphModule] = []
     target_of = lowering.target
 
@@ -172,6 +176,9 @@ def lowered_graphs() -> Iterator[list[torch.fx.GraphModule]]:
 
         def record(gm, example_inputs, opts):
             graphs.append(gm)
+            if calls is not None:
+                mode = graph_modes.plan_graph(gm, opts.graph_mode).graph_mode
+                calls.append(torchair_check.Graph.at_executor(f"graph {len(calls)}", gm, example_inputs, mode))
             return target.executor(gm, example_inputs, opts)
 
         return dataclasses.replace(target, executor=record)
@@ -203,7 +210,8 @@ def run(name: str, dynamic: bool = False) -> Run:
     inputs = case.inputs()
     expected = _forward_backward(case.eager or case.fn, _copy(inputs))
     torch._dynamo.reset()
-    with collect() as reports, lowered_graphs() as graphs:
+    calls: list[torchair_check.Graph] = []
+    with collect() as reports, lowered_graphs(calls) as graphs:
         compiled = torch.compile(case.fn, backend="ascend", dynamic=True if dynamic else None,
                                  options={"target": "npu-sim", **case.options})
         outputs, grads = _forward_backward(compiled, inputs)
@@ -211,7 +219,9 @@ def run(name: str, dynamic: bool = False) -> Run:
         # Dynamo may first compile a frame with no tensor ops (its report lowers nothing); the case's is last
         reports = [r for r in reports if r.lowered_ops][-1:]
     (report,) = reports
-    return Run(report, graphs, outputs, grads, *expected)
+    for call in calls:
+        call.name = f"{name}{' (dynamic)' if dynamic else ''}: {call.name}"
+    return Run(report, graphs, outputs, grads, *expected, calls)
 
 
 def lowered_ops(r: Run) -> set[str]:

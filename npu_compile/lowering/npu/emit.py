@@ -129,20 +129,6 @@ class Emitter:
         self.emitted.append(new)
         return new
 
-    def constant(self, name: str, make: Callable[[torch.device], torch.Tensor], device: torch.device) -> Node:
-        """A tensor the graph module holds (one per name), e.g. the compressed causal mask."""
-        if not hasattr(self.gm, name):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                self.gm.register_buffer(name, make(device))
-        with self.gm.graph.inserting_before(self.node):
-            new = self.gm.graph.get_attr(name)
-        if self.fake_mode is not None:
-            new.meta["val"] = self.fake_mode.from_tensor(getattr(self.gm, name), static_shapes=True)
-        self.emitted.append(new)
-        return new
-
     def cast(self, node: Node, dtype: torch.dtype) -> Node:
         if node.meta["val"].dtype == dtype:
             return node

@@ -294,7 +294,27 @@ def _convert_one(torchair: Any, g: Graph) -> dict[str, Any]:
     return {"status": CHECKED, "aclgraph_code": code}
 
 
-def _child(conn: Any, root: str, items: list[Graph]) -> None:
+def _probe(op: torch._ops.OpOverload) -> str:
+    """What torchair's converter for ``op`` says: "none" (no converter, so CANN would be asked), "rejects: <its
+    message>" (it raises before looking at its arguments, as 1,402 of the wheel's aten/prims converters do), or
+    "converts" (it got as far as reading its arguments)."""
+    from torchair._ge_concrete_graph import fx2ge_converter  # noqa: PLC0415
+
+    converter = getattr(op, "_ge_converter", None) or fx2ge_converter._CONVERTERS.get(op)
+    if converter is None:
+        return "none"
+    params = [a for a in op._schema.arguments if not a.kwarg_only]
+    try:
+        converter(*[None] * len(params), meta_outputs=None)
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        if "ge_converter is not" in str(e):
+            return f"rejects: {type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001  (it read an argument: it converts something)
+        pass
+    return "converts"
+
+
+def _child(conn: Any, root: str, items: list[Graph], probes: list[Any]) -> None:
     results: list[dict[str, Any]] = []
     try:
         sink = io.StringIO()
@@ -303,15 +323,21 @@ def _child(conn: Any, root: str, items: list[Graph]) -> None:
             from npu_compile.lowering.npu import ge_converters  # noqa: PLC0415
 
             ge_converters.register(torchair)
-            if any(g.graph_mode == "aclgraph" for g in items):
-                stub = sys.modules.setdefault("torch_npu", _torch_npu_stub())
-                torch.npu = stub.npu  # AclGraph.load asks torch.npu for a graph pool
-            for g in items:
+            # ge graphs first, without torch_npu (with it, torchair's pattern passes would switch on and ask for
+            # npu ops npu-sim does not define); then aclgraph's, which import it
+            order = sorted(range(len(items)), key=lambda i: items[i].graph_mode == "aclgraph")
+            answers: dict[int, dict[str, Any]] = {}
+            for i in order:
+                if items[i].graph_mode == "aclgraph" and "torch_npu" not in sys.modules:
+                    sys.modules["torch_npu"] = stub = _torch_npu_stub()
+                    torch.npu = stub.npu  # AclGraph.load asks torch.npu for a graph pool
                 try:
-                    results.append(_convert_one(torchair, g))
+                    answers[i] = _convert_one(torchair, items[i])
                 except BaseException as e:  # noqa: BLE001
-                    results.append({"status": FAILED, "detail": f"the check itself failed: {_message(e)}"})
-        conn.send(results)
+                    answers[i] = {"status": FAILED, "detail": f"the check itself failed: {_message(e)}"}
+            results = [answers[i] for i in range(len(items))]
+            probed = {str(op): _probe(op) for op in probes}
+        conn.send((results, probed))
     except BaseException as e:  # noqa: BLE001
         conn.send({"error": f"{_message(e)}\n{traceback.format_exc()[-3000:]}"})
     finally:
@@ -323,10 +349,17 @@ def check(graphs: Sequence[Graph], wheel_path: Path | None = None, timeout: floa
 
     ``eager`` graphs are not converted (checked trivially: nothing of torchair runs them). Where the check
     cannot run, every graph is ``unchecked`` with the reason."""
+    return run(graphs, (), wheel_path, timeout)[0]
+
+
+def run(graphs: Sequence[Graph], probes: Sequence[torch._ops.OpOverload] = (), wheel_path: Path | None = None,
+        timeout: float = 900) -> tuple[list[Verdict], dict[str, str] | str]:
+    """:func:`check`, plus :func:`_probe` of each op in ``probes`` (torchair's converters asked directly), in the
+    same child: (verdicts, {op: answer}, or the reason nothing could be asked)."""
     verdicts = [Verdict(g.name, g.graph_mode, CHECKED if g.graph_mode == "eager" else UNCHECKED) for g in graphs]
     todo = [(i, g) for i, g in enumerate(graphs) if g.graph_mode != "eager"]
-    if not todo:
-        return verdicts
+    if not todo and not probes:
+        return verdicts, {}
     path = wheel_path or wheel()
     reason = unavailable(path)
     if reason is None and "fork" not in multiprocessing.get_all_start_methods():
@@ -334,13 +367,14 @@ def check(graphs: Sequence[Graph], wheel_path: Path | None = None, timeout: floa
     if reason is not None:
         for i, _ in todo:
             verdicts[i].detail = reason
-        return verdicts
+        return verdicts, reason
     root = torchair_root(path)
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork beside threads: the child touches none of them
-        proc = ctx.Process(target=_child, args=(child, str(root), [g for _, g in todo]), daemon=True)
+        proc = ctx.Process(target=_child, args=(child, str(root), [g for _, g in todo], list(probes)),
+                           daemon=True)
         proc.start()
     child.close()
     try:
@@ -357,10 +391,11 @@ def check(graphs: Sequence[Graph], wheel_path: Path | None = None, timeout: floa
     if isinstance(answer, dict):  # the child could not set up torchair at all
         for i, _ in todo:
             verdicts[i].status, verdicts[i].detail = FAILED, f"torchair could not be set up: {answer['error']}"
-        return verdicts
-    for (i, _), result in zip(todo, answer):
+        return verdicts, f"torchair could not be set up: {answer['error']}"
+    results, probed = answer
+    for (i, _), result in zip(todo, results):
         v = verdicts[i]
         v.status, v.detail = result["status"], result.get("detail", "")
         v.ge_text, v.ge_ops, v.aclgraph_code = result.get("ge_text"), result.get("ge_ops", []), result.get(
             "aclgraph_code")
-    return verdicts
+    return verdicts, probed

@@ -1,0 +1,160 @@
+"""torchair's own converters on the graphs target npu hands them (npu_compile/lowering/npu/torchair_check.py).
+
+The graphs are npu-sim's (the very lowering target npu runs), recorded where the executor gets them, each with
+the graph mode target npu plans for it. torchair, from the pinned torch-npu 2.13.0 wheel with only
+``torchair.core._torchair`` stubbed, converts every ``ge`` graph into its GE GraphDef and runs its FX passes and
+code generation on every ``aclgraph`` graph, all in one forked child per process-group setting (importing
+torchair costs seconds; a graph well under one). A graph torchair rejects fails the test with the op, its
+arguments and torchair's message.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+import torch
+
+from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
+from npu_compile.lowering import npu_sim
+from npu_compile.lowering.npu import graph_modes, torchair_check
+from npu_compile.lowering.npu.schemas import SCHEMAS
+
+from . import wheel
+from .cases import CASES, lowered_graphs, run
+
+pytestmark = pytest.mark.slow
+
+VOCAB, SEQ, BATCH = 128, 64, 2
+FP32, BF16 = torch.float32, torch.bfloat16
+# (config, dtype, torch.compile dynamic): megatron-core GPT (LayerNorm, GeLU, learned positions) and Llama-style
+# (RMSNorm, SwiGLU, RoPE, GQA) at head dims 64 and 128, one layer (every op kind a layer has), the fused loss on
+MEGATRON = {
+    "gpt d64 fp32": (lambda: gpt_config(num_layers=1, hidden_size=128, num_attention_heads=2), FP32, False),
+    "gpt d128 bf16": (lambda: gpt_config(num_layers=1, hidden_size=256, num_attention_heads=2), BF16, False),
+    "llama d64 bf16": (lambda: llama_config(num_layers=1, hidden_size=256, num_attention_heads=4,
+                                            num_query_groups=2), BF16, False),
+    "llama d128 fp32": (lambda: llama_config(num_layers=1, hidden_size=256, num_attention_heads=2,
+                                             num_query_groups=1), FP32, False),
+    "llama d64 dropout": (lambda: llama_config(num_layers=1, hidden_size=128, num_attention_heads=2,
+                                               attention_dropout=0.1, hidden_dropout=0.1), FP32, False),
+    "llama d64 dynamic": (lambda: llama_config(num_layers=1, hidden_size=128, num_attention_heads=2), FP32, True),
+}
+# single-op graphs: every argument form the emitters produce (tests/lowering/cases.py)
+CASE_NAMES = [name for name in CASES if not name.endswith("_eager")]
+
+
+def _megatron_calls(name: str) -> list[torchair_check.Graph]:
+    config, dtype, dynamic = MEGATRON[name]
+    calls: list[torchair_check.Graph] = []
+    torch._dynamo.reset()
+    with lowered_graphs(calls):
+        model = build_gpt_model(config(), VOCAB, SEQ, seed=0).to(dtype)
+        compiled = torch.compile(model, backend="ascend", dynamic=dynamic or None,
+                                 options={"target": "npu-sim", "graph_mode": "ge"})
+        batch = synthetic_batch(BATCH, SEQ, VOCAB)
+        compiled(**batch).float().mean().backward()
+        if dynamic:  # a second length: the graphs compiled for symbolic sizes
+            compiled(**synthetic_batch(BATCH, SEQ // 2, VOCAB)).float().mean().backward()
+    for i, call in enumerate(calls):
+        call.name = f"{name}: {'forward' if i % 2 == 0 else 'backward'}"
+    return calls
+
+
+def _planted() -> torchair_check.Graph:
+    """The fused loss's backward with its where.self(valid, g, 0) put back as aten.where.ScalarOther, handed to
+    GE as if planned so: what the fused loss emitted before (the check must fail on it)."""
+    call = next(c for c in run("linear_cross_entropy_mean_smoothed_chunked").calls if "graph 1" in c.name)
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(call.gm.graph, {}))
+    gm = torch.fx.GraphModule(call.gm, graph)
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.aten.where.self and n.args[2].target is torch.ops.aten.new_zeros.default:
+            n.target, n.args = torch.ops.aten.where.ScalarOther, (n.args[0], n.args[1], 0.0)
+            break
+    else:
+        raise AssertionError("the fused loss's backward holds no where.self against a zero")
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return torchair_check.Graph("planted where.ScalarOther", gm, call.example_inputs, "ge", call.in_fake_mode)
+
+
+def _probes() -> list:
+    """Ops whose converters the plan's tables speak for: every npu op we define, and the aten ops plan_graph
+    rejects."""
+    npu_sim.register()
+    return [getattr(torch.ops.npu, name).default for name in SCHEMAS] + list(graph_modes.GE_REJECTED_ATEN)
+
+
+@pytest.fixture(scope="module")
+def converted(megatron_cpu):
+    """{configuration: [(graph, verdict)]} over the Megatron models and the single-op cases, one child; and the
+    converter probes."""
+    path = wheel.wheel_path()  # downloads the pinned wheel once, as the schema test does
+    by_config: dict[str, list[torchair_check.Graph]] = {name: _megatron_calls(name) for name in MEGATRON}
+    by_config["single-op cases"] = [c for name in CASE_NAMES for c in run(name).calls]
+    planted = _planted()
+    graphs = [g for calls in by_config.values() for g in calls] + [planted]
+    verdicts, probed = torchair_check.run(graphs, _probes(), wheel_path=path)
+    assert not isinstance(probed, str), probed
+    found = dict(zip(map(id, graphs), verdicts))
+    table = {name: [(g, found[id(g)]) for g in calls] for name, calls in by_config.items()}
+    return table, found[id(planted)], probed
+
+
+def _summary(table) -> str:
+    lines = ["| configuration | ge | aclgraph | eager | converted |", "|---|---|---|---|---|"]
+    for name, rows in table.items():
+        modes = collections.Counter(g.graph_mode for g, _ in rows)
+        ok = sum(v.status == torchair_check.CHECKED for g, v in rows if g.graph_mode != "eager")
+        lines.append(f"| {name} | {modes['ge']} | {modes['aclgraph']} | {modes['eager']} | "
+                     f"{ok}/{modes['ge'] + modes['aclgraph']} |")
+    return "\n".join(lines)
+
+
+def test_every_planned_graph_converts(converted):
+    table, _, _ = converted
+    print("\n" + _summary(table))
+    failures = [f"{g.name} ({g.graph_mode}): {v.detail}" for rows in table.values() for g, v in rows
+                if v.status != torchair_check.CHECKED]
+    assert not failures, "torchair rejects graphs target npu plans for it:\n" + "\n".join(failures)
+
+
+def test_training_graphs_with_attention_stay_in_ge(converted):
+    """The fused loss, attention's backward (the dsink converter) and the fp32 norms: whole models in GE."""
+    table, _, _ = converted
+    for name in ("gpt d64 fp32", "llama d128 fp32", "llama d64 bf16", "gpt d128 bf16"):
+        rows = table[name]
+        assert [g.graph_mode for g, _ in rows] == ["ge", "ge"], (name, [(g.name, g.graph_mode) for g, _ in rows])
+    (_, forward), (_, backward) = table["llama d128 fp32"]
+    assert {"FlashAttentionScore", "RmsNorm", "AddRmsNorm", "SwiGlu", "RotaryMul"} <= set(forward.ge_ops)
+    assert {"FlashAttentionScoreGrad", "RmsNormGrad", "SwiGluGrad", "RotaryMulGrad"} <= set(backward.ge_ops)
+    assert 'input_layout' in forward.ge_text and '"BSH"' in forward.ge_text or "BNSD" in forward.ge_text
+
+
+def test_demotions_name_what_torchair_rejects(converted):
+    table, _, _ = converted
+    dropout = [g for g, _ in table["llama d64 dropout"]]
+    assert all(g.graph_mode != "ge" for g in dropout)
+    dynamic = [g for g, _ in table["llama d64 dynamic"]]
+    assert dynamic and all(g.graph_mode != "ge" for g in dynamic)
+
+
+def test_the_check_fails_on_a_planted_where_scalar_other(converted):
+    _, planted, _ = converted
+    assert planted.status == torchair_check.FAILED
+    assert re.fullmatch(
+        r"torchair rejects aten\.where\.ScalarOther\(\w+: bool\[\d+\], \w+: float32\[\d+\], 0\.0\): "
+        r"RuntimeError: torch\.ops\.aten\.where\.ScalarOther ge_converter is not supported!", planted.detail), \
+        planted.detail
+
+
+def test_plan_tables_agree_with_torchairs_converters(converted):
+    """GE_CONVERTERS names exactly the npu ops torchair has a converter for; every aten op plan_graph rejects is
+    one whose converter raises whatever it is given."""
+    _, _, probed = converted
+    npu = {name: probed[str(getattr(torch.ops.npu, name).default)] for name in SCHEMAS}
+    assert {name for name, answer in npu.items() if answer != "none"} == graph_modes.GE_CONVERTERS, npu
+    for op in graph_modes.GE_REJECTED_ATEN:
+        assert probed[str(op)].startswith("rejects: "), (op, probed[str(op)])
