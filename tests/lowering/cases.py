@@ -94,6 +94,7 @@ CROSS_ENTROPY = ("npu.npu_cross_entropy_loss", "npu.npu_cross_entropy_loss_backw
 ATTENTION = ("npu.npu_fusion_attention", "npu.npu_fusion_attention_grad")
 V3 = ("npu.npu_fusion_attention_v3", "npu.npu_fusion_attention_grad_v3")  # the graph-mode versions (aclgraph)
 ACLGRAPH, EAGER = {"graph_mode": "aclgraph"}, {"graph_mode": "eager"}
+LAYER_NORM_GE = ("aten.native_layer_norm", "aten.native_layer_norm_backward")
 CASES: dict[str, Case] = {
     "attention_sbnd_causal_gqa": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION),
     "attention_bsnd_mask_megatron_fill": Case(
@@ -125,13 +126,29 @@ CASES: dict[str, Case] = {
         lambda x, r, w: (lambda y, _, total: (y, total * 0.5))(*F.add_rms_norm(x, r, w, 1e-5)),
         lambda: [_t(S, B, H, dtype=torch.bfloat16), _t(S, B, H, dtype=torch.bfloat16), _t(H, dtype=torch.bfloat16)],
         ("npu.npu_add_rms_norm", "npu.npu_rms_norm_backward"), tolerance=2e-2),
+    # graph_mode aclgraph: the npu kernels; ge: the sum and aten's layer norm (torchair converts those, not these)
     "add_layer_norm": Case(
         lambda x, r, w, b: (lambda y, _m, _r, total: (y, total * 0.5))(*F.add_layer_norm(x, r, w, b, 1e-5)),
         lambda: [_t(S, B, H), _t(S, B, H), _t(H), _t(H)],
-        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward")),
+        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward"), ACLGRAPH),
     "add_layer_norm_no_bias": Case(
         lambda x, r, w: F.add_layer_norm(x, r, w, None, 1e-5)[0], lambda: [_t(S, B, H), _t(S, B, H), _t(H)],
-        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward")),
+        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward"), ACLGRAPH),
+    "add_layer_norm_ge": Case(
+        lambda x, r, w, b: (lambda y, _m, _r, total: (y, total * 0.5))(*F.add_layer_norm(x, r, w, b, 1e-5)),
+        lambda: [_t(S, B, H), _t(S, B, H), _t(H), _t(H)], LAYER_NORM_GE),
+    "add_layer_norm_ge_bf16_no_bias": Case(
+        lambda x, r, w: F.add_layer_norm(x, r, w, None, 1e-5)[0],
+        lambda: [_t(S, B, H, dtype=torch.bfloat16), _t(S, B, H, dtype=torch.bfloat16), _t(H, dtype=torch.bfloat16)],
+        LAYER_NORM_GE, tolerance=2e-2),
+    # a weight of another dtype than x (Megatron's bf16 norms beside an fp32 stream, or the reverse): the kernel
+    # runs in the wider dtype, both casts exact
+    "rms_norm_bf16_x_fp32_weight": Case(
+        lambda x, w: F.rms_norm(x, w, 1e-5)[0], lambda: [_t(S, B, H, dtype=torch.bfloat16), _t(H)],
+        ("npu.npu_rms_norm", "npu.npu_rms_norm_backward"), tolerance=2e-2),
+    "rms_norm_fp32_x_bf16_weight": Case(
+        lambda x, w: F.rms_norm(x, w, 1e-5)[0], lambda: [_t(S, B, H), _t(H, dtype=torch.bfloat16)],
+        ("npu.npu_rms_norm", "npu.npu_rms_norm_backward"), tolerance=2e-2),
     "bias_gelu_erf": Case(lambda x, b: F.bias_gelu(x, b, "none"), lambda: [_t(S, B, H), _t(H)],
                           ("npu.npu_gelu", "npu.npu_gelu_backward")),
     "bias_gelu_tanh": Case(lambda x, b: F.bias_gelu(x, b, "tanh"), lambda: [_t(S, B, H), _t(H)],
