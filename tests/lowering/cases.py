@@ -194,8 +194,9 @@ def lowered_graphs(calls: list[torchair_check.Graph] | None = None) -> Iterator[
         def record(gm, example_inputs, opts):
             graphs.append(gm)
             if calls is not None:
-                mode = graph_modes.plan_graph(gm, opts.graph_mode).graph_mode
-                calls.append(torchair_check.Graph.at_executor(f"graph {len(calls)}", gm, example_inputs, mode))
+                plan = graph_modes.plan_graph(gm, opts.graph_mode)
+                calls.append(torchair_check.Graph.at_executor(f"graph {len(calls)}", gm, example_inputs,
+                                                              plan.graph_mode, plan.reasons))
             return target.executor(gm, example_inputs, opts)
 
         return dataclasses.replace(target, executor=record)

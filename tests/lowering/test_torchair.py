@@ -134,18 +134,25 @@ def test_training_graphs_with_attention_stay_in_ge(converted):
 
 
 def test_demotions_name_what_torchair_rejects(converted):
+    """Dropout: torchair's converters take keep_prob 1 only and reject the seed draw; the graph-mode attention
+    op with dropout carries its seed through the host, so the graphs run op by op. Dynamic lengths: Megatron's
+    index_put has no GE converter, so aclgraph."""
     table, _, _ = converted
-    dropout = [g for g, _ in table["llama d64 dropout"]]
-    assert all(g.graph_mode != "ge" for g in dropout)
-    dynamic = [g for g, _ in table["llama d64 dynamic"]]
-    assert dynamic and all(g.graph_mode != "ge" for g in dynamic)
+    reasons = lambda name: {why.split(": ", 1)[1] for g, _ in table[name] for _, why in g.reasons}  # noqa: E731
+    assert [g.graph_mode for g, _ in table["llama d64 dropout"]] == ["eager", "eager"]
+    assert "torchair's GE converter takes keep_prob == 1 only, got 0.9" in reasons("llama d64 dropout") or \
+        graph_modes.GE_REJECTED_ATEN[torch.ops.aten.randint.low] in reasons("llama d64 dropout"), \
+        reasons("llama d64 dropout")
+    assert {g.graph_mode for g, _ in table["llama d64 dynamic"]} == {"aclgraph"}
+    assert graph_modes.GE_REJECTED_ATEN[torch.ops.aten.index_put.default] in reasons("llama d64 dynamic"), \
+        reasons("llama d64 dynamic")
 
 
 def test_the_check_fails_on_a_planted_where_scalar_other(converted):
     _, planted, _ = converted
     assert planted.status == torchair_check.FAILED
     assert re.fullmatch(
-        r"torchair rejects aten\.where\.ScalarOther\(\w+: bool\[\d+\], \w+: float32\[\d+\], 0\.0\): "
+        r"torchair rejects aten\.where\.ScalarOther\(\w+: bool\[\d+\], \w+: int64\[\d+\], 0\.0\): "
         r"RuntimeError: torch\.ops\.aten\.where\.ScalarOther ge_converter is not supported!", planted.detail), \
         planted.detail
 
@@ -158,3 +165,26 @@ def test_plan_tables_agree_with_torchairs_converters(converted):
     assert {name for name, answer in npu.items() if answer != "none"} == graph_modes.GE_CONVERTERS, npu
     for op in graph_modes.GE_REJECTED_ATEN:
         assert probed[str(op)].startswith("rejects: "), (op, probed[str(op)])
+
+
+def test_tensor_and_sequence_parallel_mc2_graphs_convert(megatron_cpu):
+    """TP=2 + SP with MC2 on every site (the Megatron MLP of test_mc2.py over a fake group of 2: compiled, not
+    communicating): AllGatherMatmul and MatmulReduceScatter in GE, their group the one the graph names. Converted
+    in a child of its own, inside the fake group, which its collectives name (torchair resolves the group)."""
+    from megatron_glue.testing import fake_process_group
+
+    from .test_mc2 import _TensorParallelMLP
+
+    path = wheel.wheel_path()
+    calls: list[torchair_check.Graph] = []
+    torch._dynamo.reset()
+    with fake_process_group(2) as group, lowered_graphs(calls):
+        model = torch.compile(_TensorParallelMLP(group.group_name), backend="ascend", fullgraph=True,
+                              options={"target": "npu-sim", "mc2": "on", "graph_mode": "ge"})
+        model(torch.randn(4, 2, 256).to(BF16).requires_grad_()).float().square().sum().backward()
+        verdicts = torchair_check.check(calls, wheel_path=path)
+    print("\n| TP=2+SP MC2 MLP (bf16) | " + " | ".join(f"{g.graph_mode}: {v.status}" for g, v in zip(calls, verdicts)))
+    assert [(g.graph_mode, v.status, v.detail) for g, v in zip(calls, verdicts)] == [("ge", "checked", "")] * 2
+    forward, backward = verdicts
+    assert {"AllGatherMatmul", "MatmulReduceScatter"} <= set(forward.ge_ops) & set(backward.ge_ops), \
+        (forward.ge_ops, backward.ge_ops)

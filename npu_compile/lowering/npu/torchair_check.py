@@ -75,16 +75,17 @@ class Graph:
     # aot_autograd compiles a forward with its fake mode active and a backward (lazily, at the first
     # .backward()) without it; torchair's aclgraph conversion runs ops outside its own fake pass, so it matters
     in_fake_mode: bool = False
+    reasons: tuple[tuple[str, str], ...] = ()  # the plan's demotions: (op, why)
 
     @classmethod
     def at_executor(cls, name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                    graph_mode: str) -> "Graph":
+                    graph_mode: str, reasons: tuple[tuple[str, str], ...] = ()) -> "Graph":
         """Called where the executor is: records whether a fake mode is active."""
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
         active = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
-        return cls(name, gm, list(example_inputs), graph_mode, active)
+        return cls(name, gm, list(example_inputs), graph_mode, active, reasons)
 TORCHAIR_MODES = {"ge": "max-autotune", "aclgraph": "npugraph_ex"}
 
 
