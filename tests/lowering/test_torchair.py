@@ -188,3 +188,78 @@ def test_tensor_and_sequence_parallel_mc2_graphs_convert(megatron_cpu):
     forward, backward = verdicts
     assert {"AllGatherMatmul", "MatmulReduceScatter"} <= set(forward.ge_ops) & set(backward.ge_ops), \
         (forward.ge_ops, backward.ge_ops)
+
+
+def test_dump_dir_holds_the_ge_graph_and_report_json_its_verdict(tmp_path, monkeypatch):
+    """Option torchair_check: each graph's GE GraphDef text beside its FX stages, report.json graph_modes the
+    mode and the verdict. Without it, or without the wheel, the verdict is "unchecked" with the reason."""
+    import json
+
+    monkeypatch.setenv(torchair_check.WHEEL_ENV, str(wheel.wheel_path()))
+    fn = CASES["attention_bnsd_empty_row"].fn
+    torch.manual_seed(0)
+    inputs = CASES["attention_bnsd_empty_row"].inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ascend", options={
+        "target": "npu-sim", "torchair_check": True, "dump_dir": str(tmp_path / "on")})
+    compiled(*inputs).sum().backward()
+    (report,) = [json.loads(p.read_text()) for p in (tmp_path / "on").glob("*/report.json")]
+    assert {kind: (v["graph_mode"], v["torchair_check"]) for kind, v in report["graph_modes"].items()} == {
+        "forward": ("ge", "checked"), "backward": ("ge", "checked")}
+    (forward,) = (tmp_path / "on").glob("*/forward/*_ge_graph.txt")
+    (backward,) = (tmp_path / "on").glob("*/backward/*_ge_graph.txt")
+    attention = [line for line in forward.read_text().splitlines() if "= FlashAttentionScore(" in line]
+    assert len(attention) == 1 and "input_layout: 'BNSD'" in attention[0] and "keep_prob: 1" in attention[0]
+    assert "= FlashAttentionScoreGrad(" in backward.read_text()
+    (full,) = forward.parent.glob("*_ge_graph.pbtxt")  # the GraphDef in full, protobuf text
+    assert 'type: "FlashAttentionScore"' in full.read_text()
+    # after the lowered stage, in the stage order
+    assert forward.name.split("_")[0] > max(p.name.split("_")[0] for p in forward.parent.glob("*_lowered_*.py"))
+
+    monkeypatch.setenv(torchair_check.WHEEL_ENV, str(tmp_path / "nowhere.whl"))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ascend", options={
+        "target": "npu-sim", "torchair_check": True, "dump_dir": str(tmp_path / "no_wheel")})
+    compiled(*inputs).sum().backward()
+    (report,) = [json.loads(p.read_text()) for p in (tmp_path / "no_wheel").glob("*/report.json")]
+    assert report["graph_modes"]["forward"] == {
+        "graph_mode": "ge", "torchair_check": "unchecked",
+        "reason": f"no torch-npu {torchair_check.VERSION} wheel at {tmp_path / 'nowhere.whl'} (set "
+                  f"{torchair_check.WHEEL_ENV}, or run the tests once with network: tests/lowering/wheel.py "
+                  f"downloads it)"}
+    assert not list((tmp_path / "no_wheel").glob("*/*/*_ge_graph.txt"))
+
+
+def test_a_graph_torchair_refuses_on_the_device_is_demoted_not_fatal(monkeypatch):
+    """Target npu's executor: torchair's refusal of a ge graph (its converter raising) demotes the graph to
+    aclgraph with torchair's message, logged and in the plan, and the job goes on."""
+    import sys
+    import types
+
+    from npu_compile import config
+
+    modes = []
+
+    class CompilerConfig:
+        def __init__(self):
+            self.mode = "max-autotune"
+
+    def get_compiler(cfg):
+        def compile_graph(gm, example_inputs):
+            modes.append(cfg.mode)
+            if cfg.mode == "max-autotune":
+                raise RuntimeError("torch.ops.aten.where.ScalarOther ge_converter is not supported!")
+            return lambda *args: "captured"
+        return compile_graph
+
+    monkeypatch.setitem(sys.modules, "torchair", types.SimpleNamespace(CompilerConfig=CompilerConfig,
+                                                                       get_compiler=get_compiler))
+    gm = run("rms_norm").graphs[0]
+    gm = torch.fx.GraphModule(gm, gm.graph)
+    gm.meta[graph_modes.PLAN_META] = graph_modes.GraphPlan("ge", "ge")
+    assert graph_modes.executor(gm, [], config.Options())() == "captured"
+    assert modes == ["max-autotune", "npugraph_ex"]
+    plan = gm.meta[graph_modes.PLAN_META]
+    assert (plan.graph_mode, plan.reasons) == ("aclgraph", (("torchair", (
+        "graph_mode 'ge' -> 'aclgraph': torchair refused the graph: RuntimeError: torch.ops.aten.where.ScalarOther "
+        "ge_converter is not supported!")),))

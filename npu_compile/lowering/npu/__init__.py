@@ -67,4 +67,5 @@ TARGET = Target(
     table=TABLE,
     lower=lower,
     executor=graph_modes.executor,
+    describe=graph_modes.describe,
 )

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +24,7 @@ from npu_compile.executor import boxed_executor
 from npu_compile.lowering.npu.emit import Call, op_name
 
 aten = torch.ops.aten
+log = logging.getLogger("npu_compile")
 
 PLAN_META = "npu_compile_graph_plan"
 
@@ -185,8 +188,44 @@ def torchair_compile(gm: GraphModule, example_inputs: Sequence[Any], plan: Graph
 
 
 def executor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Callable:
-    """Target npu: the graph as its plan says, torchair's GE or aclgraph, or op by op."""
+    """Target npu: the graph as its plan says, torchair's GE or aclgraph, or op by op. A graph torchair refuses
+    to convert is demoted (ge → aclgraph → eager) with torchair's message, logged, rather than failing the job."""
     plan: GraphPlan | None = gm.meta.get(PLAN_META)
-    if plan is None or plan.graph_mode == "eager":
-        return boxed_executor(gm)
-    return torchair_compile(gm, example_inputs, plan)
+    while plan is not None and plan.graph_mode != "eager":
+        try:
+            return torchair_compile(gm, example_inputs, plan)
+        except Exception as e:  # noqa: BLE001  (torchair's converters raise anything)
+            lower = "aclgraph" if plan.graph_mode == "ge" else "eager"
+            why = f"graph_mode {plan.graph_mode!r} -> {lower!r}: torchair refused the graph: {type(e).__name__}: {e}"
+            log.warning("npu_compile: %s", why)
+            plan = dataclasses.replace(plan, graph_mode=lower, reasons=(*plan.reasons, ("torchair", why)))
+            gm.meta[PLAN_META] = plan
+    return boxed_executor(gm)
+
+
+def describe(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> dict[str, Any]:
+    """Target npu's plan for ``gm`` (recorded by its ``lower``, or made here for npu-sim, which lowers alike) and,
+    with option ``torchair_check``, torchair's own conversion of it on the CPU (torchair_check): report.json
+    ``graph_modes`` entry, and the GE graph text (or aclgraph's generated module) as dump-dir artifacts."""
+    from npu_compile.lowering.npu import torchair_check
+
+    plan = gm.meta.get(PLAN_META) or plan_graph(gm, opts.graph_mode)
+    info: dict[str, Any] = {"graph_mode": plan.graph_mode}
+    if plan.reasons:
+        info["demoted"] = [f"{op}: {why}" for op, why in plan.reasons]
+    if plan.graph_mode == "eager":
+        return {**info, "torchair_check": torchair_check.CHECKED, "reason": "op by op: no torchair conversion"}
+    if not opts.torchair_check:
+        return {**info, "torchair_check": torchair_check.UNCHECKED, "reason": "option torchair_check is off"}
+    start = time.perf_counter()
+    (verdict,) = torchair_check.check([torchair_check.Graph.at_executor("", gm, example_inputs, plan.graph_mode)])
+    info.update(verdict.to_json())
+    if verdict.status != torchair_check.UNCHECKED:
+        info["check_s"] = round(time.perf_counter() - start, 3)
+    artifacts = {}
+    if verdict.ge_text is not None:
+        artifacts["ge_graph.txt"] = verdict.ge_summary
+        artifacts["ge_graph.pbtxt"] = verdict.ge_text
+    if verdict.aclgraph_code is not None:
+        artifacts["aclgraph_module.py"] = verdict.aclgraph_code
+    return {**info, "artifacts": artifacts} if artifacts else info

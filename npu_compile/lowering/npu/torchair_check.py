@@ -86,7 +86,6 @@ class Graph:
 
         active = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
         return cls(name, gm, list(example_inputs), graph_mode, active, reasons)
-TORCHAIR_MODES = {"ge": "max-autotune", "aclgraph": "npugraph_ex"}
 
 
 @dataclasses.dataclass
@@ -97,13 +96,13 @@ class Verdict:
     graph_mode: str  # as planned: ge / aclgraph / eager
     status: str  # checked / failed / unchecked
     detail: str = ""  # failed: the op, its arguments and torchair's message; unchecked: why
-    ge_text: str | None = None  # ge: the GraphDef text torchair hands to GE
+    ge_text: str | None = None  # ge: the GraphDef torchair hands to GE, in protobuf text format
+    ge_summary: str | None = None  # ge: the same, one line per op (:func:`summarize`)
     ge_ops: list[str] = dataclasses.field(default_factory=list)  # ge: GE op types, in graph order
     aclgraph_code: str | None = None  # aclgraph: the module torchair generates
 
     def to_json(self) -> dict[str, Any]:
-        return {"graph_mode": self.graph_mode, "torchair_check": self.status,
-                **({"reason": self.detail} if self.detail else {})}
+        return {"torchair_check": self.status, **({"reason": self.detail} if self.detail else {})}
 
 
 def wheel() -> Path | None:
@@ -290,7 +289,8 @@ def _convert_one(torchair: Any, g: Graph) -> dict[str, Any]:
     runner = getattr(compiled, "runner", compiled)
     if mode == "ge":
         graph = runner.graph
-        return {"status": CHECKED, "ge_text": str(graph), "ge_ops": [op.type for op in graph.op]}
+        return {"status": CHECKED, "ge_text": str(graph), "ge_summary": summarize(graph),
+                "ge_ops": [op.type for op in graph.op]}
     code = runner.codegen({}) if hasattr(runner, "codegen") else None
     return {"status": CHECKED, "aclgraph_code": code}
 
@@ -313,6 +313,53 @@ def _probe(op: torch._ops.OpOverload) -> str:
     except Exception:  # noqa: BLE001  (it read an argument: it converts something)
         pass
     return "converts"
+
+
+_NUMPY = {"FLOAT": "<f4", "DOUBLE": "<f8", "INT32": "<i4", "INT64": "<i8", "BOOL": "?", "INT8": "i1", "UINT8": "u1"}
+
+
+def _dtype(desc: Any) -> str:
+    names = type(desc).DESCRIPTOR.fields_by_name["dtype"].enum_type.values_by_number
+    return names[desc.dtype].name.removeprefix("DT_") if desc.dtype in names else str(desc.dtype)
+
+
+def _attr(value: Any) -> str:
+    kind = value.WhichOneof("value")
+    if kind == "t":  # a Const's value: dtype, shape, and the numbers when there are few
+        import numpy as np  # noqa: PLC0415
+
+        dtype, dims = _dtype(value.t.desc), list(value.t.desc.shape.dim)
+        data = value.t.data
+        if dtype in _NUMPY and len(data) <= 64:
+            return f"{dtype}{dims} {np.frombuffer(data, dtype=_NUMPY[dtype]).tolist()}"
+        return f"{dtype}{dims} ({len(data)} bytes)"
+    if kind == "list":
+        items = [*value.list.s, *value.list.i, *value.list.f, *value.list.b]
+        return "[" + ", ".join(v.decode() if isinstance(v, bytes) else f"{v:g}" if isinstance(v, float) else str(v)
+                               for v in items) + "]"
+    got = getattr(value, kind) if kind else None
+    if isinstance(got, bytes):
+        return repr(got.decode(errors="replace"))
+    return f"{got:g}" if isinstance(got, float) else str(got)
+
+
+def summarize(graph: Any) -> str:
+    """A GE GraphDef one op per line: ``name = Type(input, ...) -> [output dtypes] {attr: value}``, with the
+    shapes GE is given (its Data and NetOutput descriptors; inner ops' shapes GE infers on the device) and
+    without torchair's bookkeeping attributes (those starting with ``_``)."""
+
+    def desc(d: Any) -> str:
+        dims = list(d.shape.dim)
+        return f"{_dtype(d)}{dims if dims or d.shape.ByteSize() else ''}"
+
+    lines = [f"graph {graph.name}"]
+    for op in graph.op:
+        inputs = ", ".join(i for i in op.input if i)
+        attrs = ", ".join(f"{k}: {_attr(v)}" for k, v in sorted(op.attr.items()) if not k.startswith("_"))
+        outs = ", ".join(desc(d) for d in op.output_desc) if op.type != "NetOutput" else ", ".join(
+            desc(d) for d in op.input_desc)
+        lines.append(f"{op.name} = {op.type}({inputs}) -> [{outs}]" + (f" {{{attrs}}}" if attrs else ""))
+    return "\n".join(lines) + "\n"
 
 
 def _child(conn: Any, root: str, items: list[Graph], probes: list[Any]) -> None:
@@ -397,6 +444,6 @@ def run(graphs: Sequence[Graph], probes: Sequence[torch._ops.OpOverload] = (), w
     for (i, _), result in zip(todo, results):
         v = verdicts[i]
         v.status, v.detail = result["status"], result.get("detail", "")
-        v.ge_text, v.ge_ops, v.aclgraph_code = result.get("ge_text"), result.get("ge_ops", []), result.get(
-            "aclgraph_code")
+        v.ge_text, v.ge_summary, v.ge_ops = result.get("ge_text"), result.get("ge_summary"), result.get("ge_ops", [])
+        v.aclgraph_code = result.get("aclgraph_code")
     return verdicts, probed
