@@ -124,7 +124,11 @@ def unavailable(wheel_path: Path | None = None) -> str | None:
         where = os.environ.get(WHEEL_ENV) or CACHE / WHEEL
         return (f"no torch-npu {VERSION} wheel at {where} (set {WHEEL_ENV}, or run the tests once with network: "
                 f"tests/lowering/wheel.py downloads it)")
-    if importlib.util.find_spec("google.protobuf") is None:
+    try:
+        protobuf = importlib.util.find_spec("google.protobuf")
+    except ModuleNotFoundError:  # no ``google`` package at all
+        protobuf = None
+    if protobuf is None:
         return "protobuf is not installed (torchair builds its GE GraphDef with it): pip install 'npu_compile[test]'"
     return None
 
