@@ -113,7 +113,11 @@ def _ge_blockers(node: Node) -> list[str]:
                     f"(torchair: 'ge unsupported reduce type')"]
         return []
     if ns == "npu_compile":
-        return ["a reference kernel (Python custom op) has no GE converter"]
+        # torchair would ask CANN's registry for an AscendIR named after the op (fx2ge_converter.py,
+        # _get_converter_context: rms_norm -> RmsNorm) and bind our op's arguments to it: not our kernel
+        camel = "".join(word.capitalize() for word in name.split("_"))
+        return [f"a reference kernel (Python custom op) has no GE converter (torchair would bind it to whatever "
+                f"AscendIR CANN registers as {camel})"]
     if ns != "npu":
         return []
     if name not in GE_CONVERTERS:
