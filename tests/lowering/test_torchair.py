@@ -127,6 +127,9 @@ def test_every_planned_graph_converts(converted):
     failures = [f"{g.name} ({g.graph_mode}): {v.detail}" for rows in table.values() for g, v in rows
                 if v.status != torchair_check.CHECKED]
     assert not failures, "torchair rejects graphs target npu plans for it:\n" + "\n".join(failures)
+    # aclgraph: the module torchair generates to capture the graph (capture itself needs a device)
+    generated = [v.aclgraph_code for rows in table.values() for g, v in rows if g.graph_mode == "aclgraph"]
+    assert generated and all("AclGraph(" in code and "def kernel(" in code for code in generated)
 
 
 def test_training_graphs_with_attention_stay_in_ge(converted):
