@@ -202,6 +202,16 @@ class _Compilation:
         self.record.budget(chosen, tried, cap)
         return fw, bw
 
+    def _describe(self, kind: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        """What the target's graph compiler will make of ``gm``: report.json ``graph_modes``, and its artifacts
+        (npu: the GE graph torchair builds) in the dump dir."""
+        if self.target.describe is None:
+            return
+        info = dict(self.target.describe(gm, example_inputs, self.opts))
+        for name, text in info.pop("artifacts", {}).items():
+            self.dump.text(kind, name, text)
+        self.report.graph_modes[kind] = info
+
     def compiler(self, kind: str) -> Callable:
         """The compiler aot_autograd calls for the ``kind`` graph: forward, backward or inference."""
 
@@ -216,6 +226,7 @@ class _Compilation:
                 self.record.restore_regions(hit.get("regions", {}))
                 self.record.comm_timelines[kind] = hit["comm"]
                 self.dump.stage(kind, f"cached_lowered_{self.opts.target}", lowered)
+                self._describe(kind, lowered, example_inputs)
                 self.record.graph_done(kind, lowered)
                 return precompile.AscendOutputCode(lowered, example_inputs, self.opts, self.target)
             unfused_from = len(self.report.unfused)
@@ -239,6 +250,7 @@ class _Compilation:
             self._store(key, {"gm": gm, "fusions": counts, "unfused": self.report.unfused[unfused_from:],
                               "comm": self.record.comm_timelines[kind],
                               "regions": self.record.regions_json() if kind == "inference" else {}})
+            self._describe(kind, gm, example_inputs)
             self.record.graph_done(kind, gm)
             # op by op, or torchair on the NPU; an OutputCode, which precompile can serialize
             return precompile.AscendOutputCode(gm, example_inputs, self.opts, self.target)

@@ -74,6 +74,9 @@ class Options:
     # npu / npu-sim: lower GeLU to npu_fast_gelu, x·σ(1.702x) — a different function from GeLU, so opt-in only
     fast_gelu: bool = False
     cache: bool = True  # load / store compiled graphs in the persistent cache ($NPU_COMPILE_CACHE_DIR)
+    # npu / npu-sim: convert each lowered graph with torchair's own code on the CPU (lowering/npu/torchair_check.py,
+    # the pinned torch-npu wheel): the verdict in report.json graph_modes, the GE graph text in the dump dir
+    torchair_check: bool = False
 
     def fusion_enabled(self, rule: str) -> bool:
         """Whether rule ``rule`` runs under this ``fusions`` setting."""
@@ -87,7 +90,7 @@ class Options:
 KEYS = tuple(f.name for f in dataclasses.fields(Options))
 # Options that change nothing the compile cache stores (where dumps go, the first call's check, the cache itself):
 # left out of its key. Every other option is in the key, a new one included unless it is listed here.
-UNKEYED = frozenset({"dump_dir", "verify", "cache"})
+UNKEYED = frozenset({"dump_dir", "verify", "cache", "torchair_check"})
 
 defaults = Options()
 

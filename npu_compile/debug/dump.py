@@ -80,6 +80,13 @@ class GraphDump:
                 self._logged[kind] = compact
         self._clock[kind] = time.perf_counter()
 
+    def text(self, kind: str, name: str, text: str) -> None:
+        """A text beside the ``kind`` graph's stages, numbered after them (e.g. ``forward/05_ge_graph.txt``)."""
+        n = self._counters.get(kind, 0)
+        self._counters[kind] = n + 1
+        if self.root is not None:
+            self.write(f"{kind}/{n:02d}_{name}", text)
+
     def summary(self, kind: str) -> str:
         """One line: the ``kind`` graph's stages in order with their node counts and times."""
         parts = [f"{stage} {nodes}" + (f" ({dt * 1e3:.0f} ms)" if dt >= 5e-4 else "")

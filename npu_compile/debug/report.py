@@ -55,6 +55,10 @@ class Report:
     )
     # Which graphs of this Dynamo graph have been compiled so far: forward/backward or inference.
     graphs: list[str] = dataclasses.field(default_factory=list)
+    # npu targets, per graph kind: the graph mode it will run in (torchair GE, aclgraph, or op by op) and whether
+    # torchair's own conversion of it passed on the CPU: "checked", "failed" (with "reason") or "unchecked" (with
+    # "reason": option torchair_check off, no wheel, ...)
+    graph_modes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     verify: dict[str, Any] | None = None
     # How many distinct modules (parameter sets) have run this compiled graph: N identical layers compiled once

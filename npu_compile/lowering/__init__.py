@@ -42,6 +42,10 @@ class Target:
     # The string this target's graphs name a process group's communicator with, baked in at compile time (npu's
     # MC2 ops take the HCCL communicator name): part of the compile cache's key. None: the target bakes none.
     communicator: Callable[[torch.distributed.ProcessGroup], str] | None = None
+    # What the target's graph compiler will make of a lowered graph, before it runs: (gm, example inputs, options)
+    # -> {"graph_mode": ..., "torchair_check": ..., "reason": ...} for report.json ``graph_modes``, plus
+    # "artifacts": {file name: text} for the dump dir (npu's GE graph text). None: the target runs graphs op by op.
+    describe: Callable[[torch.fx.GraphModule, Sequence[Any], Options], dict[str, Any]] | None = None
 
 
 def _package(name: str) -> str:

@@ -20,6 +20,7 @@ import torch
 import npu_compile.ops  # noqa: F401
 from npu_compile import lowering
 from npu_compile.debug.report import Report, collect
+from npu_compile.lowering.npu import graph_modes, torchair_check
 
 F = torch.ops.npu_compile
 S, B, N, NKV, D, H = 16, 2, 4, 2, 16, 32
@@ -43,6 +44,7 @@ class Run:
     grads: list[torch.Tensor | None]
     expected_outputs: list[torch.Tensor]
     expected_grads: list[torch.Tensor | None]
+    calls: list[torchair_check.Graph]  # the graphs as target npu's executor would get them, with their plans
 
 
 def _t(*shape: int, grad: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -92,6 +94,7 @@ CROSS_ENTROPY = ("npu.npu_cross_entropy_loss", "npu.npu_cross_entropy_loss_backw
 ATTENTION = ("npu.npu_fusion_attention", "npu.npu_fusion_attention_grad")
 V3 = ("npu.npu_fusion_attention_v3", "npu.npu_fusion_attention_grad_v3")  # the graph-mode versions (aclgraph)
 ACLGRAPH, EAGER = {"graph_mode": "aclgraph"}, {"graph_mode": "eager"}
+LAYER_NORM_GE = ("aten.native_layer_norm", "aten.native_layer_norm_backward")
 CASES: dict[str, Case] = {
     "attention_sbnd_causal_gqa": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION),
     "attention_bsnd_mask_megatron_fill": Case(
@@ -123,13 +126,29 @@ CASES: dict[str, Case] = {
         lambda x, r, w: (lambda y, _, total: (y, total * 0.5))(*F.add_rms_norm(x, r, w, 1e-5)),
         lambda: [_t(S, B, H, dtype=torch.bfloat16), _t(S, B, H, dtype=torch.bfloat16), _t(H, dtype=torch.bfloat16)],
         ("npu.npu_add_rms_norm", "npu.npu_rms_norm_backward"), tolerance=2e-2),
+    # graph_mode aclgraph: the npu kernels; ge: the sum and aten's layer norm (torchair converts those, not these)
     "add_layer_norm": Case(
         lambda x, r, w, b: (lambda y, _m, _r, total: (y, total * 0.5))(*F.add_layer_norm(x, r, w, b, 1e-5)),
         lambda: [_t(S, B, H), _t(S, B, H), _t(H), _t(H)],
-        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward")),
+        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward"), ACLGRAPH),
     "add_layer_norm_no_bias": Case(
         lambda x, r, w: F.add_layer_norm(x, r, w, None, 1e-5)[0], lambda: [_t(S, B, H), _t(S, B, H), _t(H)],
-        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward")),
+        ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward"), ACLGRAPH),
+    "add_layer_norm_ge": Case(
+        lambda x, r, w, b: (lambda y, _m, _r, total: (y, total * 0.5))(*F.add_layer_norm(x, r, w, b, 1e-5)),
+        lambda: [_t(S, B, H), _t(S, B, H), _t(H), _t(H)], LAYER_NORM_GE),
+    "add_layer_norm_ge_bf16_no_bias": Case(
+        lambda x, r, w: F.add_layer_norm(x, r, w, None, 1e-5)[0],
+        lambda: [_t(S, B, H, dtype=torch.bfloat16), _t(S, B, H, dtype=torch.bfloat16), _t(H, dtype=torch.bfloat16)],
+        LAYER_NORM_GE, tolerance=2e-2),
+    # a weight of another dtype than x (Megatron's bf16 norms beside an fp32 stream, or the reverse): the kernel
+    # runs in the wider dtype, both casts exact
+    "rms_norm_bf16_x_fp32_weight": Case(
+        lambda x, w: F.rms_norm(x, w, 1e-5)[0], lambda: [_t(S, B, H, dtype=torch.bfloat16), _t(H)],
+        ("npu.npu_rms_norm", "npu.npu_rms_norm_backward"), tolerance=2e-2),
+    "rms_norm_fp32_x_bf16_weight": Case(
+        lambda x, w: F.rms_norm(x, w, 1e-5)[0], lambda: [_t(S, B, H), _t(H, dtype=torch.bfloat16)],
+        ("npu.npu_rms_norm", "npu.npu_rms_norm_backward"), tolerance=2e-2),
     "bias_gelu_erf": Case(lambda x, b: F.bias_gelu(x, b, "none"), lambda: [_t(S, B, H), _t(H)],
                           ("npu.npu_gelu", "npu.npu_gelu_backward")),
     "bias_gelu_tanh": Case(lambda x, b: F.bias_gelu(x, b, "tanh"), lambda: [_t(S, B, H), _t(H)],
@@ -162,8 +181,10 @@ CASES: dict[str, Case] = {
 
 
 @contextlib.contextmanager
-def lowered_graphs() -> Iterator[list[torch.fx.GraphModule]]:
-    """Every graph lowered inside the block, as it runs (recorded where the backend hands it to its executor)."""
+def lowered_graphs(calls: list[torchair_check.Graph] | None = None) -> Iterator[list[torch.fx.GraphModule]]:
+    """Every graph lowered inside the block, as it runs (recorded where the backend hands it to its executor);
+    ``calls`` gets each one as target npu's executor would get it, with the graph mode target npu plans for it
+    (what torchair_check converts)."""
     graphs: list[torch.fx.GraphModule] = []
     target_of = lowering.target
 
@@ -172,6 +193,10 @@ def lowered_graphs() -> Iterator[list[torch.fx.GraphModule]]:
 
         def record(gm, example_inputs, opts):
             graphs.append(gm)
+            if calls is not None:
+                plan = graph_modes.plan_graph(gm, opts.graph_mode)
+                calls.append(torchair_check.Graph.at_executor(f"graph {len(calls)}", gm, example_inputs,
+                                                              plan.graph_mode, plan.reasons))
             return target.executor(gm, example_inputs, opts)
 
         return dataclasses.replace(target, executor=record)
@@ -203,7 +228,8 @@ def run(name: str, dynamic: bool = False) -> Run:
     inputs = case.inputs()
     expected = _forward_backward(case.eager or case.fn, _copy(inputs))
     torch._dynamo.reset()
-    with collect() as reports, lowered_graphs() as graphs:
+    calls: list[torchair_check.Graph] = []
+    with collect() as reports, lowered_graphs(calls) as graphs:
         compiled = torch.compile(case.fn, backend="ascend", dynamic=True if dynamic else None,
                                  options={"target": "npu-sim", **case.options})
         outputs, grads = _forward_backward(compiled, inputs)
@@ -211,7 +237,9 @@ def run(name: str, dynamic: bool = False) -> Run:
         # Dynamo may first compile a frame with no tensor ops (its report lowers nothing); the case's is last
         reports = [r for r in reports if r.lowered_ops][-1:]
     (report,) = reports
-    return Run(report, graphs, outputs, grads, *expected)
+    for call in calls:
+        call.name = f"{name}{' (dynamic)' if dynamic else ''}: {call.name}"
+    return Run(report, graphs, outputs, grads, *expected, calls)
 
 
 def lowered_ops(r: Run) -> set[str]:

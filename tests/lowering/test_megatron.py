@@ -24,7 +24,8 @@ RULE_CALLS = {
     "attention": ("npu.npu_fusion_attention", "npu.npu_fusion_attention_grad"),
     "rms_norm": ("npu.npu_rms_norm", "npu.npu_rms_norm_backward"),
     "add_rms_norm": ("npu.npu_add_rms_norm", "npu.npu_rms_norm_backward"),
-    "add_layer_norm": ("npu.npu_add_layer_norm", "npu.npu_add_layer_norm_backward"),
+    # graph_mode ge (the default): the sum and aten's layer norm, which torchair converts (norms.py)
+    "add_layer_norm": ("aten.native_layer_norm", "aten.native_layer_norm_backward"),
     "bias_gelu": ("npu.npu_gelu", "npu.npu_gelu_backward"),
     "swiglu": ("npu.npu_swiglu", "npu.npu_swiglu_backward"),
     "rotary": ("npu.npu_rotary_mul", "npu.npu_rotary_mul_backward"),

@@ -21,12 +21,11 @@ import torch
 import yaml
 from filelock import FileLock
 
-VERSION = "2.13.0"
-# One pinned wheel, whatever machine runs the tests: the schemas are the same in every platform's wheel.
-WHEEL = f"torch_npu-{VERSION}-cp311-cp311-manylinux_2_28_x86_64.whl"
+from npu_compile.lowering.npu.torchair_check import CACHE, VERSION, WHEEL, WHEEL_ENV
+
+# One pinned wheel, whatever machine runs the tests: the schemas are the same in every platform's wheel. Where it
+# is kept (and the torchair conversion check finds it): npu_compile/lowering/npu/torchair_check.py.
 YAML_PATH = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
-WHEEL_ENV = "NPU_COMPILE_TORCH_NPU_WHEEL"
-CACHE = Path(__file__).resolve().parents[2] / ".cache" / "torch_npu"
 
 
 def wheel_path() -> Path:

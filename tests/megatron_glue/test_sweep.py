@@ -5,7 +5,8 @@ SwiGLU, biases or not, qk-layernorm, rotary or learned positions, an odd sequenc
 target (reference or npu-sim), runs one training step compiled and eagerly, and asserts: no crash, one graph
 and no break, attention fused in every layer, and the loss and every gradient as eager's (fp32: within 1e-4 of
 the model's scale; bf16: the compiled error against an fp32 run of the same weights — relative L2 for gradients —
-within a small factor of eager's own, plus a bf16 ulp). `make test` runs a few derandomized examples; `make fuzz` runs 120 random ones.
+within a small factor of eager's own, plus a bf16 ulp). `make test` runs a few derandomized examples; `make fuzz` runs 120 random ones,
+where each npu-sim graph also goes through torchair's own conversion in the mode target npu plans for it.
 """
 
 from __future__ import annotations
@@ -92,20 +93,28 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def check(case: Case) -> None:
+def check(case: Case, torchair: bool = False) -> None:
+    """``torchair``: on npu-sim, also torchair's own conversion of each graph in the mode target npu plans for it
+    (option torchair_check; the pinned torch-npu wheel must be cached, tests/lowering/wheel.py)."""
     torch._dynamo.reset()
     dtype = torch.bfloat16 if case.bf16 else torch.float32
     batch = synthetic_batch(BATCH, case.seq, VOCAB, seed=2)
     eager = case.model(dtype)
     compiled_model = case.model(dtype)
     with collect() as reports:
-        got_loss, got = _step(torch.compile(compiled_model, backend="ascend", options={"target": case.target}), batch)
+        options = {"target": case.target, "torchair_check": torchair and case.target == "npu-sim"}
+        got_loss, got = _step(torch.compile(compiled_model, backend="ascend", options=options), batch)
     want_loss, want = _step(eager, batch)
     torch._dynamo.reset()
 
     assert len(reports) == 1 and reports[0].graph_breaks == 0, [r.graph_break_reason for r in reports]
     (report,) = reports
     assert report.fusions.get("attention") == case.layers, (report.fusions, report.unfused)
+    if options["torchair_check"]:
+        verdicts = {kind: (v["graph_mode"], v["torchair_check"], v.get("reason")) for kind, v in
+                    report.graph_modes.items()}
+        assert verdicts.keys() == {"forward", "backward"} and all(
+            status == "checked" for _, status, _ in verdicts.values()), verdicts
     assert got.keys() == want.keys()
     if not case.bf16:
         assert _scaled_err(got_loss, want_loss) < 1e-4
@@ -138,7 +147,7 @@ def test_random_megatron_configs(case, megatron_cpu):
 @settings(max_examples=120, derandomize=False, **_SETTINGS)
 @given(case=cases())
 def test_random_megatron_configs_fuzz(case, megatron_cpu):
-    check(case)
+    check(case, torchair=True)
 
 
 @pytest.mark.parametrize("case", [

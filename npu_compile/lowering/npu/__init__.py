@@ -10,6 +10,8 @@
                    vocab_parallel_linear_cross_entropy → per chunk, aten ops + functional all-reduces
     mc2          the aten stage fusing a matmul with its collective (npu_all_gather_base_mm & co.)
     graph_modes  how the lowered graph runs: torchair GE, aclgraph, or op by op
+    ge_converters  the GE converters this target registers with torchair (npu_fusion_attention_grad's dsink)
+    torchair_check  torchair's own conversion of the lowered graphs, run on a CPU from the pinned wheel
     schemas      the torch_npu 2.13.0 schemas of every op emitted
 
 :data:`TABLE` maps each ``npu_compile`` op to one row (a check: can the NPU take this node? if not, why; and an
@@ -30,7 +32,7 @@ from torch.fx import GraphModule
 from npu_compile.config import Options
 from npu_compile.lowering import Target
 from npu_compile.lowering.npu import activations, attention, dropout_add, graph_modes, mc2, norms, rotary
-from npu_compile.lowering.npu import cross_entropy
+from npu_compile.lowering.npu import cross_entropy, ge_converters
 from npu_compile.lowering.npu.emit import lower_fused_ops  # noqa: F401  (npu-sim lowers with it too)
 
 TABLE = {**attention.ROWS, **norms.ROWS, **activations.ROWS, **rotary.ROWS, **dropout_add.ROWS, **cross_entropy.ROWS}
@@ -50,12 +52,20 @@ def lower(gm: GraphModule, opts: Options) -> list[dict[str, str]]:
     return unfused + [{"op": op, "reason": f"npu: {why}"} for op, why in plan.reasons]
 
 
+def prepare() -> None:
+    """torch_npu defines torch.ops.npu (config checked it imports); torchair, which comes with it, gets the GE
+    converters this target needs (ge_converters: npu_fusion_attention_grad's fifth output)."""
+    importlib.import_module("torch_npu")
+    ge_converters.register(importlib.import_module("torchair"))
+
+
 TARGET = Target(
     name="npu",
-    prepare=lambda: importlib.import_module("torch_npu"),  # defines torch.ops.npu (config checked it imports)
+    prepare=prepare,
     stages=(("mc2", functools.partial(mc2.mc2_stage, hcom=mc2.hccl_comm_name)),),
     communicator=mc2.hccl_comm_name,
     table=TABLE,
     lower=lower,
     executor=graph_modes.executor,
+    describe=graph_modes.describe,
 )

@@ -62,7 +62,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,7 +70,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_or
 from npu_compile.config import Options
 from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, dtype_problem, fused, npu_op, op_name
 from npu_compile.ops.layout import bnsd_shape
-from npu_compile.sizes import is_static
 
 aten = torch.ops.aten
 
@@ -160,8 +158,12 @@ def _from_device(em: Emitter, t: Node, layout: str, device_layout: str, like: to
     return t
 
 
-def _causal_triangle(sq: int, sk: int) -> Callable[[torch.device], torch.Tensor]:
-    return lambda device: torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
+def _causal_triangle(em: Emitter, sq: Any, sk: Any, device: torch.device) -> Node:
+    """The [sq, sk] bool mask above the diagonal, made in the graph (ones, then triu: Fill and Triu in GE). Not a
+    buffer of the graph module: torchair's per-node fake pass (npu_fx_compiler.py, _NpuGraphConverter._wrap)
+    refuses a real tensor beside the fake ones, in GE and aclgraph alike."""
+    ones = em(aten.ones.default, [sq, sk], dtype=torch.bool, device=device)
+    return em(aten.triu.default, ones, 1)
 
 
 def _device_mask(em: Emitter, mask: Node, dims: _Dims) -> Node:
@@ -196,18 +198,12 @@ def _attention_arguments(em: Emitter, c: Call, dims: _Dims, scale: float, v3: bo
     kw: dict[str, Any] = {}
     mask, causal, device = c["attn_mask"], c["causal"], c.val("query").device
     if mask is None and causal:
-        kw["atten_mask"] = em.constant(
-            "npu_compressed_causal_mask", _causal_triangle(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE), device)
+        kw["atten_mask"] = _causal_triangle(em, COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, device)
         kw.update(sparse_mode=2, pre_tockens=MAX_TOKENS, next_tockens=0)
     elif mask is not None:
         atten_mask = _device_mask(em, mask, dims)
         if causal:
-            if is_static(dims.sq) and is_static(dims.sk):
-                triangle = em.constant(f"npu_causal_mask_{dims.sq}x{dims.sk}", _causal_triangle(int(dims.sq), int(dims.sk)),
-                                       device)
-            else:  # sizes known only at run time: the triangle is made there
-                ones = em(aten.ones.default, [dims.sq, dims.sk], dtype=torch.bool, device=device)
-                triangle = em(aten.triu.default, ones, 1)
+            triangle = _causal_triangle(em, dims.sq, dims.sk, device)
             atten_mask = em(aten.bitwise_or.Tensor, atten_mask, triangle)
         kw.update(atten_mask=atten_mask, sparse_mode=0, pre_tockens=MAX_TOKENS,
                   next_tockens=0 if causal else MAX_TOKENS, inner_precise=2)

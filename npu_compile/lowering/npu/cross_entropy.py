@@ -13,6 +13,8 @@ chunk's log-probabilities with the forward kernel, then its gradient; grad_weigh
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from npu_compile.config import Options
@@ -68,7 +70,7 @@ class _Chunks:
         valid = None
         if self.masked:
             valid = self.valid(target)
-            target = em(aten.where.ScalarOther, valid, target, 0)
+            target = em.where_zero(valid, target)
         loss, log_prob, _, _ = em.outputs(em(npu_op("npu_cross_entropy_loss"), logits, target, None, "none",
                                              self.kernel_ignore, self.c["label_smoothing"]), 4)
         return h, logits, loss, log_prob, target, valid
@@ -80,7 +82,7 @@ def emit_forward(em: Emitter, c: Call, opts: Options) -> Outputs:
     for start, end in ch.ranges():
         _, logits, loss, log_prob, _, valid = ch.log_prob(start, end)
         if valid is not None:
-            loss = em(aten.where.ScalarOther, valid, loss, 0.0)
+            loss = em.where_zero(valid, loss)
         losses.append(loss)
         lses.append(em(aten.sub.Tensor, em(aten.select.int, logits, 1, 0), em(aten.select.int, log_prob, 1, 0)))
     loss = em(aten.cat.default, losses) if len(losses) > 1 else losses[0]
@@ -111,7 +113,7 @@ def emit_backward(em: Emitter, c: Call, opts: Options) -> Outputs:
         else:
             g = em(aten.expand.default, em(aten.view.default, grad, [1]), [end - start])
         if valid is not None:
-            g = em(aten.where.ScalarOther, valid, g, 0.0)
+            g = em.where_zero(valid, g)
         grad_logits = em(npu_op("npu_cross_entropy_loss_backward"), g, log_prob, target, None, None, None, "none",
                          ch.kernel_ignore, c["label_smoothing"])
         grad_logits = em.cast(grad_logits, dtype)
@@ -180,7 +182,7 @@ class _VocabChunks:
         t = self.rows(self.target, start, end)
         inside = em(aten.bitwise_and.Tensor, em(aten.ge.Scalar, t, start_id),
                     em(aten.lt.Scalar, t, start_id + self.vocab))
-        column = em(aten.where.ScalarOther, inside, em(aten.sub.Tensor, t, start_id), 0)
+        column = em.where_zero(inside, em(aten.sub.Tensor, t, start_id))
         return h, logits, inside, column
 
     def all_reduce(self, node, op):
@@ -192,10 +194,11 @@ def emit_vocab_parallel_forward(em: Emitter, c: Call, opts: Options) -> Outputs:
     losses, lses = [], []
     for start, end in ch.ranges():
         _, logits, inside, column = ch.chunk(start, end)
-        logits_max = ch.all_reduce(em(aten.amax.default, logits, [1]), "max")
+        # max.dim, not amax: torchair converts max.dim (ArgMaxWithValue) and has no GE converter for amax
+        logits_max = ch.all_reduce(em(operator.getitem, em(aten.max.dim, logits, 1), 0), "max")
         shifted = em(aten.sub.Tensor, logits, em(aten.unsqueeze.default, logits_max, 1))
         picked = em(aten.squeeze.dim, em(aten.gather.default, shifted, 1, em(aten.unsqueeze.default, column, 1)), 1)
-        picked = ch.all_reduce(em(aten.where.ScalarOther, inside, picked, 0.0), "sum")
+        picked = ch.all_reduce(em.where_zero(inside, picked), "sum")
         sum_exp = ch.all_reduce(em(aten.sum.dim_IntList, em(aten.exp.default, shifted), [1]), "sum")
         log_sum = em(aten.log.default, sum_exp)
         loss = em(aten.sub.Tensor, log_sum, picked)

@@ -129,24 +129,18 @@ class Emitter:
         self.emitted.append(new)
         return new
 
-    def constant(self, name: str, make: Callable[[torch.device], torch.Tensor], device: torch.device) -> Node:
-        """A tensor the graph module holds (one per name), e.g. the compressed causal mask."""
-        if not hasattr(self.gm, name):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                self.gm.register_buffer(name, make(device))
-        with self.gm.graph.inserting_before(self.node):
-            new = self.gm.graph.get_attr(name)
-        if self.fake_mode is not None:
-            new.meta["val"] = self.fake_mode.from_tensor(getattr(self.gm, name), static_shapes=True)
-        self.emitted.append(new)
-        return new
-
     def cast(self, node: Node, dtype: torch.dtype) -> Node:
         if node.meta["val"].dtype == dtype:
             return node
         return self(aten._to_copy.default, node, dtype=dtype)
+
+    def where_zero(self, keep: Node, node: Node) -> Node:
+        """``node`` where ``keep``, else 0 of its dtype: ``aten.where.self`` against a 0-dim ``new_zeros`` of
+        ``node``. Not ``aten.where.ScalarOther``, which torchair has no GE converter for
+        (ge_converter/aten/where.py), and no zero made from nothing (``scalar_tensor``, ``full``): torchair's
+        aclgraph conversion re-runs each op on its inputs outside the fake mode when it compiles a backward
+        (fx2acl_converter.py, parse_node), where such an op makes a real tensor beside fake ones."""
+        return self(aten.where.self, keep, node, self(aten.new_zeros.default, node, []))
 
     def sum_to(self, node: Node, shape: Sequence[int], dtype: torch.dtype) -> Node:
         """``node`` summed (in fp32) down to ``shape``, which broadcasts to it, then cast to ``dtype``."""

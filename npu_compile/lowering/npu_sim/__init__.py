@@ -31,6 +31,7 @@ import torch
 from npu_compile.executor import boxed_executor
 from npu_compile.lowering import Target
 from npu_compile.lowering import npu
+from npu_compile.lowering.npu import graph_modes
 from npu_compile.lowering.npu import mc2 as npu_mc2
 from npu_compile.lowering.npu.schemas import SCHEMAS, TAGS
 from npu_compile.lowering.npu_sim import activations, attention, mc2, norms, rotary
@@ -79,4 +80,5 @@ TARGET = Target(
     table=npu.TABLE,
     lower=npu.lower_table,  # the npu emission for opts.graph_mode; the plan is target npu's (no torchair here)
     executor=lambda gm, example_inputs, opts: boxed_executor(gm),
+    describe=graph_modes.describe,  # what target npu would run, and torchair's conversion of it (torchair_check)
 )
