@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
+from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
 from npu_compile.lowering import npu_sim
 from npu_compile.lowering.npu import graph_modes, torchair_check
 from npu_compile.lowering.npu.schemas import SCHEMAS
@@ -186,7 +186,7 @@ def test_tensor_and_sequence_parallel_mc2_graphs_convert(megatron_cpu):
     """TP=2 + SP with MC2 on every site (the Megatron MLP of test_mc2.py over a fake group of 2: compiled, not
     communicating): AllGatherMatmul and MatmulReduceScatter in GE, their group the one the graph names. Converted
     in a child of its own, inside the fake group, which its collectives name (torchair resolves the group)."""
-    from megatron_glue.testing import fake_process_group
+    from megatron_glue.capture.testing import fake_process_group
 
     from .test_mc2 import _TensorParallelMLP
 
