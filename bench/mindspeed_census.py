@@ -80,3 +80,52 @@ def extract(script: str) -> list[str]:
         value = "\n".join(part for part in value.splitlines() if not part.lstrip().startswith("#"))
         env[name] = _placeholder(name, _expand(value, env))
     raise ValueError("no pretrain_*.py / posttrain_*.py launch line in the script")
+
+
+# -- scaling a script down to a tiny model on 2 processes, every other flag kept ------------------------------------
+
+PATHS = {"--data-path": "data/corpus_text_document", "--tokenizer-name-or-path": "tokenizer",
+         "--tokenizer-model": "tokenizer", "--load": "ckpt", "--save": "ckpt", "--hf-cfg-dir": "hf",
+         "--tensorboard-dir": "tb"}
+SIZES = {"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
+         "--kv-channels": "16", "--seq-length": "32", "--max-position-embeddings": "32", "--micro-batch-size": "1",
+         "--global-batch-size": "4", "--train-iters": "20", "--lr-decay-iters": "20", "--padded-vocab-size": "512",
+         "--vocab-size": "500", "--save-interval": "10", "--eval-interval": "10", "--log-interval": "1",
+         "--num-layers-per-virtual-pipeline-stage": "1", "--workers": "1", "--num-workers": "0"}
+
+
+def _values(argv: list[str], i: int) -> int:
+    """How many values follow the flag at i."""
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    return j - i - 1
+
+
+def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
+    """The script's flags for a tiny model on `nproc` processes: sizes, parallel sizes and paths replaced, every
+    other flag and value kept. TP or PP (whichever the script uses; PP where it interleaves) becomes `nproc`, the
+    other 1; GQA keeps 2 groups; the warm-up stays below the decay."""
+    flags = {a: argv[i + 1] if _values(argv, i) == 1 else None for i, a in enumerate(argv) if a.startswith("--")}
+    tp = int(flags.get("--tensor-model-parallel-size") or 1)
+    pp = int(flags.get("--pipeline-model-parallel-size") or 1)
+    if "--num-layers-per-virtual-pipeline-stage" in flags or (pp > 1 and tp == 1):
+        tp, pp = 1, nproc
+    elif tp > 1:
+        tp, pp = nproc, 1
+    else:
+        tp, pp = 1, 1
+    sizes = dict(SIZES, **{"--tensor-model-parallel-size": str(tp), "--pipeline-model-parallel-size": str(pp),
+                           "--num-query-groups": "2", "--lr-warmup-iters": "2"})
+    out = []
+    i = 0
+    while i < len(argv):
+        flag, n = argv[i], _values(argv, i)
+        values = argv[i + 1:i + 1 + n]
+        if flag in PATHS and n == 1:
+            values = [PATHS[flag]]
+        elif flag in sizes and n == 1:
+            values = [sizes[flag]]
+        out += [flag, *values]
+        i += 1 + n
+    return out

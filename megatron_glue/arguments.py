@@ -46,8 +46,6 @@ RECOMPUTE = ("Megatron's per-layer activation recompute is not implemented here;
              "memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'")
 UNEVEN_PP = ("uneven pipeline stages are not implemented here; give a --num-layers divisible by "
              "--pipeline-model-parallel-size")
-HF_CONVERT = ("converting HF weights when the job starts is not implemented here; convert once with `npu-compile "
-              "convert --load-model-type hf --save-model-type mg ...` and give its output as --load")
 MG_CONVERT = ("converting to HF at each save is not implemented here; convert a saved checkpoint with `npu-compile "
               "convert --load-model-type mg --save-model-type hf ...`")
 
@@ -149,7 +147,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--calculate-per-token-loss": (0, "per-token loss normalisation is not implemented here"),
     "--no-shuffle": (0, "unshuffled datasets are not implemented here"),
     # checkpoints
-    "--enable-hf2mg-convert": (0, HF_CONVERT),
     "--enable-mg2hf-convert": (0, MG_CONVERT),
     # Megatron-LM flags of features not implemented here
     "--train-samples": (1, "sample-based training is not implemented here; give --train-iters"),
@@ -208,9 +205,6 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {
                             "'default' is the plain cross-entropy this job computes (MindSpeed-LLM's 'chunk' mode is "
                             "not implemented)"),
     "--loss-chunk-size": (dict(type=int, default=1024), "used only by --loss-compute-mode chunk"),
-    "--model-type-hf": (dict(default=None),
-                        "the HF family for --enable-hf2mg-convert / --enable-mg2hf-convert (refused here); alone it "
-                        "changes nothing, as in MindSpeed-LLM"),
     "--hf-cfg-dir": (dict(default=None), "the HF config folder for --enable-mg2hf-convert (refused here); alone it "
                                          "changes nothing, as in MindSpeed-LLM"),
     "--handler-name": (dict(default=""),
@@ -257,6 +251,19 @@ SPECS_REFUSED = {
     "mindspeed_llm.tasks.models.spec.hunyuan_spec": "Hunyuan's layer (MoE)",
     "mindspeed_llm.tasks.models.spec.minicpm_spec": "MiniCPM's layer (scaled residuals)",
 }
+# Values of implemented flags whose feature is not: value -> what is missing
+POSITION_EMBEDDINGS_REFUSED = {
+    "mrope": "multimodal RoPE (mrope) is not implemented here",
+    "relative": "relative position embeddings are not implemented here",
+    "none": "models without position embeddings are not implemented here",
+    "deepseek4": "DeepSeek-V4's position embedding is not implemented here",
+}
+TOKENIZERS_REFUSED = {
+    name: f"the {name} is not implemented here" for name in (
+        "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+        "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "MagistralTokenizer")}
+# MindSpeed-LLM's --model-type-hf names spelled differently by the converter (megatron_glue.convert.families)
+HF_MODEL_TYPE_ALIASES = {"qwen25": "qwen2.5"}
 # Raw data MindSpeed-LLM preprocesses at start (mindspeed_llm/tasks/preprocess/data_handler.py `_get_data_format`)
 RAW_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".csv", ".arrow")
 PRETRAIN_HANDLERS = ("GeneralPretrainHandler",)
@@ -295,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", *POSITION_EMBEDDINGS_REFUSED],
+                   default="learned_absolute", help="learned_absolute or rope; the others are refused")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron-LM's older spelling of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=10000)
@@ -373,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load model weights only; iteration starts at 0")
+    g.add_argument("--enable-hf2mg-convert", action="store_true",
+                   help="--load is a HuggingFace folder: rank 0 converts it (`npu-compile convert`) into "
+                        "<load>/megatron_cache_tp{TP}pp{PP}_{--ckpt-format} once, every rank waits, and the job "
+                        "starts from those weights (MindSpeed-LLM's meaning)")
+    g.add_argument("--model-type-hf", default=None,
+                   help="with --enable-hf2mg-convert: the HF family (MindSpeed-LLM's names; default: config.json's "
+                        "model_type); a folder of another family is refused before the job starts")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop when there is no checkpoint there, instead of starting from random weights")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist")
@@ -428,9 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "PretrainedFromHF",
-                                                "NullTokenizer"], default=None,
-                   help="PretrainedFromHF (MindSpeed-LLM's) is HuggingFaceTokenizer read from "
-                        "--tokenizer-name-or-path")
+                                                "NullTokenizer", *TOKENIZERS_REFUSED], default=None,
+                   help="GPT2BPETokenizer, HuggingFaceTokenizer, PretrainedFromHF (MindSpeed-LLM's: "
+                        "HuggingFaceTokenizer read from --tokenizer-name-or-path) or NullTokenizer; the others are "
+                        "refused")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--tokenizer-name-or-path", default=None,
                    help="PretrainedFromHF's tokenizer: a local directory written by save_pretrained (no hub downloads)")
@@ -532,6 +548,15 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                 (f"{what} is not implemented here" if what else "this layer spec is not one this job builds")
                 + "; the specs built here: " + ", ".join(f"{m} layer_spec" for m in SPECS_BUILT)
                 + " (or leave --spec out: megatron-core's local GPT layer)"))
+    if args.position_embedding_type in POSITION_EMBEDDINGS_REFUSED:
+        lines.append(refusal(f"--position-embedding-type {args.position_embedding_type}",
+                             POSITION_EMBEDDINGS_REFUSED[args.position_embedding_type]
+                             + "; use rope or learned_absolute"))
+    if args.tokenizer_type in TOKENIZERS_REFUSED:
+        lines.append(refusal(f"--tokenizer-type {args.tokenizer_type}",
+                             TOKENIZERS_REFUSED[args.tokenizer_type] + "; use PretrainedFromHF (or "
+                             "HuggingFaceTokenizer) with a local HF tokenizer folder, GPT2BPETokenizer or "
+                             "NullTokenizer"))
     if args.dataloader_type != "single":
         lines.append(refusal(f"--dataloader-type {args.dataloader_type}",
                              f"Megatron-LM's {args.dataloader_type} data loader is not implemented here; use single "
@@ -547,6 +572,14 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                     f"--{name.replace('_', '-')} {value:g}",
                     f"megatron-core's Llama 3 RoPE scaling fixes it at {LLAMA3_ROPE[name]:g}; other values are not "
                     "implemented here"))
+    if args.enable_hf2mg_convert and args.model_type_hf:
+        from megatron_glue.convert.families import MODEL_TYPES
+
+        if HF_MODEL_TYPE_ALIASES.get(args.model_type_hf, args.model_type_hf) not in MODEL_TYPES:
+            lines.append(refusal(f"--model-type-hf {args.model_type_hf}",
+                                 f"converting {args.model_type_hf} weights at start is not implemented here (the "
+                                 f"converter's families: {', '.join(sorted({*MODEL_TYPES, *HF_MODEL_TYPE_ALIASES}))}); "
+                                 "start from a Megatron checkpoint without --enable-hf2mg-convert"))
     if args.handler_name and args.handler_name not in PRETRAIN_HANDLERS:
         lines.append(refusal(f"--handler-name {args.handler_name}", INSTRUCTION))
     raw = [p for p in args.data_path or () if _is_raw_data(p)]
@@ -739,6 +772,8 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--num-workers {args.num_workers} must be >= 0")
     if args.manual_gc_interval < 0:
         fail(f"--manual-gc-interval {args.manual_gc_interval} must be >= 0 (0: no collection between iterations)")
+    if args.enable_hf2mg_convert and not args.load:
+        fail("--enable-hf2mg-convert needs --load, the HuggingFace folder to start from")
     if args.save_interval is not None and not args.save and int(os.environ.get("RANK", "0")) == 0:
         print(" WARNING: --save-interval has no effect without --save; no checkpoints will be written",
               file=sys.stderr)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_glue import checkpointing, device as glue_device, quiet_megatron, versions
+from megatron_glue import checkpointing, device as glue_device, hf_weights, quiet_megatron, versions
 from megatron_glue.training_log import (Metrics, iteration_line, num_floating_point_operations, peak_memory_mb,
                                         print_rank0, validation_lines)
 
@@ -381,7 +381,11 @@ def _count_graphs() -> dict:
 
 def pretrain(args, model_provider, forward_step, datasets_provider, build_loader):
     """Megatron-LM's pretrain(): set up, load, train with periodic evaluation and saves, evaluate, exit."""
+    if getattr(args, "enable_hf2mg_convert", False):
+        hf_weights.check(args)  # before any process group: a folder that is not the HF model named is refused
     where = initialize(args)
+    if getattr(args, "enable_hf2mg_convert", False):
+        hf_weights.convert(args)
     if args.load and getattr(args, "exit_on_missing_checkpoint", False) and checkpointing.read_tracker(args.load) is None:
         raise checkpointing.CheckpointError(
             f"--load {args.load}: no checkpoint there ({checkpointing.TRACKER} missing), and "
