@@ -199,11 +199,13 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {
     "--shape-order": (dict(choices=["SBH", "BSH", "BSND", "BNSD"], default="SBH"),
                       "the input layout of MindSpeed's fused attention; here the backend's attention rule chooses "
                       "the layout of npu_fusion_attention"),
+    "--tokenizer-not-use-fast": (dict(action="store_false", dest="tokenizer_use_fast"),
+                                 "MindSpeed-LLM's slow (Python) HF tokenizer; transformers 5, which this project "
+                                 "requires, has fast tokenizers only (AutoTokenizer ignores use_fast)"),
     "--tokenizer-padding-side": (dict(choices=["left", "right"], default="right"),
                                  "the side instruction batches are padded on; pretraining data is not padded"),
-    "--loss-compute-mode": (dict(choices=["default"], default="default"),
-                            "'default' is the plain cross-entropy this job computes (MindSpeed-LLM's 'chunk' mode is "
-                            "not implemented)"),
+    "--loss-compute-mode": (dict(choices=["default", "chunk"], default="default"),
+                            "'default' is the plain cross-entropy this job computes ('chunk' is refused)"),
     "--loss-chunk-size": (dict(type=int, default=1024), "used only by --loss-compute-mode chunk"),
     "--hf-cfg-dir": (dict(default=None), "the HF config folder for --enable-mg2hf-convert (refused here); alone it "
                                          "changes nothing, as in MindSpeed-LLM"),
@@ -450,8 +452,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--tokenizer-name-or-path", default=None,
                    help="PretrainedFromHF's tokenizer: a local directory written by save_pretrained (no hub downloads)")
-    g.add_argument("--tokenizer-not-use-fast", action="store_false", dest="tokenizer_use_fast",
-                   help="PretrainedFromHF: the slow (Python) tokenizer instead of the fast one")
     g.add_argument("--padded-vocab-size", type=int, default=None,
                    help="the model's embedding rows, as given (default: the tokenizer's vocabulary padded to a "
                         "multiple of --make-vocab-size-divisible-by x TP)")
@@ -557,6 +557,10 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                              TOKENIZERS_REFUSED[args.tokenizer_type] + "; use PretrainedFromHF (or "
                              "HuggingFaceTokenizer) with a local HF tokenizer folder, GPT2BPETokenizer or "
                              "NullTokenizer"))
+    if args.loss_compute_mode == "chunk":
+        lines.append(refusal("--loss-compute-mode chunk",
+                             "MindSpeed-LLM's chunked cross-entropy is not implemented here; the backend fuses the "
+                             "output layer with the loss (vocab_parallel_cross_entropy) instead"))
     if args.dataloader_type != "single":
         lines.append(refusal(f"--dataloader-type {args.dataloader_type}",
                              f"Megatron-LM's {args.dataloader_type} data loader is not implemented here; use single "

@@ -461,7 +461,8 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
         # Megatron-LM's --manual-gc: no threshold-based collection, so that ranks collect at the same points
         gc.disable()
         gc.collect()
-    flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
+    flops_per_iteration = (num_floating_point_operations(args, args.global_batch_size)
+                           if getattr(args, "log_throughput", False) else None)
     while state.iteration < args.train_iters:
         started = time.perf_counter()
         losses, skipped, grad_norm = train_step(args, forward_step, train_it, chunks, optimizer, scheduler)
@@ -500,7 +501,7 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
                 skipped=interval.skipped, nan=interval.nan, tokens_per_sec=tokens_per_it / elapsed,
                 peak_mb=peak_memory_mb(where.device),
                 tflops_per_device=(flops_per_iteration / (elapsed * 1e12 * args.world_size)
-                                   if getattr(args, "log_throughput", False) else None)))
+                                   if flops_per_iteration is not None else None)))
             interval = _Interval()
         if args.eval_interval and state.iteration % args.eval_interval == 0 and args.eval_iters > 0 \
                 and state.iteration < args.train_iters:
