@@ -129,3 +129,128 @@ def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
         out += [flag, *values]
         i += 1 + n
     return out
+
+
+# -- the census -----------------------------------------------------------------------------------------------------
+
+TRAINING_SCRIPT = re.compile(r"^examples/mcore/.*/(pretrain|tune)[^/]*\.sh$")
+
+
+def _git(repo: str, *args: str) -> str:
+    return subprocess.run(["git", f"--git-dir={repo}", *args], capture_output=True, text=True, check=True).stdout
+
+
+def scripts(repo: str, rev: str) -> dict[str, list[str]]:
+    """path -> extracted flags, for every training launch script under examples/mcore/ at `rev`."""
+    out = {}
+    for path in _git(repo, "ls-tree", "-r", "--name-only", rev, "examples/mcore").split():
+        if TRAINING_SCRIPT.match(path):
+            text = _git(repo, "show", f"{rev}:{path}")
+            if "--micro-batch-size" in text:
+                out[path] = extract(text)
+    return out
+
+
+def is_dense(argv: list[str]) -> bool:
+    """The census' scripts: no MoE, context parallel <= 1, no instruction data."""
+    flags = {a: argv[i + 1] if _values(argv, i) else None for i, a in enumerate(argv) if a.startswith("--")}
+    instruction = ("--stage" in flags or "--is-instruction-dataset" in flags
+                   or (flags.get("--handler-name") or "GeneralPretrainHandler") != "GeneralPretrainHandler")
+    return "--num-experts" not in flags and int(flags.get("--context-parallel-size") or 1) <= 1 and not instruction
+
+
+def check(argv: list[str]) -> list[str]:
+    """[] where the scaled-down flags pass the job's argument check, else its lines (one per refused flag)."""
+    from megatron_glue.arguments import ArgumentError, parse_args
+
+    try:
+        parse_args(scale_down(argv), world_size=2)
+        return []
+    except ArgumentError as e:
+        return list(getattr(e, "lines", None) or [e.message])
+
+
+def _feature(line: str) -> str:
+    """The feature a refusal line names (its reason up to the first ';'; a family the converter lacks as one)."""
+    if line.startswith("--model-type-hf "):
+        return "HF weights at start (--enable-hf2mg-convert) of a family the converter lacks"
+    if line.startswith("--spec "):
+        return "a MindSpeed-LLM layer spec of another family (--spec)"
+    return line.split(": ", 1)[-1].split(";")[0]
+
+
+def _by_feature(lines: list[str]) -> str:
+    """`--flag`, `--flag value`: feature; ... (flags grouped under the feature their refusal names)."""
+    groups: dict[str, list[str]] = {}
+    for line in lines:
+        groups.setdefault(_feature(line), []).append(f"`{line.split(': ', 1)[0]}`")
+    return "; ".join(f"{', '.join(flags)}: {feature}" for feature, flags in groups.items())
+
+
+def report(found: dict[str, list[str]], repo_rev: str) -> str:
+    results = {path: check(argv) for path, argv in found.items()}
+    dense = [p for p in found if is_dense(found[p])]
+    admitted = [p for p in dense if not results[p]]
+    unknown = sorted({line.split(":")[0] for lines in results.values() for line in lines if "unrecognized" in line})
+    all_admitted = sum(1 for r in results.values() if not r)
+    converter_only = sum(1 for p in dense if results[p] and all(line.startswith("--model-type-hf ")
+                                                                 for line in results[p]))
+    lines = [
+        "# MindSpeed-LLM's training scripts through the job's argument check",
+        "",
+        f"Source: Ascend/MindSpeed-LLM {repo_rev}, every `examples/mcore/**/{{pretrain,tune}}*.sh` that launches "
+        f"training ({len(found)} scripts); flags and values extracted from each launch line "
+        "(`bench/mindspeed_census.py`), sizes scaled down to a tiny model on 2 processes (TP or PP 2), every other "
+        "flag kept, run through `megatron_glue.arguments.parse_args`. Regenerate: "
+        "`python -m bench.mindspeed_census --repo <MindSpeed-LLM git dir>`.",
+        "",
+        f"- Dense scripts (no `--num-experts`, context parallel <= 1, no instruction data): **{len(admitted)} of "
+        f"{len(dense)} admitted** ({100 * len(admitted) / max(1, len(dense)):.0f}%).",
+        f"- Of the others, {converter_only} are refused only for `--model-type-hf` naming a family "
+        "`npu-compile convert` does not have (Qwen3, Seed-OSS, ...): they pass once the converter has it.",
+        f"- All {len(found)} scripts: {all_admitted} admitted; flags no one knows (\"unrecognized\"): "
+        f"{', '.join(unknown) if unknown else 'none'}.",
+        "",
+        "## Dense scripts",
+        "",
+        "| script | admitted | refused (flags: the feature they name) |",
+        "|---|---|---|",
+    ]
+    for path in dense:
+        lines.append(f"| {path.removeprefix('examples/mcore/')} | {'yes' if not results[path] else 'no'} | "
+                     f"{_by_feature(results[path]) or '–'} |")
+    blocking: dict[str, int] = {}
+    for path in dense:
+        for feature in dict.fromkeys(_feature(line) for line in results[path]):
+            blocking[feature] = blocking.get(feature, 0) + 1
+    lines += ["", "## What keeps the dense scripts out", "", "| feature | dense scripts |", "|---|---|"]
+    lines += [f"| {feature} | {n} |" for feature, n in sorted(blocking.items(), key=lambda kv: -kv[1])]
+    every: dict[str, int] = {}
+    for path in found:
+        for feature in dict.fromkeys(_feature(line) for line in results[path]):
+            every[feature] = every.get(feature, 0) + 1
+    lines += ["", f"## All {len(found)} scripts: the features their refusals name", "",
+              "| feature | scripts |", "|---|---|"]
+    lines += [f"| {feature} | {n} |" for feature, n in sorted(every.items(), key=lambda kv: -kv[1])]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.mindspeed_census", description=__doc__.split("\n")[0])
+    parser.add_argument("--repo", required=True, help="a MindSpeed-LLM git directory (bare, or a work tree's .git)")
+    parser.add_argument("--rev", default="master")
+    a = parser.parse_args(argv)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # the 2 processes on one machine
+    commit = _git(a.repo, "rev-parse", "--short", a.rev).strip()
+    found = scripts(a.repo, a.rev)
+    text = report(found, f"`{a.rev}` {commit}")
+    out = Path(__file__).parent / "results"
+    (out / "mindspeed_census.md").write_text(text + "\n")
+    (out / "mindspeed_census.json").write_text(json.dumps(
+        {"source": f"Ascend/MindSpeed-LLM {a.rev} {commit}", "scripts": found}, indent=1) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

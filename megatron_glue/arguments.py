@@ -26,6 +26,8 @@ import sys
 # -- refused: the feature each flag belongs to, and what to do instead -------------------------------------------------
 
 MOE = "MoE (mixture of experts) is not implemented here; train a dense model"
+# an MoE setting: configures nothing in a model without experts (Megatron-LM and MindSpeed read it only for them)
+MOE_SETTING = MOE + " (without --num-experts this flag configures nothing, and is accepted)"
 CP = "context parallelism is not implemented here; use --context-parallel-size 1 with TP/PP/DP"
 INSTRUCTION = ("instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) is not implemented here; "
                "pretrain on a .bin/.idx prefix written by `npu-compile preprocess`")
@@ -37,7 +39,7 @@ MTP = "multi-token prediction (MTP) is not implemented here; drop the MTP flags"
 LORA = "LoRA is not implemented here; fine-tune all weights (--finetune)"
 DSA = "DeepSeek sparse attention (its indexer, compressed KV) is not implemented here"
 MHC = "hyper-connections (mHC) are not implemented here"
-LINEAR_ATTENTION = "linear-attention layers (Gated DeltaNet, Mamba; Qwen3-Next) are not implemented here"
+LINEAR_ATTENTION = "linear-attention layers (Gated DeltaNet, Mamba, Qwen3-Next's) are not implemented here"
 GEMMA2 = ("Gemma 2's layer (post-norms, logit soft-capping, sliding-window attention, scaled embeddings) is not "
           "implemented here")
 ROPE_EXTENSION = ("YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
@@ -52,8 +54,8 @@ MG_CONVERT = ("converting to HF at each save is not implemented here; convert a 
 # flag -> (values it takes: 0 a switch, 1 one value, "+" one or more; why it is refused)
 REFUSED: dict[str, tuple[int | str, str]] = {
     # MoE
-    **{flag: (nargs, MOE) for flag, nargs in {
-        "--num-experts": 1, "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1,
+    **{flag: (1, MOE) for flag in ("--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size")},
+    **{flag: (nargs, MOE_SETTING) for flag, nargs in {
         "--moe-ffn-hidden-size": 1, "--moe-router-topk": 1, "--moe-router-load-balancing-type": 1,
         "--moe-token-dispatcher-type": 1, "--moe-layer-freq": 1, "--moe-aux-loss-coeff": 1,
         "--moe-router-num-groups": 1, "--moe-router-group-topk": 1, "--moe-router-topk-scaling-factor": 1,
@@ -648,12 +650,17 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         args, _ = parser.parse_known_args(argv)
     except ArgumentError as e:  # a bad value or a missing flag: reported with the refusals found so far
         refused = [a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in REFUSED]
+        if "--num-experts" not in refused:
+            refused = [f for f in refused if REFUSED[f][1] != MOE_SETTING]
         lines = [refusal(f, REFUSED[f][1]) for f in dict.fromkeys(refused)] + lines
         if not lines:
             raise
         raise DialectError(parser.prog, lines + [e.message.split(": error: ", 1)[-1]]) from None
     args.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    refused = [refusal(f, REFUSED[f][1]) for f in dict.fromkeys(getattr(args, "_refused", []))]
+    given = list(dict.fromkeys(getattr(args, "_refused", [])))
+    if "--num-experts" not in given:  # MoE settings of a model without experts configure nothing
+        given = [f for f in given if REFUSED[f][1] != MOE_SETTING]
+    refused = [refusal(f, REFUSED[f][1]) for f in given]
     if hasattr(args, "_refused"):
         del args._refused
     lines = refused + _value_refusals(args) + lines

@@ -287,7 +287,8 @@ def test_every_refused_and_unknown_flag_at_once():
     assert info.value.message == "\n".join([
         PROG + "7 flags of this command line are refused or unknown:",
         "  --num-experts: MoE (mixture of experts) is not implemented here; train a dense model",
-        "  --moe-grouped-gemm: MoE (mixture of experts) is not implemented here; train a dense model",
+        "  --moe-grouped-gemm: MoE (mixture of experts) is not implemented here; train a dense model (without "
+        "--num-experts this flag configures nothing, and is accepted)",
         "  --stage: instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) is not implemented "
         "here; pretrain on a .bin/.idx prefix written by `npu-compile preprocess`",
         "  --lora-r: LoRA is not implemented here; fine-tune all weights (--finetune)",
@@ -296,6 +297,16 @@ def test_every_refused_and_unknown_flag_at_once():
         "  --no-such-flag: unrecognized (not a flag of Megatron-LM, MindSpeed or MindSpeed-LLM that this job knows)",
         "  --no-such-switch: unrecognized (not a flag of Megatron-LM, MindSpeed or MindSpeed-LLM that this job "
         "knows)"])
+
+
+def test_moe_settings_of_a_dense_model_configure_nothing():
+    """MindSpeed-LLM's Qwen3 1.7B script passes --norm-topk-prob without experts: no MoE router reads it."""
+    assert parse_args([*JOB, "--norm-topk-prob", "--moe-router-topk", "8"])
+    assert error([*JOB, "--num-experts", "8", "--moe-router-topk", "8"]) == "\n".join([
+        PROG + "2 flags of this command line are refused or unknown:",
+        "  --num-experts: MoE (mixture of experts) is not implemented here; train a dense model",
+        "  --moe-router-topk: MoE (mixture of experts) is not implemented here; train a dense model (without "
+        "--num-experts this flag configures nothing, and is accepted)"])
 
 
 def test_a_bad_value_is_reported_with_the_refusals():
