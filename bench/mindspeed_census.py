@@ -246,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     text = report(found, f"`{a.rev}` {commit}")
     out = Path(__file__).parent / "results"
     (out / "mindspeed_census.md").write_text(text + "\n")
-    (out / "mindspeed_census.json").write_text(json.dumps(
-        {"source": f"Ascend/MindSpeed-LLM {a.rev} {commit}", "scripts": found}, indent=1) + "\n")
+    rows = ",\n".join(f"  {json.dumps(path)}: {json.dumps(argv)}" for path, argv in found.items())
+    (out / "mindspeed_census.json").write_text(
+        f'{{"source": {json.dumps(f"Ascend/MindSpeed-LLM {a.rev} {commit}")},\n "scripts": {{\n{rows}\n}}}}\n')
     print(text)
     return 0
 
