@@ -361,6 +361,26 @@ def _inference_rng_tracker_0_12(initialize_rng_tracker):
 
 
 @registry.replaces(
+    "checkpoint_cpu_rng_get", "megatron.core.tensor_parallel.random._get_cuda_rng_state", "cpu",
+    reason="activation recompute (CheckpointFunction) saves the CUDA generator's state with the CPU's "
+    "(tensor_parallel/random.py:447, torch.cuda.get_rng_state; 0.12.1: random.py:366); on a CPU the CPU state, "
+    "which it saves too (random.py:446), is the one dropout draws from: no device state to save",
+)
+def _no_device_rng_state(*args, **kwargs):
+    return torch.empty(0, dtype=torch.uint8)
+
+
+@registry.replaces(
+    "checkpoint_cpu_rng_set", "megatron.core.tensor_parallel.random._set_cuda_rng_state", "cpu",
+    reason="activation recompute restores the CUDA generator's state before recomputing (tensor_parallel/"
+    "random.py:457; 0.12.1: random.py:374); on a CPU the CPU state, restored just before (random.py:456), is "
+    "the one dropout draws from: nothing to restore",
+)
+def _no_device_rng_restore(*args, **kwargs):
+    return None
+
+
+@registry.replaces(
     "fresh_global_buffer", "megatron.core.utils.GlobalMemoryBuffer.get_tensor", "cpu",
     reason="GlobalMemoryBuffer allocates on torch.cuda.current_device() (utils.py:631; 0.12.1: utils.py:394); a "
     "fresh tensor on the default device also keeps cached state out of Dynamo guards and autograd: under SP a "

@@ -44,8 +44,8 @@ GEMMA2 = ("Gemma 2's layer (post-norms, logit soft-capping, sliding-window atten
           "implemented here")
 ROPE_EXTENSION = ("YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
                   "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)")
-RECOMPUTE = ("Megatron's per-layer activation recompute is not implemented here; the compiler recomputes by its "
-             "memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'")
+RECOMPUTE = ("it is not implemented here; Megatron's --recompute-granularity full/selective is, and the compiler "
+             "recomputes by its memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'")
 UNEVEN_PP = ("uneven pipeline stages are not implemented here; give a --num-layers divisible by "
              "--pipeline-model-parallel-size")
 MG_CONVERT = ("converting to HF at each save is not implemented here; convert a saved checkpoint with `npu-compile "
@@ -121,16 +121,9 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--short-factor": 1, "--long-mscale": 1, "--short-mscale": 1, "--dynamic-factor": 1,
         "--use-glm-rope": 0}.items()},
     # recompute, memory switches, schedules
-    "--recompute-granularity": (1, RECOMPUTE),
-    "--recompute-method": (1, RECOMPUTE),
-    "--recompute-num-layers": (1, RECOMPUTE),
-    "--recompute-activations": (0, RECOMPUTE),
-    "--recompute-activation-function": (0, "MindSpeed's recompute of the MLP activation is not implemented here; "
-                                           + RECOMPUTE.split("; ", 1)[1]),
-    "--recompute-norm": (0, "MindSpeed's recompute of the norms is not implemented here; "
-                            + RECOMPUTE.split("; ", 1)[1]),
-    "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory is not implemented here; "
-                            + RECOMPUTE.split("; ", 1)[1]),
+    "--recompute-activation-function": (0, "MindSpeed's recompute of the MLP activation: " + RECOMPUTE),
+    "--recompute-norm": (0, "MindSpeed's recompute of the norms: " + RECOMPUTE),
+    "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory: " + RECOMPUTE),
     "--swap-optimizer": (0, "MindSpeed's swap of optimizer state to host memory is not implemented here; shard it "
                             "over DP with --use-distributed-optimizer"),
     "--swap-optimizer-times": (1, "MindSpeed's swap of optimizer state to host memory is not implemented here; "
@@ -395,6 +388,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop when there is no checkpoint there, instead of starting from random weights")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist")
+
+    g = p.add_argument_group("activation recompute (megatron-core's own checkpointing; each layer stays one "
+                             "compiled graph)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: whole transformer layers keep only their input and are run again in the backward "
+                        "(--recompute-method, --recompute-num-layers); selective: the core attention only")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's short form of --recompute-granularity selective")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="uniform: every layer of the stage, in units of --recompute-num-layers; block: the first "
+                        "--recompute-num-layers layers of each stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--fp16", action="store_true")
@@ -740,6 +745,7 @@ def validate(args: argparse.Namespace) -> None:
 
     if args.num_layers % pp:
         fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    _check_recompute(args, fail)
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // pp
@@ -815,6 +821,20 @@ def validate(args: argparse.Namespace) -> None:
         options = npu_config.validate(args.npu_compile_options)
     except npu_config.OptionError as e:
         fail(f"--npu-compile-options: {e}")
+    if args.recompute_granularity == "full" and args.hidden_dropout > 0 and args.npu_compile and \
+            options.fusion_enabled("bias_dropout_add"):
+        # measured: the rule's masks in the no-grad forward differ from those of the recompute's training graph, so
+        # the gradients would not be those of the forward (losses equal to no recompute with the rule off, or eager)
+        fail(f"--recompute-granularity {args.recompute_granularity} with --hidden-dropout {args.hidden_dropout:g}: "
+             "the backend's bias_dropout_add rule draws other dropout masks in the recomputed forward than in the "
+             "first; give --hidden-dropout 0, or turn the rule off: --npu-compile-options "
+             "'{\"fusions\": {\"bias_dropout_add\": false}}'")
+    if args.recompute_granularity == "selective" and args.npu_compile:
+        # measured (4 layers): 9 graph breaks, and with attention dropout losses that drift from no recompute's
+        fail("--recompute-granularity selective: recomputing the core attention inside a compiled layer splits the "
+             "layer's graph; recompute whole layers (--recompute-granularity full, each layer one graph), or let the "
+             "compiler plan it: --npu-compile-options '{\"memory_budget\": \"auto\"}' (selective runs with "
+             "--no-npu-compile)")
     if args.use_ascend_mc2:  # MC2 is the compiler's, and only the npu targets have its ops: never a silent no-op
         if not args.npu_compile:
             fail("--use-ascend-mc2 is done by the compiler (option mc2='on'), which --no-npu-compile turns off; "
@@ -824,6 +844,27 @@ def validate(args: argparse.Namespace) -> None:
             fail(f"--use-ascend-mc2 makes MC2 ops, which only the npu and npu-sim targets have; this job compiles for "
                  f"target 'reference' ({why}); to run them on the CPU, give --npu-compile-options "
                  "'{\"target\": \"npu-sim\"}'")
+
+
+def _check_recompute(args, fail) -> None:
+    """Megatron-LM's rules for the recompute flags (arguments.py validate_args; megatron-core's
+    TransformerConfig.__post_init__), each failure naming the fix."""
+    if args.recompute_activations:  # Megatron-LM: the older spelling of selective
+        args.recompute_granularity = "selective"
+    granularity, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    if granularity is None:
+        if method is not None or layers is not None:
+            fail("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+    elif granularity == "selective":
+        if method is not None or layers is not None:
+            fail("--recompute-granularity selective recomputes the core attention of every layer; it takes no "
+                 "--recompute-method or --recompute-num-layers (those are for full)")
+    elif method is None:
+        fail("--recompute-granularity full needs --recompute-method uniform or block")
+    elif layers is None or not 1 <= layers <= per_stage:
+        fail(f"--recompute-granularity full needs --recompute-num-layers between 1 and the {per_stage} layers of "
+             f"each pipeline stage (got {layers})")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:

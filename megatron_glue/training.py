@@ -109,6 +109,9 @@ def transformer_config(args, where):
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         # Megatron-LM's --attention-softmax-in-fp32 (default off); megatron-core's own default is on
         attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
+        recompute_granularity=getattr(args, "recompute_granularity", None),
+        recompute_method=getattr(args, "recompute_method", None),
+        recompute_num_layers=getattr(args, "recompute_num_layers", None),
         use_cpu_initialization=where.device.type == "cpu",
         # p2p: no torch.cuda.synchronize; at PP=2 interleaved, batched p2p posts the send to and the receive
         # from the same peer with the same tag, and gloo swaps activations and grads (wrong losses, no error)

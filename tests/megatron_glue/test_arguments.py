@@ -172,13 +172,14 @@ def test_enable_hf2mg_convert_needs_load_and_a_family_the_converter_has():
     assert "llama2, llama3" in message and "qwen25" in message
 
 
-def test_mindspeed_memory_and_recompute_switches_are_refused_naming_the_feature():
-    assert error([*JOB, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
-                  "1", "--reuse-fp32-param"]) == "\n".join([
-        PROG + "4 flags of this command line are refused or unknown:",
-        *(f"  {flag}: Megatron's per-layer activation recompute is not implemented here; the compiler recomputes by "
-          "its memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'"
-          for flag in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")),
+def test_mindspeed_memory_switches_are_refused_naming_the_feature():
+    assert error([*JOB, "--recompute-activation-function", "--swap-attention", "--reuse-fp32-param"]) == "\n".join([
+        PROG + "3 flags of this command line are refused or unknown:",
+        *(f"  {flag}: MindSpeed's {what}: it is not implemented here; Megatron's --recompute-granularity "
+          "full/selective is, and the compiler recomputes by its memory plan: --npu-compile-options "
+          "'{\"memory_budget\": \"auto\"}'"
+          for flag, what in (("--recompute-activation-function", "recompute of the MLP activation"),
+                             ("--swap-attention", "swap of attention activations to host memory"))),
         "  --reuse-fp32-param: MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
         "implemented here; shard the master weights over DP with --use-distributed-optimizer"])
 
@@ -382,3 +383,59 @@ def test_a_moe_fine_tuning_script_names_every_missing_feature_at_once():
     assert "unrecognized" not in message
     assert sum("MoE (mixture of experts)" in line for line in lines) == 12
     assert sum("instruction / fine-tuning data" in line for line in lines) == 5  # 4 flags and the handler
+
+
+# -- activation recompute: megatron-core's own, each layer one compiled graph -----------------------------------------
+
+def test_recompute_flags_follow_megatron_lms_rules():
+    four = [*JOB, "--num-layers", "4"]
+    args = parse_args([*four, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                       "--recompute-num-layers", "1"])
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == ("full", "uniform", 1)
+    assert parse_args([*four, "--recompute-activations", "--no-npu-compile"]).recompute_granularity == "selective"
+    assert error([*four, "--recompute-activations"]) == (
+        "pretrain_gpt: error: --recompute-granularity selective: recomputing the core attention inside a compiled "
+        "layer splits the layer's graph; recompute whole layers (--recompute-granularity full, each layer one "
+        "graph), or let the compiler plan it: --npu-compile-options '{\"memory_budget\": \"auto\"}' (selective "
+        "runs with --no-npu-compile)")
+    assert error([*four, "--recompute-granularity", "full"]) == (
+        "pretrain_gpt: error: --recompute-granularity full needs --recompute-method uniform or block")
+    assert error([*four, "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+                  "5"]) == ("pretrain_gpt: error: --recompute-granularity full needs --recompute-num-layers between 1 "
+                            "and the 4 layers of each pipeline stage (got 5)")
+    assert error([*four, "--recompute-granularity", "selective", "--recompute-method", "uniform",
+                  "--no-npu-compile"]) == (
+        "pretrain_gpt: error: --recompute-granularity selective recomputes the core attention of every layer; it "
+        "takes no --recompute-method or --recompute-num-layers (those are for full)")
+    assert error([*four, "--recompute-method", "uniform"]) == (
+        "pretrain_gpt: error: --recompute-method and --recompute-num-layers need --recompute-granularity full")
+    # the backend's bias_dropout_add rule draws other masks in the no-grad forward (measured: losses differ at the
+    # first step); without dropout, with the rule off or eager, recompute is exact
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    assert error([*four, *full, "--hidden-dropout", "0.1"]) == (
+        "pretrain_gpt: error: --recompute-granularity full with --hidden-dropout 0.1: the backend's "
+        "bias_dropout_add rule draws other dropout masks in the recomputed forward than in the first; give "
+        "--hidden-dropout 0, or turn the rule off: --npu-compile-options '{\"fusions\": {\"bias_dropout_add\": "
+        "false}}'")
+    assert parse_args([*four, *full, "--hidden-dropout", "0.1", "--no-npu-compile"])
+
+
+RECOMPUTE = {"none": [], "full-uniform-1": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                            "--recompute-num-layers", "1"],
+             "full-block-2": ["--recompute-granularity", "full", "--recompute-method", "block",
+                              "--recompute-num-layers", "2"]}
+
+
+@pytest.mark.training
+def test_recompute_trains_as_without_it(tmp_path):
+    """fp32, hidden dropout on: every recompute setting's losses are those of no recompute (the dropout masks drawn
+    again in the recompute are the forward's), and the recomputed layers run compiled, each one graph."""
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0", "--npu-compile-options",
+               '{"fusions": {"bias_dropout_add": false}}']
+    runs = {name: pretrain(tmp_path / name, "--train-iters", "6", "--num-layers", "4", *dropout, *flags).check()
+            for name, flags in RECOMPUTE.items()}
+    base = runs["none"].losses
+    assert len(base) == 6
+    for name, run in runs.items():
+        assert run.losses == pytest.approx(base, rel=1e-5), name
+        assert run.rows("end")[0]["graph_breaks"] == 0
