@@ -48,22 +48,25 @@ demo: $(STAMP)
 # fixtures, e.g. a TP=2 gloo run, are made once).
 XDIST := -n 2 --dist loadscope
 
+# Everything in one process (or a second process that is not a gloo group): ops, passes, lowering, the compiled
+# Megatron models, conversion, the job's argument checks.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not training"
+	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not training and not gloo"
 
-# The training job over gloo processes: every parallel layout, checkpoints, mixed precision, the seed script.
+# The multi-process tests over gloo: the training job at every parallel layout, checkpoints, mixed precision, the
+# seed script; and the other gloo groups (TP=2 capture, the TP=2 loss, overlap and MC2 over gloo, rank failures).
 test-training: $(STAMP)
-	$(PY) -m pytest -q --durations=25 $(XDIST) -m "training and not fuzz" tests/megatron_glue
+	$(PY) -m pytest -q --durations=25 $(XDIST) -m "(training or gloo) and not fuzz"
 
 # The Megatron tests on megatron-core 0.12.1, limited to what can differ on that line: the Megatron folders' in-process
 # tests (less what is marked any_megatron_line: the converter's own checks, the same on every line), of the
-# multi-process training tests those marked megatron_lines (the code paths megatron_glue/versions.py switches:
+# multi-process training tests those marked megatron_lines (the code paths megatron_glue/training/versions.py switches:
 # interleaved pipeline stages, the distributed optimizer's checkpoint), and of tests/passes those that build on
-# megatron-core (megatron_glue.testing's --megatron-only).
+# megatron-core (megatron_glue.capture.testing's --megatron-only).
 test-mcore012: $(STAMP012)
 	$(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not any_megatron_line and (not training or megatron_lines)" \
 		tests/megatron_glue tests/lowering/test_megatron.py
-	$(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz" -p megatron_glue.testing --megatron-only tests/passes
+	$(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz" -p megatron_glue.capture.testing --megatron-only tests/passes
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz

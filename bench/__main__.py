@@ -30,7 +30,7 @@ MODELS = {
 
 
 def measure(model_name: str, backend: str, repeats: int) -> Row:
-    from megatron_glue import models
+    from megatron_glue.capture import models
 
     factory, seq, batch, vocab = MODELS[model_name]
     config = getattr(models, factory)()
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.repeats = "demo", 3
 
     import megatron_glue
-    from megatron_glue import models
+    from megatron_glue.capture import models
 
     megatron_glue.adapt()
     models.init_single_process()

@@ -1,5 +1,5 @@
 """First-step compile time of a megatron-core GPT (hidden 128, seq 128) at 2, 8 and 32 layers, per-layer compiled
-as the training job does (megatron_glue.training.compile_model): backend="ascend" cold, "ascend" warm (a second
+as the training job does (megatron_glue.training.training.compile_model): backend="ascend" cold, "ascend" warm (a second
 process on the persistent cache: npu_compile.precompile loads each compile, Dynamo and aot_autograd trace nothing),
 and Inductor cold, each in a fresh subprocess with its own empty caches; and compiled whole as the README's usage
 does (`megatron_glue.adapt()` then `torch.compile(gpt_model)`), cold: with the layers as one nested compile region
@@ -25,9 +25,9 @@ RESULTS = Path(__file__).parent / "results"
 _CHILD = r"""
 import json, sys, time, types
 import torch
-from megatron_glue import adapt, models
-from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch
-from megatron_glue.training import compile_model
+from megatron_glue.capture import adapt, models
+from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
+from megatron_glue.training.training import compile_model
 from npu_compile.debug.report import collect
 adapt(("cpu", "compile")); models.init_single_process()
 layers, backend = int(sys.argv[1]), sys.argv[2]
@@ -61,9 +61,9 @@ _WHOLE_CHILD = r"""
 import json, sys, time
 import torch
 import megatron_glue
-from megatron_glue import models
-from megatron_glue.adaptations import groups_for
-from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch
+from megatron_glue.capture import models
+from megatron_glue.capture.adaptations import groups_for
+from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
 from npu_compile.debug.report import collect
 layers, regions = int(sys.argv[1]), sys.argv[2] == "regions"
 megatron_glue.adapt(tuple(g for g in groups_for() if regions or g != "regions")); models.init_single_process()

@@ -91,7 +91,7 @@ def _fp32_logits_to_the_loss():
 
 def measure(backend: str, vocab: int, seq: int, repeats: int, dump_dir: str) -> tuple[dict, dict]:
     """One row (and the parameters' gradients of its compile step), in this process."""
-    from megatron_glue import adapt, models
+    from megatron_glue.capture import adapt, models
     from npu_compile.debug.report import collect
 
     adapt(("cpu", "compile"))

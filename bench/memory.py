@@ -39,7 +39,7 @@ MiB = 2**20
 
 
 def measure(seq: int, backend: str) -> dict:
-    from megatron_glue import models
+    from megatron_glue.capture import models
     from npu_compile.debug.report import collect
 
     torch._dynamo.reset()
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import megatron_glue
-    from megatron_glue import models
+    from megatron_glue.capture import models
 
     megatron_glue.adapt()
     models.init_single_process()

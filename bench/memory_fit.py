@@ -35,7 +35,7 @@ MiB = 2**20
 
 
 def build(layers: int, seq: int, cap: int | None):
-    from megatron_glue import models
+    from megatron_glue.capture import models
 
     torch._dynamo.reset()
     gc.collect()
@@ -48,7 +48,7 @@ def build(layers: int, seq: int, cap: int | None):
 
 
 def measure(layers: int, seq: int, cap: int | None) -> dict:
-    from megatron_glue import models
+    from megatron_glue.capture import models
     from npu_compile.debug.report import collect
 
     model, compiled, data = build(layers, seq, cap)
@@ -70,7 +70,7 @@ def measure(layers: int, seq: int, cap: int | None) -> dict:
 
 def refused(layers: int, seq: int, cap: int) -> dict:
     """The impossible cap: the error, and that no step ran (the parameters are those the model was built with)."""
-    from megatron_glue import models
+    from megatron_glue.capture import models
     from npu_compile.passes.recompute import MemoryFitError
 
     model, compiled, data = build(layers, seq, cap)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import megatron_glue
-    from megatron_glue import models
+    from megatron_glue.capture import models
 
     megatron_glue.adapt()
     models.init_single_process()

@@ -5,7 +5,8 @@
 Reads every `examples/mcore/**/{pretrain,tune}*.sh` of a MindSpeed-LLM checkout (a bare git directory or a work
 tree) at `--rev`, takes the flags and values its launch line passes to `pretrain_gpt.py` / `posttrain_gpt.py` (or a model's own `pretrain_*.py`)
 (`extract`), scales the sizes down to a tiny model on 2 processes with every other flag kept (`scale_down`), and
-runs each through `megatron_glue.arguments.parse_args`. The dense training scripts (no `--num-experts`, context
+runs each through `megatron_glue.training.arguments.parse_args` (and the check `--enable-hf2mg-convert` makes before
+the job starts, `megatron_glue.convert.at_start.refusal`). The dense training scripts (no `--num-experts`, context
 parallel <= 1, no instruction data) are the census; the others are listed with their first refusal too. Writes
 `bench/results/mindspeed_census.md` and the extracted flags as `bench/results/mindspeed_census.json`.
 
@@ -161,13 +162,15 @@ def is_dense(argv: list[str]) -> bool:
 
 def check(argv: list[str]) -> list[str]:
     """[] where the scaled-down flags pass the job's argument check, else its lines (one per refused flag)."""
-    from megatron_glue.arguments import ArgumentError, parse_args
+    from megatron_glue.convert.at_start import refusal
+    from megatron_glue.training.arguments import ArgumentError, parse_args
 
     try:
-        parse_args(scale_down(argv), world_size=2)
-        return []
+        args = parse_args(scale_down(argv), world_size=2)
     except ArgumentError as e:
         return list(getattr(e, "lines", None) or [e.message])
+    line = refusal(args)
+    return [line] if line else []
 
 
 def _feature(line: str) -> str:
@@ -201,7 +204,8 @@ def report(found: dict[str, list[str]], repo_rev: str) -> str:
         f"Source: Ascend/MindSpeed-LLM {repo_rev}, every `examples/mcore/**/{{pretrain,tune}}*.sh` that launches "
         f"training ({len(found)} scripts); flags and values extracted from each launch line "
         "(`bench/mindspeed_census.py`), sizes scaled down to a tiny model on 2 processes (TP or PP 2), every other "
-        "flag kept, run through `megatron_glue.arguments.parse_args`. Regenerate: "
+        "flag kept, run through `megatron_glue.training.arguments.parse_args` and the converter's family check "
+        "of `--enable-hf2mg-convert`. Regenerate: "
         "`python -m bench.mindspeed_census --repo <MindSpeed-LLM git dir>`.",
         "",
         f"- Dense scripts (no `--num-experts`, context parallel <= 1, no instruction data): **{len(admitted)} of "

@@ -21,7 +21,7 @@ overlap_captured.png: captured).
     python -m bench.overlap [--graph captured,handmade]
 
 The graphs come from one process with torch's fake process group (8 ranks, no real communication):
-``captured`` is Megatron's own layer as megatron_glue.capture captures it (aot_autograd's graphs, before any
+``captured`` is Megatron's own layer as megatron_glue.capture.layer captures it (aot_autograd's graphs, before any
 npu_compile stage); ``handmade`` builds graphs with the collectives and matmul shapes of Megatron's SP layer and
 npu_compile's fused attention, in the order Megatron's autograd functions run them. Both run by default.
 """
@@ -160,7 +160,7 @@ def captured_layer_graphs() -> dict[str, torch.fx.GraphModule]:
     """Megatron's own TP=8 + SP GPT layer (local spec), captured by megatron_glue in this process over the fake
     process group: the forward and backward graphs aot_autograd hands the backend's compilers (no fusion rules
     applied, so attention is Megatron's unfused bmm + softmax)."""
-    from megatron_glue.capture import capture_layer_here
+    from megatron_glue.capture.layer import capture_layer_here
 
     capture = capture_layer_here(tp=TP, sp=True, hidden=HIDDEN, heads=HEADS, seq=SEQ, micro_batch=BATCH, dtype=DTYPE)
     return {"forward": capture.forward, "backward": capture.backward}
@@ -549,7 +549,7 @@ def header() -> str:
 SOURCES = {
     "handmade": "Hand-made graphs: Megatron's SP layer with npu_compile's fused attention, each collective waited "
                 "at once, in the order Megatron's autograd functions run.",
-    "captured": "Captured graphs: Megatron's own TransformerLayer (local spec) captured by megatron_glue.capture "
+    "captured": "Captured graphs: Megatron's own TransformerLayer (local spec) captured by megatron_glue.capture.layer "
                 "over the fake process group, as aot_autograd hands them over (no fusion rules: unfused attention; "
                 "aot_autograd's CSE keeps the forward's gathered inputs, so the backward gathers only gradients).",
 }

@@ -25,7 +25,7 @@ MODES = {"none": {}, "full/uniform/1": dict(recompute_granularity="full", recomp
 
 
 def measure(mode: str, compiled: bool, shape: dict, repeats: int) -> dict:
-    from megatron_glue import models
+    from megatron_glue.capture import models
     from npu_compile import precompile
 
     torch._dynamo.reset()
@@ -57,7 +57,7 @@ def measure(mode: str, compiled: bool, shape: dict, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import megatron_glue
     from megatron_glue.adaptations import groups_for
-    from megatron_glue.models import init_single_process, teardown_single_process
+    from megatron_glue.capture.models import init_single_process, teardown_single_process
 
     p = argparse.ArgumentParser(prog="python -m bench.recompute")
     p.add_argument("--quick", action="store_true", help="a smaller model, 2 timed steps")

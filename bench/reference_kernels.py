@@ -77,7 +77,7 @@ def op_rows(repeats: int) -> list[str]:
 
 def model_rows(repeats: int, models_to_run) -> list[str]:
     import megatron_glue
-    from megatron_glue import models
+    from megatron_glue.capture import models
 
     megatron_glue.adapt()
     models.init_single_process()

@@ -1,7 +1,7 @@
 """CPU training-step time of a megatron-core GPT (hidden 128, 4 heads, batch 2, fp32): eager, Inductor, ascend on
 the whole model (``megatron_glue.adapt()`` + ``torch.compile(gpt_model, backend="ascend")``) and ascend per layer as
-the training job compiles it (``megatron_glue.training.compile_model``), at sequence 128 / 1024 / 2048 and 2 / 8 /
-32 layers.
+the training job compiles it (``megatron_glue.training.training.compile_model``), at sequence 128 / 1024 / 2048
+and 2 / 8 / 32 layers.
 
 Each (sequence, layers) cell runs in a fresh process that builds the four models from one seed, compiles them,
 takes two warm-up steps each, then times their steps in turn (eager, Inductor, ascend, job, eager, ...) so that
@@ -35,8 +35,8 @@ _CHILD = r"""
 import json, statistics, sys, time, types
 import torch
 import megatron_glue
-from megatron_glue import models
-from megatron_glue.training import compile_model
+from megatron_glue.capture import models
+from megatron_glue.training.training import compile_model
 from bench.harness import peak_bytes
 megatron_glue.adapt(); models.init_single_process()
 seq, layers, repeats, columns = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")

@@ -1,55 +1,23 @@
-"""Makes megatron-core capturable by torch.compile and runnable off CUDA (CPU for tests, Ascend NPU for real).
+"""Megatron on Ascend NPUs (and on CPU for tests), its transformer layers compiled with `backend="ascend"`.
 
-One line for users, at any tensor-parallel size, with or without sequence parallelism, before or after the
-process group and Megatron's parallel state are set up:
+    torchrun ... -m megatron_glue.pretrain_gpt <Megatron-LM's pretrain_gpt.py flags>    the training job
+    import megatron_glue; megatron_glue.adapt()      megatron-core made capturable, for a loop of your own
 
-    import megatron_glue; megatron_glue.adapt()          # the groups `adaptations.groups_for()` names
+Its rooms, each a subpackage that a newcomer finds by name (which may import which:
+tests/megatron_glue/test_glue_layering.py):
 
-`distributed.init_distributed` and the training job (`device.init`) apply the same groups.
+    capture/     what makes megatron-core capturable and runnable off CUDA: the one adaptation registry and its
+                 groups, multi-process set-up and the rank watchdog, small models, one-layer capture, test fixtures
+    data/        the job's data: tokenizers, megatron-core datasets and the loader, `npu-compile preprocess`,
+                 the demo corpus
+    training/    the training job: its one argument surface, the GPT pieces, the loop, checkpoints, the device,
+                 logs, what differs between megatron-core lines
+    convert/     `npu-compile convert`: HuggingFace <-> Megatron checkpoints of the job's model
 
-`adaptations` holds every change we make to Megatron, with its reason, keyed by megatron-core version where the
-lines differ (tested on 0.12.1 and 0.16.1; `registry.skipped()` lists those not for the installed one); `models`
-builds small GPT/Llama-style models and batches; `distributed` sets up TP workers, launches them for tests and
-does the TP grad work Megatron's DDP would; `capture` captures one layer at TP=8 over a fake process group for
-benchmarks; `testing` holds pytest fixtures shared by test folders.
+and its doors, the modules run with `-m`: `pretrain_gpt` (the job) and `demo` (`make demo`). `adaptations` and
+`distributed` here are the paths the README documents for `capture.adaptations` and `capture.distributed`.
 """
 
-import contextlib
-import warnings
+from megatron_glue.capture import adapt, quiet_megatron
 
-from megatron_glue.adaptations import registry
-from megatron_glue import training_adaptations  # noqa: F401  (registers the "training" group)
-
-
-# What megatron-core 0.16.1 or 0.12.1 (and torch under it) says on import or model build that does not apply
-# here: we use neither TE nor Apex, and the deprecations are Megatron's own business.
-_MEGATRON_NOISE = (
-    (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed"),
-    (DeprecationWarning, r"`torch\.jit\.script_method` is deprecated"),
-    (DeprecationWarning, r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine'"),
-    (DeprecationWarning, r"The following imports from `dynamic_context\.py`"),
-    (DeprecationWarning, r"MLP requires ffn_hidden_size"),
-)
-
-
-@contextlib.contextmanager
-def quiet_megatron():
-    """Silence _MEGATRON_NOISE, and nothing else, inside the block."""
-    with warnings.catch_warnings():
-        for category, message in _MEGATRON_NOISE:
-            warnings.filterwarnings("ignore", message=message, category=category)
-        yield
-
-
-def adapt(groups=None) -> dict:
-    """Apply the named groups of adaptations (idempotent); returns what is applied, name -> reason.
-
-    groups None: what this machine needs for megatron-core at any parallel layout (`adaptations.groups_for()`:
-    "cpu" off CUDA/NPU, "compile", "tp_compile", "sp")."""
-    from megatron_glue.adaptations import groups_for
-
-    if groups is None:
-        groups = groups_for()
-    with quiet_megatron():  # applying imports the Megatron modules it changes
-        registry.apply_groups(groups)
-    return registry.applied()
+__all__ = ["adapt", "quiet_megatron"]

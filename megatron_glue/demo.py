@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager-too", action="store_true", help="also run --no-npu-compile and compare step times")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
-    from megatron_glue.demo_data import make_demo_data
+    from megatron_glue.data.demo_data import make_demo_data
 
     data = make_demo_data(str(out / "data"))
     print(f"data: {data['documents']} documents of the project's own text, BPE vocab {data['vocab_size']}, "

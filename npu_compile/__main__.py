@@ -11,7 +11,7 @@ COMMANDS = {
     "convert": "HuggingFace <-> Megatron checkpoints (MindSpeed-LLM's convert_ckpt_v2.py flags), TP/PP, streamed",
 }
 # Where each command's main(argv) lives; imported only when run, so `import npu_compile` never imports Megatron.
-_ENTRY = {"demo": "npu_compile.demo", "preprocess": "megatron_glue.preprocess",
+_ENTRY = {"demo": "npu_compile.demo", "preprocess": "megatron_glue.data.preprocess",
           "convert": "megatron_glue.convert"}
 
 

@@ -20,7 +20,7 @@ import npu_compile
 
 
 def _train(model, batches, desc: str) -> tuple[list[float], list[float]]:
-    from megatron_glue import models
+    from megatron_glue.capture import models
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, seconds = [], []
@@ -37,7 +37,7 @@ def _mib(n: int) -> str:
 
 def run(config: str, steps: int, dump_dir: str, options: dict) -> int:
     import megatron_glue
-    from megatron_glue import models
+    from megatron_glue.capture import models
 
     shutil.rmtree(dump_dir, ignore_errors=True)  # this run's graphs only
     applied = megatron_glue.adapt()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from megatron_glue.testing import fake_process_group
+from megatron_glue.capture.testing import fake_process_group
 from npu_compile import cache, config, lowering, passes
 from npu_compile.debug.report import collect
 from npu_compile.device import profile

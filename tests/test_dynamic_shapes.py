@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_glue.testing import megatron_cpu  # noqa: F401
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401
 from npu_compile.debug.report import collect
 
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
@@ -79,13 +79,13 @@ def train(eager: torch.nn.Module, compiled_model: torch.nn.Module, target: str, 
 
 
 def megatron_batches():
-    from megatron_glue.models import synthetic_batch
+    from megatron_glue.capture.models import synthetic_batch
 
     return [synthetic_batch(2, s, VOCAB, seed=i) for i, s in enumerate(LENGTHS)]
 
 
 def megatron_models(style: str):
-    from megatron_glue.models import build_gpt_model, gpt_config, llama_config
+    from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config
 
     config = (llama_config if style == "llama" else gpt_config)(hidden_size=64, num_query_groups=2, num_layers=1)
     return [build_gpt_model(config, VOCAB, max(LENGTHS), seed=0) for _ in range(2)]

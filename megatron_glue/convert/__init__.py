@@ -21,11 +21,11 @@ from megatron_glue.convert.families import MODEL_TYPES, ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_glue.arguments import _Parser
+    from megatron_glue.training.arguments import ArgumentParser
 
-    p = _Parser(prog="npu-compile convert", allow_abbrev=False,
-                description="Convert HuggingFace <-> Megatron (megatron-core GPTModel) checkpoints, streamed layer "
-                            "by layer.")
+    p = ArgumentParser(prog="npu-compile convert", allow_abbrev=False,
+                       description="Convert HuggingFace <-> Megatron (megatron-core GPTModel) checkpoints, "
+                                   "streamed layer by layer.")
     p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--save-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--load-dir", required=True)
@@ -61,7 +61,7 @@ def _freed_memory_back_to_the_os() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_glue.arguments import ArgumentError
+    from megatron_glue.training.arguments import ArgumentError
     from megatron_glue.convert import core, hf_io, legacy
 
     _freed_memory_back_to_the_os()

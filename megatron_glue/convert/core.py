@@ -63,8 +63,8 @@ def architecture_flags(family: Family, cfg: dict) -> list[str]:
 def architecture(family: Family, cfg: dict, tp: int = 1, pp: int = 1, divisible_by: int = 128,
                  dtype: torch.dtype = torch.float32) -> argparse.Namespace:
     """pretrain_gpt's args for this model at TP x PP (parsed by the job's own parser and checks)."""
-    from megatron_glue.arguments import ArgumentError, parse_args
-    from megatron_glue.tokenizer import padded_vocab_size
+    from megatron_glue.training.arguments import ArgumentError, parse_args
+    from megatron_glue.data.tokenizer import padded_vocab_size
 
     flags = architecture_flags(family, cfg)
     heads, groups = cfg.get("num_attention_heads", cfg.get("n_head")), cfg.get("num_key_value_heads")
@@ -107,7 +107,8 @@ def meta_model(args, dtype: torch.dtype, num_layers: int | None = None, pre_proc
     """megatron-core GPTModel of this architecture on the meta device (no memory), at TP=PP=1 (a torch_dist
     checkpoint's keys and global shapes do not depend on the layout); `num_layers`, pre/post_process: one
     pipeline stage of the legacy format."""
-    from megatron_glue import pretrain_gpt, quiet_megatron, training
+    from megatron_glue.capture import quiet_megatron
+    from megatron_glue.training import gpt, training
 
     one = copy.copy(args)
     if num_layers is not None:
@@ -118,7 +119,7 @@ def meta_model(args, dtype: torch.dtype, num_layers: int | None = None, pre_proc
     config.perform_initialization = False
     config.params_dtype = dtype
     with torch.device("meta"), quiet_megatron():
-        model = pretrain_gpt.model_provider(one, config, pre_process=pre_process, post_process=post_process)
+        model = gpt.model_provider(one, config, pre_process=pre_process, post_process=post_process)
         # every tensor in the HF checkpoint's dtype (megatron-core makes its norms fp32 whatever params_dtype is)
         return model.to(dtype)
 
@@ -130,12 +131,12 @@ def _single_process():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    import megatron_glue
-    from megatron_glue.adaptations import groups_for
-    from megatron_glue.models import init_single_process, teardown_single_process
+    from megatron_glue.capture import adapt
+    from megatron_glue.capture.adaptations import groups_for
+    from megatron_glue.capture.models import init_single_process, teardown_single_process
 
     # building a model (on the meta device) needs only what megatron-core needs off CUDA
-    megatron_glue.adapt(tuple(g for g in groups_for() if g == "cpu"))
+    adapt(tuple(g for g in groups_for() if g == "cpu"))
     ours = not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
     if not ours and (dist.get_world_size() > 1 or parallel_state.get_tensor_model_parallel_world_size() > 1
                      or parallel_state.get_pipeline_model_parallel_world_size() > 1):
@@ -192,7 +193,7 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
 
 def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_hf, num_layer_list, divisible_by,
           ckpt_format):
-    from megatron_glue.checkpointing import CHECKPOINT_VERSION, TRACKER, iteration_dir
+    from megatron_glue.training.checkpointing import CHECKPOINT_VERSION, TRACKER, iteration_dir
     from megatron_glue.convert import legacy
 
     model = meta_model(args, dtype)
@@ -287,7 +288,7 @@ def _check_names(reader, family, rows, args, layers) -> None:
 # -- mg -> hf ---------------------------------------------------------------------------------------------------
 
 def _mg_folder(load_dir: str) -> str:
-    from megatron_glue.checkpointing import TRACKER, iteration_dir, read_tracker
+    from megatron_glue.training.checkpointing import TRACKER, iteration_dir, read_tracker
 
     tracker = read_tracker(load_dir)
     if tracker is None:
@@ -375,7 +376,7 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
 
 
 def _check_same_architecture(args, saved: dict, folder: str, hf_cfg_dir: str | None) -> None:
-    from megatron_glue.checkpointing import ARCHITECTURE, resolved_architecture
+    from megatron_glue.training.checkpointing import ARCHITECTURE, resolved_architecture
 
     source = f"--hf-cfg-dir {hf_cfg_dir}" if hf_cfg_dir else "the recorded config.json"
     saved = resolved_architecture(saved)  # a job's defaults (kv_channels None: the head size) as values

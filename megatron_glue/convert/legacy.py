@@ -134,7 +134,7 @@ def save(folder: str, args, dtype: torch.dtype, recorded: dict, rows, convert, n
     "checkpoint_version": 3.0, "iteration": 0, ...}. `convert(name, layer)` gives a tensor of the full
     (unsplit) model, `layer` global or None; rows: the family table's rows of this model. One stage's shards are
     held at a time."""
-    from megatron_glue.checkpointing import CHECKPOINT_VERSION
+    from megatron_glue.training.checkpointing import CHECKPOINT_VERSION
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     stages = stage_layers(args.num_layers, pp, num_layer_list)

@@ -16,7 +16,7 @@ from npu_compile.device.cost import MC2Cost
 from npu_compile.device.profile import ASCEND_910B
 from npu_compile.lowering import npu_sim
 from npu_compile.lowering.npu.mc2 import declare_all, fused_sites, rewrite_mc2
-from megatron_glue.testing import fake_process_group
+from megatron_glue.capture.testing import fake_process_group
 
 c10d = torch.ops._c10d_functional
 bf16 = torch.bfloat16

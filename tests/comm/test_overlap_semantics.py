@@ -7,6 +7,7 @@ import os
 import random
 
 import networkx as nx
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -81,6 +82,7 @@ def worker(rank, store_path, first_seed):
         dist.destroy_process_group()
 
 
+@pytest.mark.gloo
 def test_reorder_and_bucketing_preserve_results_over_gloo(tmp_path):
     mp.spawn(worker, args=(str(tmp_path / "store"), 0), nprocs=WORLD, join=True)
 

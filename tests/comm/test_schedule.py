@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from comm_graphs import random_program
 from npu_compile.comm import collectives, schedule_overlap, simulate
 from npu_compile.comm.schedule import dependency_graph
-from megatron_glue.testing import fake_process_group
+from megatron_glue.capture.testing import fake_process_group
 
 c10d = torch.ops._c10d_functional
 bf16 = torch.bfloat16

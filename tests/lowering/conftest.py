@@ -1,1 +1,1 @@
-from megatron_glue.testing import megatron_cpu  # noqa: F401
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401

@@ -219,6 +219,7 @@ def worker(rank, store_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.gloo
 def test_mc2_rewrite_and_emulation_over_gloo(tmp_path):
     mp.spawn(worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
 
@@ -241,7 +242,7 @@ SWITCHED_OFF = [{"op": f"npu.{op}", "reason": "npu: MC2 not taken: switched off 
 def test_option_mc2_on_a_tensor_and_sequence_parallel_mlp(mode, overlap, fused, unfused, tmp_path):
     import json
 
-    from megatron_glue.testing import fake_process_group
+    from megatron_glue.capture.testing import fake_process_group
     from npu_compile.lowering import npu_sim
 
     npu_sim.register()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from megatron_glue.testing import fake_process_group
+from megatron_glue.capture.testing import fake_process_group
 from npu_compile import config
 from npu_compile.comm import overlap_stage, simulate
 from npu_compile.lowering import npu_sim

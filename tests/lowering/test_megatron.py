@@ -4,7 +4,7 @@ schemas, nothing of npu_compile's vocabulary is left, and three training steps e
 import pytest
 import torch
 
-from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
+from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
 from npu_compile.debug.report import collect
 
 from .cases import lowered_graphs

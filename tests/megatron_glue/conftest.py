@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_glue.testing import fresh_dynamo, megatron_cpu  # noqa: F401
+from megatron_glue.capture.testing import fresh_dynamo, megatron_cpu  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,8 @@ def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int, s
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_glue import checkpointing, pretrain_gpt, quiet_megatron, training, versions
+    from megatron_glue.capture import quiet_megatron
+    from megatron_glue.training import checkpointing, gpt, training, versions
     from megatron_glue.convert.core import architecture
     from megatron_glue.convert.families import family_for
 
@@ -93,7 +94,7 @@ def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int, s
     config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
     pre, post = versions.pipeline_position(None)
     with quiet_megatron():
-        model = pretrain_gpt.model_provider(args, config, pre, post).eval()
+        model = gpt.model_provider(args, config, pre, post).eval()
     checkpointing.load_checkpoint(args, [model], None, None)
     if save_to is not None:
         args.save, args.no_save_optim, args.no_save_rng = save_to, True, True
@@ -120,8 +121,8 @@ def _load_and_run(mg_dir: str, cfg: dict, ids: torch.Tensor, tp: int, pp: int, s
 
 
 def _worker(runs, tp: int, pp: int, ckpt_format: str = "torch_dist", full_vocab: bool = False):
-    from megatron_glue.adaptations import groups_for
-    from megatron_glue.distributed import init_distributed
+    from megatron_glue.capture.adaptations import groups_for
+    from megatron_glue.capture.distributed import init_distributed
 
     # the job's adaptations (training=True: the tied output weight of the last stage, language_module.py)
     init_distributed(tp, pipeline_model_parallel_size=pp, groups=groups_for(training=True))
@@ -135,7 +136,7 @@ def megatron_logits(runs: list[tuple], tp: int = 1, pp: int = 1, ckpt_format: st
     loaded as `--ckpt-format ckpt_format`; TP=PP=1 in this process, otherwise over tp*pp gloo processes (one
     launch for all runs). full_vocab: the logits over Megatron's padded vocabulary, unsliced."""
     if tp * pp == 1:
-        from megatron_glue.models import init_single_process, teardown_single_process
+        from megatron_glue.capture.models import init_single_process, teardown_single_process
 
         import megatron_glue
 
@@ -147,7 +148,7 @@ def megatron_logits(runs: list[tuple], tp: int = 1, pp: int = 1, ckpt_format: st
                     for run in runs]
         finally:
             teardown_single_process()
-    from megatron_glue.distributed import run_on_ranks
+    from megatron_glue.capture.distributed import run_on_ranks
 
     results = run_on_ranks(_worker, runs, tp, pp, ckpt_format, full_vocab, world_size=tp * pp, timeout=600)
     return [next(r[i] for r in results if r[i] is not None) for i in range(len(runs))]
@@ -161,9 +162,9 @@ def read_config(folder: str) -> dict:
 
 
 def _outcome_worker(runs, tp: int, pp: int, ckpt_format: str):
-    from megatron_glue.adaptations import groups_for
-    from megatron_glue.checkpointing import CheckpointError
-    from megatron_glue.distributed import init_distributed
+    from megatron_glue.capture.adaptations import groups_for
+    from megatron_glue.training.checkpointing import CheckpointError
+    from megatron_glue.capture.distributed import init_distributed
 
     init_distributed(tp, pipeline_model_parallel_size=pp, groups=groups_for(training=True))  # as _worker
     out = []
@@ -179,7 +180,7 @@ def megatron_outcomes(runs: list[tuple[str, dict, torch.Tensor]], tp: int, pp: i
                       ckpt_format: str = "torch_dist") -> list[torch.Tensor | str]:
     """As megatron_logits over tp*pp gloo processes, but a checkpoint the job's load_checkpoint refuses gives its
     CheckpointError message (a str) in place of logits, and the other runs go on."""
-    from megatron_glue.distributed import run_on_ranks
+    from megatron_glue.capture.distributed import run_on_ranks
 
     results = run_on_ranks(_outcome_worker, runs, tp, pp, ckpt_format, world_size=tp * pp, timeout=600)
     return [next(r[i] for r in results if r[i] is not None) for i in range(len(runs))]
@@ -192,8 +193,8 @@ def process_state_kept():
     taken off again and the group and parallel state are as before (for the tests that run after)."""
     import torch.distributed as dist
 
-    from megatron_glue.adaptations import registry
-    from megatron_glue.models import init_single_process, teardown_single_process
+    from megatron_glue.capture.adaptations import registry
+    from megatron_glue.capture.models import init_single_process, teardown_single_process
 
     before = set(registry.applied())
     was_initialized = dist.is_initialized()

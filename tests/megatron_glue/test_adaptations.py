@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import megatron_glue
-from megatron_glue.adaptations import Adaptation, Registry, megatron_core_in, registry
+from megatron_glue.capture.adaptations import Adaptation, Registry, megatron_core_in, registry
 
 
 def _original(x):
@@ -270,7 +270,7 @@ def test_the_version_range_is_checked_where_it_is_declared():
 def test_the_default_registry_matches_the_installed_megatron_core():
     from importlib.metadata import version
 
-    from megatron_glue.adaptations import megatron_core_in, megatron_core_version
+    from megatron_glue.capture.adaptations import megatron_core_in, megatron_core_version
 
     assert Registry().megatron_version == megatron_core_version() == registry.megatron_version == version(
         "megatron-core")
@@ -280,7 +280,7 @@ def test_the_default_registry_matches_the_installed_megatron_core():
 # -- the real registry -------------------------------------------------------------------------------------
 
 def test_every_adaptation_cites_megatron_and_resolves(megatron_cpu):
-    from megatron_glue.adaptations import resolve
+    from megatron_glue.capture.adaptations import resolve
 
     assert set(registry.groups()) >= {"cpu", "compile", "tp_compile", "sp"}
     for name in registry.known(every_version=True):
@@ -343,14 +343,14 @@ def test_adapt_applies_what_any_parallel_layout_needs_and_leaves_torch_compile_a
     ("cuda", False, ("compile", "tp_compile", "sp", "regions")),
 ])
 def test_groups_for_a_device_are_the_same_at_every_parallel_layout(device, training, expected):
-    from megatron_glue.adaptations import groups_for
+    from megatron_glue.capture.adaptations import groups_for
 
     assert groups_for(device, training=training) == expected
     assert set(expected) <= set(registry.groups())
 
 
 def test_groups_for_this_machine():
-    from megatron_glue.adaptations import groups_for, machine_device
+    from megatron_glue.capture.adaptations import groups_for, machine_device
 
     assert machine_device() == torch.device("cuda" if torch.cuda.is_available() else "cpu")  # no torch_npu here
     assert groups_for() == groups_for(machine_device())

@@ -1,4 +1,4 @@
-"""megatron_glue.arguments: the dialect of MindSpeed-LLM's training scripts. Each kind of flag (implemented, mapped
+"""megatron_glue.training.arguments: the dialect of MindSpeed-LLM's training scripts. Each kind of flag (implemented, mapped
 onto the backend, accepted with no effect, refused) with its exact message; every refused or unknown flag of a
 command line reported at once; --help listing the refused and no-effect flags with their reasons; and real
 MindSpeed-LLM launch lines (flags and values extracted from its scripts: fixtures/mindspeed_llm_scripts.json),
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench.mindspeed_census import scale_down
-from megatron_glue.arguments import NO_EFFECT, REFUSED, ArgumentError, DialectError, build_parser, parse_args
+from megatron_glue.training.arguments import (NO_EFFECT, REFUSED, ArgumentError, DialectError, build_parser,
+                                             parse_args)
 from pretrain_runs import TINY, pretrain
 
 PROG = "python -m megatron_glue.pretrain_gpt: error: "
@@ -70,7 +71,7 @@ def test_rope_flags():
 
 
 def test_pretrained_from_hf_tokenizer_and_padded_vocab_size():
-    from megatron_glue.pretrain_gpt import set_vocabulary
+    from megatron_glue.training.gpt import set_vocabulary
 
     hf = [f for f in JOB if f != "--mock-data"] + ["--data-path", "corpus_text_document"]
     args = parse_args([*hf, "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", "tok",
@@ -92,8 +93,8 @@ def test_pretrained_from_hf_tokenizer_and_padded_vocab_size():
 
 
 def test_qk_layernorm_and_softmax_in_fp32_reach_the_model(megatron_cpu):
-    from megatron_glue import pretrain_gpt, training
-    from megatron_glue.models import init_single_process
+    from megatron_glue.training import gpt as pretrain_gpt, training
+    from megatron_glue.capture.models import init_single_process
 
     init_single_process()
     args = parse_args([*JOB, "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--qk-layernorm",
@@ -161,15 +162,18 @@ def test_no_shared_storage_on_one_node_only(monkeypatch):
 
 
 def test_enable_hf2mg_convert_needs_load_and_a_family_the_converter_has():
-    assert parse_args([*JOB, "--enable-hf2mg-convert", "--model-type-hf", "llama2", "--load", "hf"]).model_type_hf == (
-        "llama2")
+    from megatron_glue.convert.at_start import refusal
+
+    args = parse_args([*JOB, "--enable-hf2mg-convert", "--model-type-hf", "llama2", "--load", "hf"])
+    assert (args.model_type_hf, refusal(args)) == ("llama2", None)
+    assert refusal(parse_args([*JOB, "--enable-hf2mg-convert", "--model-type-hf", "qwen25", "--load", "hf"])) is None
     assert error([*JOB, "--enable-hf2mg-convert"]) == (
         "pretrain_gpt: error: --enable-hf2mg-convert needs --load, the HuggingFace folder to start from")
-    message = error([*JOB, "--enable-hf2mg-convert", "--model-type-hf", "deepseek3", "--load", "hf"])
-    assert re.fullmatch(re.escape(PROG + "--model-type-hf deepseek3: converting deepseek3 weights at start is not "
-                                  "implemented here (the converter's families: ") + r"[a-z0-9., ]+" + re.escape(
-        "); start from a Megatron checkpoint without --enable-hf2mg-convert"), message), message
-    assert "llama2, llama3" in message and "qwen25" in message
+    line = refusal(parse_args([*JOB, "--enable-hf2mg-convert", "--model-type-hf", "deepseek3", "--load", "hf"]))
+    assert re.fullmatch(re.escape("--model-type-hf deepseek3: converting deepseek3 weights at start is not implemented "
+                                  "here (the converter's families: ") + r"[a-z0-9., ]+" + re.escape(
+        "); start from a Megatron checkpoint without --enable-hf2mg-convert"), line), line
+    assert "llama2, llama3" in line and "qwen25" in line
 
 
 def test_mindspeed_memory_switches_are_refused_naming_the_feature():
@@ -186,7 +190,7 @@ def test_mindspeed_memory_switches_are_refused_naming_the_feature():
 
 def test_manual_gc_disables_and_collects_as_megatron_lm(monkeypatch):
     """gc.disable() + gc.collect() before the first iteration, gc.collect() every --manual-gc-interval."""
-    from megatron_glue import training
+    from megatron_glue.training import training
 
     events = []
     fake_gc = types.SimpleNamespace(disable=lambda: events.append("disable"),
@@ -204,8 +208,8 @@ def test_manual_gc_disables_and_collects_as_megatron_lm(monkeypatch):
 
 
 def test_num_workers_reach_the_loader(megatron_cpu):
-    from megatron_glue import training
-    from megatron_glue.models import init_single_process
+    from megatron_glue.training import training
+    from megatron_glue.capture.models import init_single_process
 
     init_single_process()
     seen = []
@@ -218,8 +222,8 @@ def test_num_workers_reach_the_loader(megatron_cpu):
 def test_log_throughput_is_megatron_lms_model_flops():
     """Megatron-LM's count for a GPT with MHA and ffn = 4h: 72·B·s·L·h²·(1 + s/(12h) + V/(12·L·h)) (the attention
     matrix counted half, as causal), here through the job's own args."""
-    from megatron_glue.pretrain_gpt import set_vocabulary
-    from megatron_glue.training_log import iteration_line, num_floating_point_operations
+    from megatron_glue.training.gpt import set_vocabulary
+    from megatron_glue.training.log import iteration_line, num_floating_point_operations
 
     args = parse_args([*JOB, "--log-throughput"])
     set_vocabulary(args)
@@ -262,7 +266,7 @@ def test_no_effect_flags_parse_and_change_nothing_the_job_builds():
              "--tokenizer-not-use-fast", "--attention-mask-type", "causal"]
     args = parse_args([*JOB, *given])
     plain = parse_args(JOB)
-    from megatron_glue import training
+    from megatron_glue.training import training
 
     where = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
     for a in (args, plain):
@@ -367,13 +371,15 @@ def test_llama3_8b_script_passes():
 
 
 def test_qwen3_8b_script_is_refused_for_what_is_missing():
-    assert error(scale_down(script("qwen3/pretrain_qwen3_8b_4K_ptd.sh")), world_size=2) == "\n".join([
-        PROG + "2 flags of this command line are refused or unknown:",
-        "  --reuse-fp32-param: MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
-        "implemented here; shard the master weights over DP with --use-distributed-optimizer",
-        "  --model-type-hf qwen3: converting qwen3 weights at start is not implemented here (the converter's "
-        "families: gpt2, llama2, llama3, mistral, qwen2, qwen2.5, qwen25); start from a Megatron checkpoint without "
-        "--enable-hf2mg-convert"])
+    from megatron_glue.convert.at_start import refusal
+
+    flags = scale_down(script("qwen3/pretrain_qwen3_8b_4K_ptd.sh"))
+    assert error(flags, world_size=2) == PROG + (
+        "--reuse-fp32-param: MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
+        "implemented here; shard the master weights over DP with --use-distributed-optimizer")
+    args = parse_args([f for f in flags if f != "--reuse-fp32-param"], world_size=2)
+    assert refusal(args).startswith("--model-type-hf qwen3: converting qwen3 weights at start is not implemented "
+                                    "here")
 
 
 def test_a_moe_fine_tuning_script_names_every_missing_feature_at_once():

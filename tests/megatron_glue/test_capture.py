@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_glue.capture import LayerCapture, capture_layer_fake_pg
+from megatron_glue.capture.layer import LayerCapture, capture_layer_fake_pg
 
 
 def _summary(capture: LayerCapture):

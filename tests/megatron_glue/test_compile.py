@@ -5,9 +5,9 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-from megatron_glue.adaptations import registry
-from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
-from megatron_glue.testing import adaptations_reverted
+from megatron_glue.capture.adaptations import registry
+from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
+from megatron_glue.capture.testing import adaptations_reverted
 
 # Dynamo traces through RotaryEmbedding.forward's lru_cache and says so; the cached value is a pure function of
 # its arguments, so tracing it is exact.

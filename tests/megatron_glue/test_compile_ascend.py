@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
+from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
 from npu_compile.debug.report import collect
 
 VOCAB, SEQ, BATCH = 128, 64, 2

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from megatron_glue import adapt
-from megatron_glue.adaptations import registry
-from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
+from megatron_glue.capture import adapt
+from megatron_glue.capture.adaptations import registry
+from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
 from npu_compile.debug.report import collect
 
 VOCAB, SEQ, BATCH, LAYERS = 128, 32, 2, 3

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch
-from megatron_glue.training import compile_model
+from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
+from megatron_glue.training.training import compile_model
 from npu_compile.debug.report import collect
 
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
@@ -47,7 +47,7 @@ def test_identical_layers_compile_once_and_equal_eager(megatron_cpu, fresh_dynam
 
 
 def test_memory_budget_auto_plans_for_every_layer_and_the_model_state(megatron_cpu, fresh_dynamo):
-    from megatron_glue.training import model_state_bytes
+    from megatron_glue.training.training import model_state_bytes
 
     config = gpt_config(hidden_size=32, num_attention_heads=4, num_layers=LAYERS)
     model = build_gpt_model(config, VOCAB, SEQ, seed=0)

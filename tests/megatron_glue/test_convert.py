@@ -134,9 +134,9 @@ def test_converted_model_compiled_equals_transformers(converted, name, fused, tm
     Llama 3's scaled RoPE fuse), logits still transformers'."""
     import types
 
-    from megatron_glue import checkpointing, pretrain_gpt, training
+    from megatron_glue.training import checkpointing, gpt, training
     from megatron_glue.convert.families import family_for
-    from megatron_glue.models import init_single_process, teardown_single_process
+    from megatron_glue.capture.models import init_single_process, teardown_single_process
 
     _, mg, cfg, ids, ref = converted[name]
     init_single_process()
@@ -145,7 +145,7 @@ def test_converted_model_compiled_equals_transformers(converted, name, fused, tm
         args.load, args.finetune = mg, True
         args.npu_compile_options = {"dump_dir": str(tmp_path)}
         config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
-        model = pretrain_gpt.model_provider(args, config).eval()
+        model = gpt.model_provider(args, config).eval()
         checkpointing.load_checkpoint(args, [model], None, None)
         training.compile_model(model, args)
         with torch.no_grad():

@@ -51,7 +51,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, folder: Path):
 
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
-    from megatron_glue.demo_data import corpus_documents
+    from megatron_glue.data.demo_data import corpus_documents
 
     docs = corpus_documents()[:DOCUMENTS]
     assert len(docs) == DOCUMENTS
@@ -132,22 +132,22 @@ def job_flags(mg: Path, hf_dir: Path, data_prefix: str, cache: Path, *more: str)
 
 def job_args(flags: list[str], world_size: int = 1):
     """pretrain_gpt's args for `flags`, with the tokenizer and vocabulary set as its main sets them."""
-    from megatron_glue import pretrain_gpt
-    from megatron_glue.arguments import parse_args
+    from megatron_glue.training import gpt
+    from megatron_glue.training.arguments import parse_args
 
     args = parse_args(flags, world_size=world_size)
-    pretrain_gpt.set_vocabulary(args)
+    gpt.set_vocabulary(args)
     return args
 
 
 def job_batches(args, split: int, global_batches: int) -> list[dict]:
     """The micro-batches the job reads first from split 0 (train), 1 (validation) or 2 (test): its own
     datasets_provider and loader at data-parallel size 1, from sample 0 (--finetune starts there)."""
-    from megatron_glue import pretrain_gpt
-    from megatron_glue.data import build_loader
+    from megatron_glue.training import gpt
+    from megatron_glue.data.datasets import build_loader
 
     assert args.data_parallel_size == 1
-    dataset = pretrain_gpt.datasets_provider(args)[split]
+    dataset = gpt.datasets_provider(args)[split]
     loader = build_loader(dataset, consumed_samples=0, micro_batch_size=args.micro_batch_size,
                           data_parallel_rank=0, data_parallel_size=1)
     return [next(loader) for _ in range(global_batches * args.num_microbatches)]
@@ -308,15 +308,15 @@ def _hf2mg_flags(hf: Path, converted: Path, hf_dir: Path, data_prefix: str, cach
 @pytest.mark.training
 @pytest.mark.any_megatron_line
 def test_enable_hf2mg_convert_starts_from_the_hf_folder(converted, hf_dir, data_prefix, cache, hf_model, tmp_path):
-    """--load HF --enable-hf2mg-convert --model-type-hf llama3: rank 0 converts the folder into
-    <load>/megatron_cache_tp1pp1_torch, the job loads it and evaluates to transformers' loss on the same samples;
-    a second start uses the cache as it is."""
+    """--load HF --enable-hf2mg-convert --model-type-hf llama3 on 2 processes: rank 0 converts the folder into
+    <load>/megatron_cache_tp1pp1_torch while rank 1 waits, the job loads it and evaluates to transformers' loss on
+    the same samples; a second start (one process) uses the cache as it is."""
     import shutil
 
     hf = tmp_path / "hf"
     shutil.copytree(hf_dir, hf)
     flags = _hf2mg_flags(hf, converted, hf_dir, data_prefix, cache, "--model-type-hf", "llama3")
-    first = pretrain(tmp_path / "first", *flags, base=[]).check()
+    first = pretrain(tmp_path / "first", *flags, nproc=2, base=[]).check()  # rank 1 waits for rank 0's conversion
     converted_here = hf / "megatron_cache_tp1pp1_torch"
     assert f" --enable-hf2mg-convert: converting {hf} into {converted_here} ..." in first.output
     assert (converted_here / "latest_checkpointed_iteration.txt").read_text() == "release"
@@ -342,7 +342,7 @@ def test_enable_hf2mg_convert_refuses_another_family_before_starting(converted, 
 # -- refusals --------------------------------------------------------------------------------------------------
 
 def _saved_args(mg: Path) -> dict:
-    from megatron_glue import quiet_megatron
+    from megatron_glue.capture import quiet_megatron
 
     with quiet_megatron():
         from megatron.core import dist_checkpointing
@@ -351,7 +351,7 @@ def _saved_args(mg: Path) -> dict:
 
 def _check(args, mg: Path) -> None:
     """What `checkpointing.load_checkpoint` checks first, against the checkpoint's own saved arguments."""
-    from megatron_glue.checkpointing import check_architecture
+    from megatron_glue.training.checkpointing import check_architecture
 
     check_architecture(args, _saved_args(mg), str(mg / "release"), reshards=True)
 
@@ -375,7 +375,7 @@ def _without(flags: list[str], flag: str) -> list[str]:
 def test_defaulted_architecture_flags_compare_as_their_values(converted, hf_dir):
     """model_flags.txt gives --kv-channels 16, the head size (64 / 4): a job that leaves it at its default has the
     same architecture and loads the checkpoint; another head size is refused, naming both values."""
-    from megatron_glue.checkpointing import CheckpointError
+    from megatron_glue.training.checkpointing import CheckpointError
 
     flags = _flags(converted, hf_dir)
     assert flags[flags.index("--kv-channels") + 1] == "16"
@@ -387,7 +387,7 @@ def test_defaulted_architecture_flags_compare_as_their_values(converted, hf_dir)
     assert str(refused.value) == (f"the checkpoint at {converted / 'release'} was saved with --kv-channels 16, "
                                   "this job has 8; use the checkpoint's value")
     # a checkpoint the job saved while it stored the default unresolved (None) loads with the flag given too
-    from megatron_glue.checkpointing import check_architecture
+    from megatron_glue.training.checkpointing import check_architecture
 
     check_architecture(job_args(flags), {**_saved_args(converted), "kv_channels": None}, "old", reshards=True)
 
@@ -396,7 +396,7 @@ def test_defaulted_architecture_flags_compare_as_their_values(converted, hf_dir)
                                                 ("--norm-epsilon", "1e-06", "1e-05"),
                                                 ("--rotary-base", "10000", "500000")])
 def test_architecture_flags_that_differ_are_refused(flag, value, saved, converted, hf_dir):
-    from megatron_glue.checkpointing import CheckpointError
+    from megatron_glue.training.checkpointing import CheckpointError
 
     args = job_args(_flags(converted, hf_dir, flag, value))  # given after model_flags.txt's: argparse takes it
     with pytest.raises(CheckpointError) as refused:
@@ -406,7 +406,7 @@ def test_architecture_flags_that_differ_are_refused(flag, value, saved, converte
 
 
 def test_a_smaller_tokenizer_is_refused_and_vocab_size_fixes_it(converted, other_tokenizers):
-    from megatron_glue.checkpointing import CheckpointError
+    from megatron_glue.training.checkpointing import CheckpointError
 
     small = other_tokenizers[500]
     with pytest.raises(CheckpointError) as refused:
@@ -425,7 +425,7 @@ def test_a_smaller_tokenizer_is_refused_and_vocab_size_fixes_it(converted, other
 
 
 def test_a_larger_tokenizer_is_refused(converted, other_tokenizers):
-    from megatron_glue.checkpointing import CheckpointError
+    from megatron_glue.training.checkpointing import CheckpointError
 
     with pytest.raises(CheckpointError) as refused:
         _check(job_args(_flags(converted, other_tokenizers[600])), converted)
@@ -442,7 +442,7 @@ def test_a_larger_tokenizer_is_refused(converted, other_tokenizers):
 
 def test_a_null_tokenizer_is_told_its_vocab_size(converted, hf_dir):
     """NullTokenizer's vocabulary is --vocab-size + 1 (its eod): the message gives the flag's value that fits."""
-    from megatron_glue.checkpointing import CheckpointError
+    from megatron_glue.training.checkpointing import CheckpointError
 
     flags = [*_flags(converted, hf_dir), "--tokenizer-type", "NullTokenizer", "--vocab-size"]
     with pytest.raises(CheckpointError) as refused:
@@ -453,7 +453,7 @@ def test_a_null_tokenizer_is_told_its_vocab_size(converted, hf_dir):
 
 
 def test_vocab_size_smaller_than_the_tokenizer_is_refused(converted, hf_dir):
-    from megatron_glue.arguments import ArgumentError
+    from megatron_glue.training.arguments import ArgumentError
 
     with pytest.raises(ArgumentError) as refused:
         job_args(_flags(converted, hf_dir, "--vocab-size", "500"))

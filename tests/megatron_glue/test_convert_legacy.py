@@ -171,7 +171,7 @@ def test_tp2_pp2_legacy_checkpoints_load_into_the_job_at_that_layout(ckpts):
 def test_a_legacy_checkpoint_at_another_layout_is_refused_naming_both(ckpts):
     """TP=2 x PP=2 files read by a TP=1 job: refused with the layouts, before the architecture check (whose
     vocabulary padding is the TP's) and before a missing rank file could be reported as such."""
-    from megatron_glue.checkpointing import CheckpointError
+    from megatron_glue.training.checkpointing import CheckpointError
 
     folder, mg, _ = ckpts["llama3"]
     with pytest.raises(CheckpointError) as e:

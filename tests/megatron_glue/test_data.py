@@ -1,4 +1,4 @@
-"""megatron_glue.data: megatron-core GPT datasets built from our preprocess output over a gloo group, read by
+"""megatron_glue.data.datasets: megatron-core GPT datasets built from our preprocess output over a gloo group, read by
 the Megatron-style pretraining loader (order, DP slices, resume), blends, mock data, and the error texts."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_glue.data import build_datasets, build_loader
-from megatron_glue.demo_data import train_bpe
-from megatron_glue.distributed import run_on_ranks, worker_store
-from megatron_glue.preprocess import preprocess
-from megatron_glue.tokenizer import DataError, build_tokenizer
+from megatron_glue.data.datasets import build_datasets, build_loader
+from megatron_glue.data.demo_data import train_bpe
+from megatron_glue.capture.distributed import run_on_ranks, worker_store
+from megatron_glue.data.preprocess import preprocess
+from megatron_glue.data.tokenizer import DataError, build_tokenizer
 
 SEQ = 16
 _rng = random.Random(0)
@@ -207,7 +207,7 @@ def _read_on_rank(vocab, merges, prefix, cache):
     return loaded, [next(it)["tokens"] for _ in range(3)]
 
 
-@pytest.mark.slow
+@pytest.mark.gloo
 def test_two_ranks_rank0_builds_the_cache_and_each_reads_its_slice(gloo, data, tmp_path):
     cache = str(tmp_path / "shared_cache")
     (loaded0, tokens0), (loaded1, tokens1) = run_on_ranks(

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_glue.models import (
+from megatron_glue.capture.models import (
     build_gpt_model,
     gpt_config,
     init_single_process,
@@ -10,8 +10,8 @@ from megatron_glue.models import (
     synthetic_batch,
     train_step,
 )
-from megatron_glue.adaptations import megatron_core_in, registry
-from megatron_glue.testing import adaptations_reverted, megatrons_own_rng_tracker
+from megatron_glue.capture.adaptations import megatron_core_in, registry
+from megatron_glue.capture.testing import adaptations_reverted, megatrons_own_rng_tracker
 
 VOCAB, SEQ = 128, 32
 CONFIGS = {"gpt": gpt_config, "llama": llama_config}

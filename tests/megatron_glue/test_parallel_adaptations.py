@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from megatron_glue.adaptations import registry
-from megatron_glue.distributed import run_on_ranks
+from megatron_glue.capture.adaptations import registry
+from megatron_glue.capture.distributed import run_on_ranks
 
 # torch 2.13 deprecates the names Megatron calls (all_gather_into_tensor, reduce_scatter_tensor).
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)`")
@@ -79,7 +79,7 @@ def test_no_cuda_max_connections_warning(megatron_cpu):
 def test_sequence_parallel_norm_is_a_tagged_torch_norm(megatron_cpu):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_glue.models import gpt_config, llama_config
+    from megatron_glue.capture.models import gpt_config, llama_config
 
     with applied("sp"):
         norm = WrappedTorchNorm(llama_config(tensor_model_parallel_size=2, sequence_parallel=True), 64)
@@ -122,15 +122,18 @@ def _sleeps():
     time.sleep(600)
 
 
+@pytest.mark.gloo
 def test_run_on_ranks_returns_each_ranks_result():
     assert run_on_ranks(_rank_and_world, 10, world_size=2, timeout=120) == [(10, 2), (11, 2)]
 
 
+@pytest.mark.gloo
 def test_run_on_ranks_raises_the_failing_ranks_traceback_and_kills_the_rest():
     with pytest.raises(RuntimeError, match=r"(?s)failed on rank 1 of 2.*ValueError: rank 1 gives up"):
         run_on_ranks(_fails_on_rank_1, world_size=2, timeout=120)
 
 
+@pytest.mark.gloo
 def test_run_on_ranks_times_out():
     with pytest.raises(TimeoutError, match="ran past 3 s"):
         run_on_ranks(_sleeps, world_size=2, timeout=3)

@@ -1,4 +1,4 @@
-"""`npu-compile preprocess` (megatron_glue.preprocess): Megatron-LM's preprocess_data.py contract end to end
+"""`npu-compile preprocess` (megatron_glue.data.preprocess): Megatron-LM's preprocess_data.py contract end to end
 through the command line, read back with megatron-core's IndexedDataset, and each bad input's message."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_glue import preprocess as pp
-from megatron_glue import quiet_megatron
-from megatron_glue.demo_data import train_bpe
-from megatron_glue.tokenizer import build_tokenizer
+from megatron_glue.data import preprocess as pp
+from megatron_glue.capture import quiet_megatron
+from megatron_glue.data.demo_data import train_bpe
+from megatron_glue.data.tokenizer import build_tokenizer
 
 TEXTS = [f"document {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: i % 4 + 1]) * (i % 5 + 1)
          for i in range(70)]  # more than one chunk of 32 per worker
@@ -109,7 +109,7 @@ def test_huggingface_tokenizer_dir(corpus, gpt2, tmp_path):
 
 
 def test_importing_the_cli_does_not_import_megatron():
-    code = ("import sys, npu_compile.__main__, megatron_glue.preprocess; "
+    code = ("import sys, npu_compile.__main__, megatron_glue.data.preprocess; "
             "sys.exit(any(m == 'megatron' or m.startswith('megatron.') for m in sys.modules))")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
 
@@ -175,11 +175,11 @@ def test_default_partitions_is_accepted_and_unknown_tokenizer_type_refused(corpu
 
 
 def test_demo_data_is_made_once_and_remade_when_broken(tmp_path):
-    from megatron_glue.demo_data import corpus_documents, make_demo_data
+    from megatron_glue.data.demo_data import corpus_documents, make_demo_data
 
     out = make_demo_data(str(tmp_path / "demo"))
     docs = corpus_documents()
-    assert any(d["path"] == os.path.join("megatron_glue", "demo_data.py") for d in docs)
+    assert any(d["path"] == os.path.join("megatron_glue", "data", "demo_data.py") for d in docs)
     assert [d["path"] for d in docs] == sorted(d["path"] for d in docs)
     assert out["documents"] == len(docs) and 2000 <= out["vocab_size"] <= 4000
     tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=out["vocab_file"], merge_file=out["merge_file"])

@@ -75,7 +75,7 @@ def test_tp2_checkpoint_loads_at_tp1_and_pp2(tmp_path):
 INTERRUPT = """
 import sys
 from megatron.core import dist_checkpointing
-import megatron_glue.checkpointing as ckpt
+import megatron_glue.training.checkpointing as ckpt
 
 real_save, calls = dist_checkpointing.save, []
 def save(state, folder, **kw):

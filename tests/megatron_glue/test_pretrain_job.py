@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_glue.arguments import ArgumentError, parse_args
+from megatron_glue.training.arguments import ArgumentError, parse_args
 from pretrain_runs import TINY, env, pretrain
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory):
-    from megatron_glue.demo_data import make_demo_data
+    from megatron_glue.data.demo_data import make_demo_data
 
     return make_demo_data(str(tmp_path_factory.mktemp("demo_data")))
 
@@ -257,7 +257,7 @@ def test_demo_runs_the_seed_flags(tmp_path):
 
 
 def test_device_placement_per_backend(monkeypatch, capsys):
-    from megatron_glue.device import placement
+    from megatron_glue.training.device import placement
 
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "90")
     monkeypatch.setenv("LOCAL_RANK", "1")

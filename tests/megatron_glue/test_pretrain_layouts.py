@@ -80,8 +80,8 @@ def test_one_process_compiled_equals_eager(one_process):
         assert_same_training(one_process(layers, True), one_process(layers, False), f"{layers} layers")
 
 
-# megatron_lines: the layouts whose code differs between megatron-core lines (megatron_glue/versions.py: the
-# virtual pipeline stage, the distributed optimizer's state), run on 0.12.1 too.
+# megatron_lines: the layouts whose code differs between megatron-core lines (megatron_glue/training/versions.py:
+# the virtual pipeline stage, the distributed optimizer's state), run on 0.12.1 too.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.megatron_lines] if n in (
     "pp2_interleaved", "dp2_distopt_overlap") else []) for n in LAYOUTS])
 def test_layout(name, start, one_process, tmp_path):

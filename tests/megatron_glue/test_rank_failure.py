@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megatron_glue.distributed import watch_ranks, watchdog_seconds
+from megatron_glue.capture.distributed import watch_ranks, watchdog_seconds
 
 WATCHDOG_S = 4  # $NPU_COMPILE_RANK_WATCHDOG_S of the ranks
 SLACK_S = 6  # beyond it: the watchdog's polling and grace, a loaded 2-core machine
@@ -45,7 +45,7 @@ def _compiled_tp2_step(how, store):
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     watch_ranks()
 
-    from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch, train_step
+    from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch, train_step
     from npu_compile.debug.report import collect
 
     model = build_gpt_model(gpt_config(num_layers=1, hidden_size=64, tensor_model_parallel_size=2,
@@ -74,7 +74,7 @@ def _init_distributed_all_reduce(how, store):
     import torch
     import torch.distributed as dist
 
-    from megatron_glue.distributed import init_distributed
+    from megatron_glue.capture.distributed import init_distributed
 
     rank = int(os.environ["RANK"])
     init_distributed(2, rank=rank, world_size=2, store=dist.FileStore(store, 2), rank_watchdog_s=WATCHDOG_S)
@@ -127,7 +127,7 @@ def _run_pair(job, how, watchdog=WATCHDOG_S, bound=None, start_timeout=300, env_
         env = dict(os.environ, WORLD_SIZE="2", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                    NPU_COMPILE_RANK_WATCHDOG_S=str(watchdog if env_watchdog is None else env_watchdog),
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        code = ("import sys; from megatron_glue.distributed import _find; "
+        code = ("import sys; from megatron_glue.capture.distributed import _find; "
                 "_find('test_rank_failure', sys.argv[2], sys.argv[1])(sys.argv[3], sys.argv[4])")
         logs = [(f"{tmp}/out{r}", f"{tmp}/err{r}") for r in range(2)]
         ranks = [subprocess.Popen([sys.executable, "-c", code, __file__, job.__name__, how, f"{tmp}/store"],
@@ -154,7 +154,7 @@ def _run_pair(job, how, watchdog=WATCHDOG_S, bound=None, start_timeout=300, env_
                 p.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.gloo
 def test_a_compiled_tp2_step_ends_when_a_rank_exits_mid_step():
     code, out, err, pid, seconds = _run_pair(_compiled_tp2_step, "exit")
     # the step before: one graph, no break, the fusions of one process (adapt() before the parallel state), the
@@ -167,7 +167,7 @@ def test_a_compiled_tp2_step_ends_when_a_rank_exits_mid_step():
     assert "rank 0 ran its backward" not in out
 
 
-@pytest.mark.slow
+@pytest.mark.gloo
 def test_a_stopped_rank_ends_the_other_within_the_watchdogs_seconds():
     # A stopped (or hung, or cut-off) rank keeps its sockets open: gloo alone would wait out the process
     # group's timeout (30 minutes here). Its heartbeat stops: the watchdog ends rank 0 after WATCHDOG_S.
@@ -181,7 +181,7 @@ def test_a_stopped_rank_ends_the_other_within_the_watchdogs_seconds():
     assert "all-reduced without rank 1" not in out
 
 
-@pytest.mark.slow
+@pytest.mark.gloo
 def test_a_rank_that_ends_normally_is_not_reported():
     code, out, err, pid, seconds = _run_pair(_eager_all_reduce, "leave", watchdog=2, bound=4 + SLACK_S)
     assert code == 0 and "rank 0 finished alone" in out, err[-3000:]
@@ -214,8 +214,8 @@ def test_watchdog_seconds(monkeypatch):
 
 
 def test_the_training_job_takes_the_watchdogs_seconds_from_the_environment(monkeypatch):
-    from megatron_glue.arguments import ArgumentError, parse_args
-    from megatron_glue.device import placement
+    from megatron_glue.training.arguments import ArgumentError, parse_args
+    from megatron_glue.training.device import placement
     from pretrain_runs import TINY
 
     args = parse_args([*TINY, "--train-iters", "1"])

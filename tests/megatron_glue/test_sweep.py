@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from megatron.core.transformer.module import Float16Module
 
-from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
+from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
 from npu_compile.debug.report import collect
 
 VOCAB, BATCH = 96, 2

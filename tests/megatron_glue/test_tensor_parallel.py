@@ -20,10 +20,10 @@ import time
 import pytest
 import torch
 
-from megatron_glue.distributed import run_on_ranks
+from megatron_glue.capture.distributed import run_on_ranks
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.gloo,
     # Dynamo traces through RotaryEmbedding.forward's lru_cache and says so; tracing it is exact.
     pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`"),
 ]
@@ -63,7 +63,7 @@ EXPECTED_FUSIONS = {
 
 
 def _config(kind, tp, sp):
-    from megatron_glue.models import gpt_config, llama_config
+    from megatron_glue.capture.models import gpt_config, llama_config
 
     make = gpt_config if kind == "gpt" else llama_config
     return make(hidden_size=HIDDEN, num_query_groups=2, tensor_model_parallel_size=tp, sequence_parallel=sp)
@@ -71,8 +71,8 @@ def _config(kind, tp, sp):
 
 def _train(model, steps=STEPS):
     """[(loss, {name: full grad}), ...] over `steps` SGD steps; grads gathered to their TP=1 shape."""
-    from megatron_glue.distributed import full_grads
-    from megatron_glue.models import synthetic_batch, train_step
+    from megatron_glue.capture.distributed import full_grads
+    from megatron_glue.capture.models import synthetic_batch, train_step
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     history = []
@@ -92,7 +92,7 @@ def _captured_collectives(graph_dir):
 
 
 def _compiled_case(kind, sp):
-    from megatron_glue.models import build_gpt_model
+    from megatron_glue.capture.models import build_gpt_model
     from npu_compile.debug.report import collect
 
     torch._dynamo.reset()
@@ -113,7 +113,7 @@ def _compiled_case(kind, sp):
 
 
 def _eager_case(kind, sp):
-    from megatron_glue.models import build_gpt_model
+    from megatron_glue.capture.models import build_gpt_model
 
     return _train(build_gpt_model(_config(kind, 2, sp), VOCAB, SEQ, seed=0))
 
@@ -123,8 +123,8 @@ def _without(names, kind, sp):
     with the file:line of the Megatron frame nearest to its break ("" when none)."""
     from megatron.core.tensor_parallel import layers
 
-    from megatron_glue.models import build_gpt_model, synthetic_batch
-    from megatron_glue.testing import adaptations_reverted
+    from megatron_glue.capture.models import build_gpt_model, synthetic_batch
+    from megatron_glue.capture.testing import adaptations_reverted
 
     torch._dynamo.reset()
     model = build_gpt_model(_config(kind, 2, sp), VOCAB, SEQ, seed=0)
@@ -145,8 +145,8 @@ def _without(names, kind, sp):
 
 def _error_without(name, kind):
     """The error an SP model meets without adaptation `name` (building it, or its first forward), or None."""
-    from megatron_glue.models import build_gpt_model, synthetic_batch
-    from megatron_glue.testing import adaptations_reverted
+    from megatron_glue.capture.models import build_gpt_model, synthetic_batch
+    from megatron_glue.capture.testing import adaptations_reverted
 
     with adaptations_reverted(name):
         try:
@@ -158,8 +158,8 @@ def _error_without(name, kind):
 
 def _error_with_cached_buffer():
     """SP compiled with Megatron's own (cached) GlobalMemoryBuffer: the error of its second step, or None."""
-    from megatron_glue.models import build_gpt_model, synthetic_batch, train_step
-    from megatron_glue.testing import adaptations_reverted
+    from megatron_glue.capture.models import build_gpt_model, synthetic_batch, train_step
+    from megatron_glue.capture.testing import adaptations_reverted
 
     torch._dynamo.reset()
     model = build_gpt_model(_config("gpt", 2, True), VOCAB, SEQ, seed=0)
@@ -182,8 +182,8 @@ def _tp2_worker(cases):
     import torch.distributed as dist
 
     import megatron_glue
-    from megatron_glue import quiet_megatron
-    from megatron_glue.adaptations import registry
+    from megatron_glue.capture import quiet_megatron
+    from megatron_glue.capture.adaptations import registry
 
     warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
     # A Megatron user's set-up under torchrun ($RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT), adapt() last.
@@ -235,7 +235,7 @@ def tp2():
 @pytest.fixture(scope="module")
 def tp1(megatron_cpu):
     """TP=1 eager training of each kind, in this process."""
-    from megatron_glue.models import build_gpt_model
+    from megatron_glue.capture.models import build_gpt_model
 
     return {kind: _train(build_gpt_model(_config(kind, 1, False), VOCAB, SEQ, seed=0)) for kind in KINDS}
 

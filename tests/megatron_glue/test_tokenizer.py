@@ -1,4 +1,4 @@
-"""megatron_glue.tokenizer: GPT-2 files and HF directories made here (a tiny BPE trained in the test), their
+"""megatron_glue.data.tokenizer: GPT-2 files and HF directories made here (a tiny BPE trained in the test), their
 round trips, Megatron's vocab padding, and each bad input's one-line message."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_glue.demo_data import train_bpe
-from megatron_glue.tokenizer import EOD_TOKEN, DataError, NullTokenizer, build_tokenizer, padded_vocab_size
+from megatron_glue.data.demo_data import train_bpe
+from megatron_glue.data.tokenizer import EOD_TOKEN, DataError, NullTokenizer, build_tokenizer, padded_vocab_size
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.\n" * 3,

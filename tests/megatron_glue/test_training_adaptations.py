@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import megatron_glue.training_adaptations as ta
-from megatron_glue import adapt
-from megatron_glue.adaptations import registry
-from megatron_glue.testing import adaptations_reverted
+import megatron_glue.capture.training_adaptations as ta
+from megatron_glue.capture import adapt
+from megatron_glue.capture.adaptations import registry
+from megatron_glue.capture.testing import adaptations_reverted
 
 
 class _Base:

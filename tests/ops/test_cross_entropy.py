@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.library import opcheck
 
 import npu_compile.ops  # noqa: F401  (importing registers the ops)
-from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture, for the Megatron comparison)
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture, for the Megatron comparison)
 from npu_compile.ops.cross_entropy import chunk_rows
 
 from .helpers import assert_matches, fuzz_settings, leaf

@@ -82,7 +82,7 @@ def train_with_eager(make_config, *, steps=3, memory_budget=1.0, batch=2, seq=32
     """A 2-layer megatron-core GPTModel from ``make_config()`` trained ``steps`` SGD steps eagerly and compiled
     with ascend (all rules, ``memory_budget``) from the same weights on the same batches. Returns the compiled
     graph's report and the relative error of each step's per-token loss and of every gradient."""
-    from megatron_glue.models import build_gpt_model, synthetic_batch
+    from megatron_glue.capture.models import build_gpt_model, synthetic_batch
 
     def train(model):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import npu_compile
-from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 
 DTYPES = (torch.float32, torch.bfloat16)
 RULES = ("bias_gelu", "swiglu")
@@ -26,13 +26,13 @@ def megatron_fusions():
 # ==== megatron-core GPTModel, 2 layers, 3 SGD steps ===========================================================
 
 def gpt(**overrides):
-    from megatron_glue.models import gpt_config
+    from megatron_glue.capture.models import gpt_config
 
     return lambda: gpt_config(hidden_size=64, **overrides)
 
 
 def llama(**overrides):
-    from megatron_glue.models import llama_config
+    from megatron_glue.capture.models import llama_config
 
     return lambda: llama_config(hidden_size=64, num_query_groups=2, **overrides)
 

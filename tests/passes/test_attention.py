@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 from npu_compile.debug.report import collect
 from npu_compile.ops.attention import attention_dropout_keep_mask
 from npu_compile.passes.attention import draw_seed
@@ -25,13 +25,13 @@ UNFUSED_OPS = {"aten._softmax", "aten._softmax_backward_data", "aten._safe_softm
 
 
 def gpt():
-    from megatron_glue.models import gpt_config
+    from megatron_glue.capture.models import gpt_config
 
     return gpt_config(hidden_size=64)
 
 
 def llama():
-    from megatron_glue.models import llama_config
+    from megatron_glue.capture.models import llama_config
 
     return llama_config(hidden_size=64, num_query_groups=2)
 
@@ -66,7 +66,7 @@ def test_megatron_variants_fused_and_equal_to_eager(case, megatron_cpu, against_
     """attention_mask=None (Megatron builds its causal mask in the graph), bf16 (softmax in fp32 between casts;
     the loss and every parameter gradient against float64), and inference graphs, with dropout too (a model in
     training mode under no_grad)."""
-    from megatron_glue.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
+    from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
 
     config = {
         "bf16": lambda: gpt_config(hidden_size=64, bf16=True, params_dtype=torch.bfloat16),
@@ -93,7 +93,7 @@ def _bf16_training_against_float64(model, args, rel_error):
     weights in float64 (tests/passes/conftest.py's rule): the compiled result no further from it than eager bf16
     is, plus two bf16 ulps of the tensor's scale. The loss of a fresh model sits near ln V whatever attention
     gives; the gradients of everything after attention scale with its output. Returns the compiled report."""
-    from megatron_glue.models import build_gpt_model
+    from megatron_glue.capture.models import build_gpt_model
 
     def run(m):
         model.zero_grad(set_to_none=True)
@@ -122,7 +122,7 @@ def _bf16_training_against_float64(model, args, rel_error):
 def test_megatron_attention_dropout_trains_like_eager(megatron_cpu):
     """attention_dropout=0.1: the fused op drops other elements than eager does, so the loss curves are compared
     as curves: both fall by more than a quarter over 20 steps, and their last-5-step means agree within 10%."""
-    from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch, train_step
+    from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch, train_step
 
     steps, batch = 20, synthetic_batch(2, 32, 128, seed=0)
 
@@ -178,7 +178,7 @@ def _sdpa(q, k, v):
 def _megatron_core_attention(dropout):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron_glue.models import gpt_config
+    from megatron_glue.capture.models import gpt_config
 
     config = gpt_config(hidden_size=4 * 8, num_attention_heads=4, num_query_groups=2, attention_dropout=dropout)
     return DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
@@ -424,7 +424,7 @@ def megatron(structure):
     padding; True = masked) or none (Megatron's default causal mask). No additive masks in Megatron."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron_glue.models import gpt_config
+    from megatron_glue.capture.models import gpt_config
 
     def module(dtype):
         config = gpt_config(hidden_size=structure.n * structure.d, num_attention_heads=structure.n,

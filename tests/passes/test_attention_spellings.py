@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 from npu_compile.debug.report import collect
 
 RULES = ("attention",)
@@ -200,7 +200,7 @@ def test_megatron_half_precision_attention_fuses(dtype, softmax_in_fp32, layer_s
     error plus an ulp of the dtype."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron_glue.models import gpt_config
+    from megatron_glue.capture.models import gpt_config
 
     def module(half):
         kw = dict(bf16=half == torch.bfloat16, fp16=half == torch.float16, params_dtype=half) if half else {}
@@ -321,7 +321,7 @@ def test_symbolic_sequence_length_keeps_attention_fused(model, dynamic):
 def test_megatron_gpt_with_symbolic_sequence_length_keeps_attention_fused(megatron_cpu):
     """megatron-core GPTModel (2 layers), ten sequence lengths: the static graph and the automatic-dynamic one
     fuse both layers' attention, and losses and gradients equal eager at every length."""
-    from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch
+    from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
 
     def config():
         return gpt_config(hidden_size=64)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npu_compile
-from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 from npu_compile.debug.report import collect
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -198,13 +198,13 @@ def test_without_the_guard_the_partitioner_redraws_the_seed(monkeypatch):
 # ==== megatron-core with hidden_dropout > 0 ===================================================================
 
 def gpt():
-    from megatron_glue.models import gpt_config
+    from megatron_glue.capture.models import gpt_config
 
     return gpt_config(hidden_size=64, hidden_dropout=0.1)
 
 
 def llama():
-    from megatron_glue.models import llama_config
+    from megatron_glue.capture.models import llama_config
 
     return llama_config(hidden_size=64, num_query_groups=2, hidden_dropout=0.1)
 
@@ -216,7 +216,7 @@ LOSS_BAND = 0.02
 
 @pytest.mark.parametrize("make_config, norms", [(gpt, {}), (llama, {"rms_norm": 5})], ids=["gpt", "llama"])
 def test_megatron_trains_with_hidden_dropout_within_a_band_of_eager(make_config, norms, megatron_cpu):
-    from megatron_glue.models import build_gpt_model, synthetic_batch
+    from megatron_glue.capture.models import build_gpt_model, synthetic_batch
 
     batch = synthetic_batch(2, 32, 128, seed=0)
 

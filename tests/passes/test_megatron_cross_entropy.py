@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 
 SEQ, BATCH, HIDDEN, VOCAB = 6, 2, 16, 32
 SMOOTHINGS = (0.0, 0.1)
@@ -106,7 +106,7 @@ def test_megatron_fused_loss_tp1_fused_and_equal_to_eager(megatron_cpu):
 def test_gpt_model_fused_loss_tp1(megatron_cpu):
     """A GPTModel with cross_entropy_loss_fusion (impl "native") compiled whole: its loss is fused, and the loss
     and every parameter's gradient equal eager's within 1e-5."""
-    from megatron_glue.models import build_gpt_model, gpt_config, synthetic_batch
+    from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
 
     from npu_compile.debug.report import collect
 
@@ -164,7 +164,7 @@ def _tp2_worker():
     import torch.distributed as dist
 
     import megatron_glue
-    from megatron_glue import quiet_megatron
+    from megatron_glue.capture import quiet_megatron
 
     dist.init_process_group("gloo")
     with quiet_megatron():
@@ -180,7 +180,7 @@ def _tp2_worker():
 
 @pytest.fixture(scope="module")
 def tp2():
-    from megatron_glue.distributed import run_on_ranks
+    from megatron_glue.capture.distributed import run_on_ranks
 
     with socket.socket() as s, pytest.MonkeyPatch.context() as env:
         s.bind(("127.0.0.1", 0))
@@ -191,6 +191,7 @@ def tp2():
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 @pytest.mark.parametrize(("native", "smoothing"), LOSSES, ids=LOSS_IDS)
 def test_megatron_loss_tp2_fused_and_equal_to_eager(tp2, native, smoothing, sp):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npu_compile
-from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 RULES = ("add_rms_norm", "add_layer_norm", "rms_norm")
@@ -19,13 +19,13 @@ RULES = ("add_rms_norm", "add_layer_norm", "rms_norm")
 # ==== megatron-core GPTModel, 2 layers, 3 SGD steps ===========================================================
 
 def gpt():
-    from megatron_glue.models import gpt_config
+    from megatron_glue.capture.models import gpt_config
 
     return gpt_config(hidden_size=64)
 
 
 def llama():
-    from megatron_glue.models import llama_config
+    from megatron_glue.capture.models import llama_config
 
     return llama_config(hidden_size=64, num_query_groups=2)
 
@@ -298,7 +298,7 @@ def test_layer_norm_without_a_residual_add_is_no_site():
 
 
 def test_megatron_inference_graphs_fuse_the_same_sites(megatron_cpu):
-    from megatron_glue.models import build_gpt_model, synthetic_batch
+    from megatron_glue.capture.models import build_gpt_model, synthetic_batch
     from npu_compile.debug.report import collect
 
     batch = synthetic_batch(2, 32, 128)
@@ -338,7 +338,7 @@ def mixed_precision_model(kind, dtype, how):
     keep fp32 weights, and Llama's RMSNorms see bf16/fp16 x with an fp32 weight) or cast whole afterwards, as
     Megatron's Float16Module does (GPT only so: its learned position embeddings stay fp32 with params_dtype, and
     megatron-core's attention then fails eagerly without Float16Module)."""
-    from megatron_glue.models import build_gpt_model
+    from megatron_glue.capture.models import build_gpt_model
 
     base = gpt if kind == "gpt" else llama
     if how == "params_dtype":
@@ -350,7 +350,7 @@ def mixed_precision_model(kind, dtype, how):
 
 
 def train_two_steps(model):
-    from megatron_glue.models import synthetic_batch
+    from megatron_glue.capture.models import synthetic_batch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     history = []

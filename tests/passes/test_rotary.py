@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import npu_compile
 from npu_compile.debug.report import collect
-from megatron_glue.testing import megatron_cpu  # noqa: F401  (fixture)
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 
 DTYPES = (torch.float32, torch.bfloat16)
 RULES = ("rotary",)
@@ -19,7 +19,7 @@ RULES = ("rotary",)
 # ==== megatron-core GPTModel, Llama style, 2 layers, 3 SGD steps ==============================================
 
 def llama(**overrides):
-    from megatron_glue.models import llama_config
+    from megatron_glue.capture.models import llama_config
 
     return lambda: llama_config(hidden_size=64, num_query_groups=2, **overrides)
 
@@ -183,7 +183,7 @@ def test_rotation_spelled_otherwise_is_reported_as_a_miss():
 
 
 def test_llama_inference_is_fused_and_equals_eager(megatron_cpu):
-    from megatron_glue.models import build_gpt_model, synthetic_batch
+    from megatron_glue.capture.models import build_gpt_model, synthetic_batch
 
     model = build_gpt_model(llama()(), 128, 32, seed=0).eval()
     batch = synthetic_batch(2, 32, 128)

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_glue import versions
-from megatron_glue.training_log import print_rank0
+from megatron_glue.training import versions
+from megatron_glue.training.log import print_rank0
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -204,7 +204,7 @@ def resolved_architecture(values: dict) -> dict:
     arguments.default_ffn_hidden_size), num_query_groups the heads without --group-query-attention. Checkpoints
     saved before the job resolved kv_channels hold None there, which means the head size: compared resolved, a
     default and the same value given as a flag agree."""
-    from megatron_glue.arguments import default_ffn_hidden_size
+    from megatron_glue.training.arguments import default_ffn_hidden_size
 
     out = dict(values)
     hidden, heads = out.get("hidden_size"), out.get("num_attention_heads")

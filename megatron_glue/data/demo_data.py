@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 
-from megatron_glue.tokenizer import EOD_TOKEN, build_tokenizer
+from megatron_glue.data.tokenizer import EOD_TOKEN, build_tokenizer
 
 DEMO_VOCAB_SIZE = 3000  # padded to 3072 for divisible_by 128 at TP up to 8
 _PACKAGES = ("npu_compile", "megatron_glue")
@@ -119,7 +119,7 @@ def make_demo_data(out_dir: str) -> dict:
         os.remove(manifest_path)  # what follows replaces the files; until the end they do not match it
     _write_atomic(paths["corpus"], corpus)
     train_bpe([d["text"] for d in docs], out_dir)
-    from megatron_glue.preprocess import preprocess
+    from megatron_glue.data.preprocess import preprocess
 
     with open(os.devnull, "w") as quiet:
         preprocess(paths["corpus"], os.path.join(out_dir, "corpus"), tokenizer_type="GPT2BPETokenizer",
@@ -144,7 +144,7 @@ def _is_whole(paths: dict, manifest_path: str, want: dict, corpus: str) -> bool:
             if f.read() != corpus:
                 return False
         build_tokenizer("GPT2BPETokenizer", vocab_file=paths["vocab_file"], merge_file=paths["merge_file"])
-        from megatron_glue import quiet_megatron
+        from megatron_glue.capture import quiet_megatron
 
         with quiet_megatron():
             from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron_glue import quiet_megatron
-from megatron_glue.tokenizer import DataError
+from megatron_glue.capture import quiet_megatron
+from megatron_glue.data.tokenizer import DataError
 
 with quiet_megatron():
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -38,7 +38,7 @@ def build_datasets(*, data_path: list[str] | None, split: str, seq_length: int, 
                    is_built_on_rank: Callable[[], bool] | None = None) -> tuple[Any, Any, Any]:
     """(train, valid, test), each None where `split` gives it nothing (or where `is_built_on_rank()` is False).
 
-    `tokenizer` needs `vocab_size` and `eod` (megatron_glue.tokenizer's have everything megatron-core reads).
+    `tokenizer` needs `vocab_size` and `eod` (megatron_glue.data.tokenizer's have everything megatron-core reads).
     `is_built_on_rank` defaults to every rank; Megatron-LM builds on TP rank 0 of the first/last PP stages only.
     """
     if mock and data_path:

@@ -6,7 +6,7 @@ that the job's code reads the same on both.
 
 from __future__ import annotations
 
-from megatron_glue.adaptations import megatron_core_in
+from megatron_glue.capture.adaptations import megatron_core_in
 
 
 def transformer_config_extras() -> dict:

@@ -279,15 +279,18 @@ class ArgumentError(SystemExit):
         return self.message
 
 
-class _Parser(argparse.ArgumentParser):
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose own errors (unknown flag, bad value) are ArgumentError's one line; the converter's
+    command line uses it too."""
+
     def error(self, message):  # argparse's own errors (unknown flag, bad value) in the same one-line form
         raise ArgumentError(f"{self.prog}: error: {message}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m megatron_glue.pretrain_gpt", allow_abbrev=False,
-                description="Megatron-LM GPT pretraining on megatron-core, each transformer layer compiled with "
-                            "torch.compile(backend='ascend').")
+    p = ArgumentParser(prog="python -m megatron_glue.pretrain_gpt", allow_abbrev=False,
+                       description="Megatron-LM GPT pretraining on megatron-core, each transformer layer compiled "
+                                   "with torch.compile(backend='ascend').")
 
     g = p.add_argument_group("network size")
     g.add_argument("--num-layers", type=int, required=True)
@@ -384,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "starts from those weights (MindSpeed-LLM's meaning)")
     g.add_argument("--model-type-hf", default=None,
                    help="with --enable-hf2mg-convert: the HF family (MindSpeed-LLM's names; default: config.json's "
-                        "model_type); a folder of another family is refused before the job starts")
+                        "model_type); a family the converter lacks, or a folder of another family, is refused "
+                        "before the job starts")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop when there is no checkpoint there, instead of starting from random weights")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist")
@@ -583,14 +587,6 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                     f"--{name.replace('_', '-')} {value:g}",
                     f"megatron-core's Llama 3 RoPE scaling fixes it at {LLAMA3_ROPE[name]:g}; other values are not "
                     "implemented here"))
-    if args.enable_hf2mg_convert and args.model_type_hf:
-        from megatron_glue.convert.families import MODEL_TYPES
-
-        if HF_MODEL_TYPE_ALIASES.get(args.model_type_hf, args.model_type_hf) not in MODEL_TYPES:
-            lines.append(refusal(f"--model-type-hf {args.model_type_hf}",
-                                 f"converting {args.model_type_hf} weights at start is not implemented here (the "
-                                 f"converter's families: {', '.join(sorted({*MODEL_TYPES, *HF_MODEL_TYPE_ALIASES}))}); "
-                                 "start from a Megatron checkpoint without --enable-hf2mg-convert"))
     if args.handler_name and args.handler_name not in PRETRAIN_HANDLERS:
         lines.append(refusal(f"--handler-name {args.handler_name}", INSTRUCTION))
     raw = [p for p in args.data_path or () if _is_raw_data(p)]

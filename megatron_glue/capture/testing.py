@@ -2,11 +2,11 @@
 
 Import the ones you need into that folder's conftest.py:
 
-    from megatron_glue.testing import megatron_cpu, fresh_dynamo  # noqa: F401
+    from megatron_glue.capture.testing import megatron_cpu, fresh_dynamo  # noqa: F401
 
-As a pytest plugin (`-p megatron_glue.testing`) it adds `--megatron-only`: of the tests collected, run only those
-that use megatron-core (they ask for `megatron_cpu`, or their name says Megatron). `make test-mcore012` uses it
-on tests/passes, where Megatron tests sit beside others, to run just those on megatron-core 0.12.1.
+As a pytest plugin (`-p megatron_glue.capture.testing`) it adds `--megatron-only`: of the tests collected, run only
+those that use megatron-core (they ask for `megatron_cpu`, or their name says Megatron). `make test-mcore012` uses
+it on tests/passes, where Megatron tests sit beside others, to run just those on megatron-core 0.12.1.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import contextlib
 import pytest
 import torch
 
-from megatron_glue import adapt
-from megatron_glue.adaptations import megatron_core_in, registry
+from megatron_glue.capture import adapt
+from megatron_glue.capture.adaptations import megatron_core_in, registry
 
 
 @pytest.fixture(scope="session")
 def megatron_cpu():
     """Adaptation groups "cpu" and "compile" applied, and a gloo process group at TP=PP=1, for the session."""
-    from megatron_glue import models  # imports Megatron (seconds), so only when a test asks for it
+    from megatron_glue.capture import models  # imports Megatron (seconds), so only when a test asks for it
 
     adapt(("cpu", "compile"))
     models.init_single_process()
@@ -41,7 +41,7 @@ def fake_process_group(world_size: int = 8):
 
     megatron_state = dist.is_initialized()
     if megatron_state:
-        from megatron_glue import models
+        from megatron_glue.capture import models
 
         models.teardown_single_process()
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
@@ -90,7 +90,7 @@ def adaptations_reverted(*names: str):
 def pytest_addoption(parser):
     parser.addoption("--megatron-only", action="store_true", default=False,
                      help="run only the tests that use megatron-core: those that ask for the megatron_cpu fixture "
-                     "or whose name says megatron (megatron_glue.testing)")
+                     "or whose name says megatron (megatron_glue.capture.testing)")
 
 
 def uses_megatron(item) -> bool:

@@ -19,7 +19,7 @@ import textwrap
 
 import torch
 
-from megatron_glue.adaptations import Adaptation, registry
+from megatron_glue.capture.adaptations import Adaptation, registry
 
 GROUP = "training"
 

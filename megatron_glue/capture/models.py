@@ -1,7 +1,7 @@
 """Small megatron-core GPT models on one process: set-up, configs, batches, a training step.
 
 Used by tests, the demo and the benchmarks. Everything here runs on CPU at TP=1 once the "cpu" adaptations are
-applied (`megatron_glue.adapt()`), and at TP>1 in workers set up by `megatron_glue.distributed`; nothing here
+applied (`megatron_glue.adapt()`), and at TP>1 in workers set up by `megatron_glue.capture.distributed`; nothing here
 patches Megatron itself.
 """
 
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_glue import quiet_megatron
-from megatron_glue.adaptations import megatron_core_in
-from megatron_glue.distributed import allreduce_sequence_parallel_grads
+from megatron_glue.capture import quiet_megatron
+from megatron_glue.capture.adaptations import megatron_core_in
+from megatron_glue.capture.distributed import allreduce_sequence_parallel_grads
 
 with quiet_megatron():
     from megatron.core import parallel_state

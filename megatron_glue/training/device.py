@@ -13,7 +13,7 @@ The process group's timeout is Megatron-LM's `--distributed-timeout-minutes`; `H
 Ascend's variable for building links), when set, bounds it instead, so a rank that never arrives is reported
 within the time the user set for HCCL, on any backend. Within it, a rank that is gone (its process exited, or
 its heartbeat stopped for $NPU_COMPILE_RANK_WATCHDOG_S seconds, default 60; 0: off) ends the others with
-"rank R (pid P) is gone: ..." (`megatron_glue.distributed.watch_ranks`).
+"rank R (pid P) is gone: ..." (`megatron_glue.capture.distributed.watch_ranks`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_glue.arguments import ArgumentError
-from megatron_glue.distributed import watch_ranks, watchdog_seconds
+from megatron_glue.training.arguments import ArgumentError
+from megatron_glue.capture.distributed import watch_ranks, watchdog_seconds
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Placement:
     world_size: int
     local_rank: int
     timeout: datetime.timedelta
-    rank_watchdog_s: float = 0.0  # see megatron_glue.distributed.watch_ranks; 0: off
+    rank_watchdog_s: float = 0.0  # see megatron_glue.capture.distributed.watch_ranks; 0: off
 
 
 def _torch_npu_missing() -> str | None:
@@ -103,8 +103,7 @@ def placement(args) -> Placement:
 
 def init(args) -> Placement:
     """Process group up, this rank's device current, adaptations applied."""
-    import megatron_glue
-    from megatron_glue import adaptations
+    from megatron_glue.capture import adapt, adaptations
 
     where = placement(args)
     if where.backend == "hccl":
@@ -115,8 +114,8 @@ def init(args) -> Placement:
     elif where.backend == "nccl":
         torch.cuda.set_device(where.device)
     adaptations.set_current_device(where.device)
-    # What megatron_glue changes in Megatron for this device (see megatron_glue.adaptations.groups_for).
-    megatron_glue.adapt(adaptations.groups_for(where.device, training=True))
+    # What megatron_glue changes in Megatron for this device (see megatron_glue.capture.adaptations.groups_for).
+    adapt(adaptations.groups_for(where.device, training=True))
     if not dist.is_initialized():
         # The CPU collective is gloo whatever the accelerator's backend is: Megatron's gloo groups use it.
         backend = "gloo" if where.device.type == "cpu" else where.backend

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Iterator, TextIO
 
-from megatron_glue.tokenizer import SUPPORTED, DataError, build_tokenizer
+from megatron_glue.data.tokenizer import SUPPORTED, DataError, build_tokenizer
 
 _LEVEL = "document"  # Megatron names outputs "<prefix>_<key>_<level>"; "sentence" only with --split-sentences
 
@@ -69,7 +69,7 @@ def preprocess(input_path: str, output_prefix: str, *, tokenizer_type: str, voca
                 tokenizer_model=tokenizer_model)
     tokenizer = build_tokenizer(**spec)  # here first, so a bad tokenizer is reported before any worker starts
 
-    from megatron_glue import quiet_megatron
+    from megatron_glue.capture import quiet_megatron
 
     with quiet_megatron():
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder

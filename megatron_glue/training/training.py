@@ -21,8 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_glue import checkpointing, device as glue_device, hf_weights, quiet_megatron, versions
-from megatron_glue.training_log import (Metrics, iteration_line, num_floating_point_operations, peak_memory_mb,
+from megatron_glue.capture import quiet_megatron
+from megatron_glue.training import checkpointing, device as glue_device, versions
+from megatron_glue.training.log import (Metrics, iteration_line, num_floating_point_operations, peak_memory_mb,
                                         print_rank0, validation_lines)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,10 +130,10 @@ def compile_model(chunk, args) -> None:
     of the same structure share one compiled graph: Dynamo (torch 2.13, inline_inbuilt_nn_modules) takes their parameters as inputs and
     guards on structure, not identity, so N identical layers compile once and never approach the recompile limit;
     report.json ``reused_by`` counts the layers running each graph. The module's own hooks stay outside the graph
-    (megatron_glue.training_adaptations: --overlap-param-gather). With the ``cache`` option on (the default), each
-    is compiled through npu_compile.precompile: a restarted job loads what Dynamo, aot_autograd and the backend
-    made instead of tracing again."""
-    from megatron_glue.training_adaptations import COMPILED_FORWARD
+    (megatron_glue.capture.training_adaptations: --overlap-param-gather). With the ``cache`` option on (the
+    default), each is compiled through npu_compile.precompile: a restarted job loads what Dynamo, aot_autograd and
+    the backend made instead of tracing again."""
+    from megatron_glue.capture.training_adaptations import COMPILED_FORWARD
 
     from npu_compile import precompile
     from npu_compile.config import DUMP_DIR_ENV
@@ -384,11 +385,7 @@ def _count_graphs() -> dict:
 
 def pretrain(args, model_provider, forward_step, datasets_provider, build_loader):
     """Megatron-LM's pretrain(): set up, load, train with periodic evaluation and saves, evaluate, exit."""
-    if getattr(args, "enable_hf2mg_convert", False):
-        hf_weights.check(args)  # before any process group: a folder that is not the HF model named is refused
     where = initialize(args)
-    if getattr(args, "enable_hf2mg_convert", False):
-        hf_weights.convert(args)
     if args.load and getattr(args, "exit_on_missing_checkpoint", False) and checkpointing.read_tracker(args.load) is None:
         raise checkpointing.CheckpointError(
             f"--load {args.load}: no checkpoint there ({checkpointing.TRACKER} missing), and "

@@ -45,7 +45,7 @@ def capture_layer_fake_pg(tp: int = 8, sp: bool = True, hidden: int = 4096, head
                           timeout: float = 600.0) -> LayerCapture:
     """`capture_layer_here` in a fresh process; returns its LayerCapture without the GraphModules (they do not
     cross processes; pass `analyze`, a module-level function of the LayerCapture, to work on them there)."""
-    from megatron_glue.distributed import run_on_ranks
+    from megatron_glue.capture.distributed import run_on_ranks
 
     (capture,) = run_on_ranks(_capture_and_strip, tp, sp, hidden, heads, seq, micro_batch, dtype, backend, options,
                               analyze, world_size=1, timeout=timeout)
@@ -72,9 +72,9 @@ def capture_layer_here(tp: int = 8, sp: bool = True, hidden: int = 4096, heads: 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from megatron_glue import quiet_megatron
-    from megatron_glue.adaptations import set_current_device
-    from megatron_glue.distributed import init_distributed
+    from megatron_glue.capture import quiet_megatron
+    from megatron_glue.capture.adaptations import set_current_device
+    from megatron_glue.capture.distributed import init_distributed
     from npu_compile.debug.report import collect
 
     seconds = {}
@@ -93,7 +93,7 @@ def capture_layer_here(tp: int = 8, sp: bool = True, hidden: int = 4096, heads: 
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_layer import TransformerLayer
 
-        from megatron_glue.models import gpt_config
+        from megatron_glue.capture.models import gpt_config
 
     start = time.perf_counter()
     config = gpt_config(

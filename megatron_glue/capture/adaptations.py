@@ -1,0 +1,710 @@
+"""The one registry of changes we make to megatron-core, each named, grouped and explained.
+
+An adaptation replaces one attribute, named by its dotted path (a module function, a class method), with a new
+object built from the original: a plain replacement ignores the original, a wrapper stacks on it. Applying sets
+the new object on the owner and on every `sys.modules` entry that holds the original by identity (modules that
+did `from x import f` keep their own reference), once; reverting puts the originals back. Groups say when an
+adaptation is wanted: "cpu" (no CUDA device), "compile" (Dynamo capture), "tp_compile" (capture at tensor
+parallel size > 1), "sp" (sequence parallelism without TE/Apex or CUDA), "training" (training_adaptations.py).
+`groups_for(device)` is the one place that says which groups a process applies.
+
+Megatron differs between releases. An adaptation that is needed (or possible) only on some megatron-core versions
+says which with `megatron_versions`, a PEP 440 specifier set matched against the installed distribution's
+version (`importlib.metadata.version("megatron-core")`), e.g. ">=0.13" or "<0.13"; None, the default, means every
+version. One that does not match is skipped by `apply_groups`, left out of `known()` and listed with why by
+`skipped()`. Where the same fix needs different code per line there are two entries with disjoint ranges and
+their own names (the older line's named with its suffix, e.g. "inference_rng_tracker_0_12"), each citing the
+Megatron file:line of its own line. Tested lines: 0.12.1 and 0.16.1 (`make test-mcore012`, `make test`); range
+boundaries in between come from reading each release's source.
+
+Megatron is imported only when an adaptation is applied, so importing this module stays cheap.
+We never disable or replace `torch.compile` itself: the point of this project is to compile Megatron.
+"""
+
+from __future__ import annotations
+
+import copy
+import contextlib
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+_MISSING = object()
+
+
+def _specifier_set(megatron_versions: str):
+    from packaging.specifiers import SpecifierSet  # megatron-core's own dependency; imported when a range is used
+
+    return SpecifierSet(megatron_versions)
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    name: str
+    target: str  # dotted path of the attribute replaced, e.g. "megatron.core.utils.GlobalMemoryBuffer.get_tensor"
+    group: str
+    reason: str  # one line: why, citing the Megatron file:line it works around (of each line it applies to)
+    build: Callable[[Any], Any]  # original -> new object; runs once per apply
+    # The megatron-core versions it applies to: a PEP 440 specifier set ("<0.13", ">=0.13"); None: every version.
+    megatron_versions: str | None = None
+    # True: the class attribute does not exist on those versions and the adaptation adds it (build gets None;
+    # revert removes it); applying where the class has it after all is an error, not a silent override.
+    adds: bool = False
+
+    def __post_init__(self):
+        if self.megatron_versions is not None:
+            _specifier_set(self.megatron_versions)  # a malformed range fails where it is declared
+
+    def applies_to(self, megatron_version: str | None) -> bool:
+        """Whether this adaptation is for that megatron-core version (None: megatron-core not installed)."""
+        if self.megatron_versions is None:
+            return True
+        if megatron_version is None:
+            return False
+        # prereleases=True: a 0.16.0rc0 or dev build belongs to its line, not outside every range
+        return _specifier_set(self.megatron_versions).contains(megatron_version, prereleases=True)
+
+
+@functools.lru_cache(maxsize=None)
+def megatron_core_version() -> str | None:
+    """The installed megatron-core distribution's version, e.g. "0.12.1"; None when it is not installed."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def megatron_core_in(megatron_versions: str) -> bool:
+    """Whether the installed megatron-core is in the PEP 440 specifier set `megatron_versions` (e.g. ">=0.16")."""
+    version = megatron_core_version()
+    return version is not None and _specifier_set(megatron_versions).contains(version, prereleases=True)
+
+
+@dataclass
+class _Applied:
+    adaptation: Adaptation
+    owner: Any
+    attr: str
+    original: Any  # the raw attribute (descriptor included), or _MISSING when it was inherited
+    new: Any
+
+
+def resolve(target: str, absent_ok: bool = False) -> tuple[Any, str]:
+    """(owner, attribute name) for a dotted path, importing the longest module prefix; absent_ok: the last
+    name may be missing (an attribute an adaptation adds)."""
+    parts = target.split(".")
+    owner, rest = None, []
+    for i in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            owner = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            # Only a missing prefix means "try a shorter one"; a broken import inside it is a real error.
+            if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+                raise
+            continue
+        rest = parts[i:]
+        break
+    if owner is None:
+        raise AttributeError(f"target {target!r} does not exist: no module of it can be imported")
+    for depth, part in enumerate(rest[:-1]):
+        if not hasattr(owner, part):
+            found = ".".join(parts[: len(parts) - len(rest) + depth])
+            raise AttributeError(f"target {target!r} does not exist: {found} has no attribute {part!r}")
+        owner = getattr(owner, part)
+    if not absent_ok and not hasattr(owner, rest[-1]):
+        raise AttributeError(f"target {target!r} does not exist: {'.'.join(parts[:-1])} has no attribute {rest[-1]!r}")
+    return owner, rest[-1]
+
+
+class Registry:
+    """Named adaptations, applied by name or by group, listed with reasons, reverted in reverse order.
+
+    `megatron_version` is the megatron-core version the adaptations' `megatron_versions` are matched against:
+    by default the installed one (looked up on first use); a test may pin another.
+    """
+
+    def __init__(self, megatron_version: str | None = _MISSING):
+        self._known: dict[str, Adaptation] = {}
+        self._applied: dict[str, _Applied] = {}  # insertion order = application order
+        self._megatron_version = megatron_version
+
+    @property
+    def megatron_version(self) -> str | None:
+        """The megatron-core version this registry applies adaptations for (None: not installed)."""
+        if self._megatron_version is _MISSING:
+            self._megatron_version = megatron_core_version()
+        return self._megatron_version
+
+    # -- declaring -----------------------------------------------------------------------------------------
+    def add(self, adaptation: Adaptation) -> Adaptation:
+        if adaptation.name in self._known:
+            raise ValueError(f"adaptation {adaptation.name!r} is already registered")
+        self._known[adaptation.name] = adaptation
+        return adaptation
+
+    def replaces(self, name: str, target: str, group: str, reason: str, megatron_versions: str | None = None,
+                 adds: bool = False):
+        """Decorator: the decorated object replaces `target` outright (on `megatron_versions` only, if given);
+        adds=True: `target` is a class attribute those versions lack, and the object is added as it."""
+        def register(new):
+            self.add(Adaptation(name, target, group, reason, build=lambda original: new,
+                                megatron_versions=megatron_versions, adds=adds))
+            return new
+        return register
+
+    def wraps(self, name: str, target: str, group: str, reason: str, megatron_versions: str | None = None):
+        """Decorator: the decorated factory gets the current `target` and returns what stands in its place
+        (on `megatron_versions` only, if given)."""
+        def register(factory):
+            self.add(Adaptation(name, target, group, reason, build=factory, megatron_versions=megatron_versions))
+            return factory
+        return register
+
+    # -- looking -------------------------------------------------------------------------------------------
+    def applies(self, name: str) -> bool:
+        """Whether adaptation `name` is for the megatron-core version of this registry."""
+        return self.get(name).applies_to(self.megatron_version)
+
+    def known(self, group: str | None = None, every_version: bool = False) -> list[str]:
+        """Names (of `group`, or all) that apply to this megatron-core version: what `apply_groups` applies.
+        every_version=True: every registered name, those for other megatron-core versions too."""
+        return [n for n, a in self._known.items()
+                if (group is None or a.group == group) and (every_version or a.applies_to(self.megatron_version))]
+
+    def skipped(self, group: str | None = None) -> dict[str, str]:
+        """name -> why it does not apply here, for the registered adaptations (of `group`) that are for other
+        megatron-core versions: `apply_groups` leaves them out."""
+        installed = ("megatron-core is not installed" if self.megatron_version is None
+                     else f"megatron-core {self.megatron_version} is installed")
+        return {n: f"for megatron-core {a.megatron_versions}; {installed}" for n, a in self._known.items()
+                if (group is None or a.group == group) and not a.applies_to(self.megatron_version)}
+
+    def groups(self) -> list[str]:
+        """Every group named by a registered adaptation, whether or not any of it applies to this version."""
+        return list(dict.fromkeys(a.group for a in self._known.values()))
+
+    def get(self, name: str) -> Adaptation:
+        if name not in self._known:
+            raise ValueError(f"unknown adaptation {name!r}; known: {', '.join(self._known)}")
+        return self._known[name]
+
+    def applied(self) -> dict[str, str]:
+        """name -> reason, in the order applied."""
+        return {n: a.adaptation.reason for n, a in self._applied.items()}
+
+    # -- doing ---------------------------------------------------------------------------------------------
+    def apply(self, *names: str) -> None:
+        """Apply the named adaptations, in order (idempotent). Naming one that is for another megatron-core
+        version is a ValueError; all names are checked before anything changes."""
+        adaptations = [self.get(n) for n in names]
+        for adaptation in adaptations:
+            if not adaptation.applies_to(self.megatron_version):
+                raise ValueError(f"adaptation {adaptation.name!r} does not apply here: "
+                                 f"{self.skipped()[adaptation.name]}")
+        for adaptation in adaptations:
+            if adaptation.name not in self._applied:
+                self._applied[adaptation.name] = self._apply_one(adaptation)
+
+    def apply_groups(self, groups: Iterable[str]) -> None:
+        """Apply every adaptation of the groups that applies to this megatron-core version; see `skipped`."""
+        groups = [groups] if isinstance(groups, str) else list(groups)
+        for g in groups:
+            if g not in self.groups():
+                raise ValueError(f"unknown adaptation group {g!r}; known: {', '.join(self.groups())}")
+        self.apply(*[n for g in groups for n in self.known(g)])
+
+    def revert(self, *names: str) -> None:
+        for name in names:
+            self.get(name)
+        for name in reversed([n for n in self._applied if n in names]):
+            record = self._applied[name]
+            if _current(record.owner, record.attr) is not record.new:
+                raise RuntimeError(
+                    f"cannot revert {name!r}: {record.adaptation.target} was replaced again since; revert that first"
+                )
+            self._revert_one(record)
+            del self._applied[name]
+
+    def revert_all(self) -> None:
+        self.revert(*self._applied)
+
+    # -- mechanics -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _apply_one(adaptation: Adaptation) -> _Applied:
+        owner, attr = resolve(adaptation.target, absent_ok=adaptation.adds)
+        if adaptation.adds:
+            if not inspect.isclass(owner) or hasattr(owner, attr):
+                raise RuntimeError(
+                    f"adaptation {adaptation.name!r} adds {adaptation.target}, which megatron-core "
+                    f"{megatron_core_version()} already has: its range ({adaptation.megatron_versions}) is wrong")
+            current, raw = None, _MISSING
+        else:
+            current = getattr(owner, attr)
+            raw = vars(owner).get(attr, _MISSING) if inspect.isclass(owner) else current
+        new = adaptation.build(current)
+        setattr(owner, attr, new)
+        _swap_in_modules(attr, current, new)
+        return _Applied(adaptation, owner, attr, raw, new)
+
+    @staticmethod
+    def _revert_one(record: _Applied) -> None:
+        if record.original is _MISSING:
+            delattr(record.owner, record.attr)  # it was inherited; removing ours uncovers it again
+        else:
+            setattr(record.owner, record.attr, record.original)
+        # Also reaches modules imported after the apply that took the new object by name.
+        if record.adaptation.adds:
+            return  # nothing took an added attribute by name from a module
+        _swap_in_modules(record.attr, record.new, getattr(record.owner, record.attr))
+
+
+def _swap_in_modules(attr: str, old, new) -> None:
+    """Every module that holds `old` under `attr` (by identity) gets `new` instead."""
+    if isinstance(old, (bool, int, float, str, type(None))):
+        return  # constants are shared objects: identity says nothing about who took this one from the owner
+    for module in list(sys.modules.values()):
+        # __dict__ lookup, not getattr: some modules compute attributes lazily on access.
+        namespace = getattr(module, "__dict__", None)
+        if namespace is not None and namespace.get(attr) is old:
+            setattr(module, attr, new)
+
+
+def _current(owner, attr):
+    return vars(owner).get(attr, _MISSING) if inspect.isclass(owner) else getattr(owner, attr, _MISSING)
+
+
+registry = Registry()
+
+
+# ======================================================================================================
+# Which groups a process needs: the one place that decides (adapt(), init_distributed, the training job).
+# ======================================================================================================
+
+def machine_device() -> torch.device:
+    """The device Megatron's CUDA-minded code should reach on this machine, without an index (the current one):
+    npu when torch_npu is imported and sees an NPU, cuda when CUDA is available, else cpu."""
+    npu = getattr(torch, "npu", None)
+    if "torch_npu" in sys.modules and npu is not None and npu.is_available():
+        return torch.device("npu")
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def groups_for(device: str | torch.device | None = None, training: bool = False) -> tuple[str, ...]:
+    """The adaptation groups megatron-core needs on `device` (default `machine_device()`); `training`: also the
+    training machinery's (group "training", megatron_glue.capture.training_adaptations).
+
+    "compile", "tp_compile" and "sp" are always in: each stands aside where it is not needed (the collectives
+    are the originals outside Dynamo and are not called at TP=1, the norm is Megatron's own without
+    sequence_parallel, the current_device stand-in answers the machine's device), so the groups do not depend on
+    the parallel layout, and parallel state may be set up before or after they are applied, by any means.
+    "cpu" is in on a CPU (or meta) device only: elsewhere Megatron's CUDA calls have a device to run on (on an
+    NPU through torch_npu's transfer_to_npu).
+    "regions" is in for `torch.compile(gpt_model)` (each layer traced and compiled once, not once per layer); not
+    with `training`: the training job compiles each layer's forward on its own (training.compile_model), where a
+    region would only wrap the whole graph once more.
+    """
+    device = machine_device() if device is None else device
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    groups = ("cpu",) if kind in ("cpu", "meta") else ()
+    return groups + ("compile", "tp_compile", "sp") + (("training",) if training else ("regions",))
+
+
+# ======================================================================================================
+# group "cpu": megatron-core hard-codes CUDA in places a CPU (or not-yet-adapted device) run reaches.
+# Cited lines are 0.16.1's, with 0.12.1's where they differ ("0.12.1: file:line").
+# ======================================================================================================
+
+@registry.wraps(
+    "inference_rng_tracker", "megatron.core.tensor_parallel.random.initialize_rng_tracker", "cpu",
+    reason="CudaRNGStatesTracker seeds and forks torch.cuda generators (tensor_parallel/random.py:237,248); "
+    "use the inference tracker, whose fork() is a nullcontext, built again with force_reset "
+    "(tensor_parallel/random.py:298)",
+    megatron_versions=">=0.13",
+)
+def _inference_rng_tracker(initialize_rng_tracker):
+    # Replace any tracker built before now; the wrapper keeps later (re)initialisations CPU-safe too,
+    # e.g. model_parallel_cuda_manual_seed(force_reset_rng=True).
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    def initialize_cpu_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False,
+                                   use_cudagraphable_rng=False, force_reset=False):
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=force_reset)
+
+    return initialize_cpu_rng_tracker
+
+
+@registry.wraps(
+    "inference_rng_tracker_0_12", "megatron.core.tensor_parallel.random.initialize_rng_tracker", "cpu",
+    reason="CudaRNGStatesTracker seeds and forks torch.cuda generators (0.12.1: tensor_parallel/random.py:196,207); "
+    "use the inference tracker, whose fork() is a nullcontext; 0.12 has no force_reset and keeps the first "
+    "tracker built (0.12.1: tensor_parallel/random.py:243), so clear its initialised flag to build ours",
+    megatron_versions="<0.13",
+)
+def _inference_rng_tracker_0_12(initialize_rng_tracker):
+    from megatron.core.tensor_parallel import random
+
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False  # what force_reset=True does from 0.13 on
+    initialize_rng_tracker(inference_rng_tracker=True)
+
+    def initialize_cpu_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False,
+                                   use_cudagraphable_rng=False):
+        initialize_rng_tracker(inference_rng_tracker=True)
+
+    return initialize_cpu_rng_tracker
+
+
+@registry.replaces(
+    "checkpoint_cpu_rng_get", "megatron.core.tensor_parallel.random._get_cuda_rng_state", "cpu",
+    reason="activation recompute (CheckpointFunction) saves the CUDA generator's state with the CPU's "
+    "(tensor_parallel/random.py:447, torch.cuda.get_rng_state; 0.12.1: random.py:366); on a CPU the CPU state, "
+    "which it saves too (random.py:446), is the one dropout draws from: no device state to save",
+)
+def _no_device_rng_state(*args, **kwargs):
+    return torch.empty(0, dtype=torch.uint8)
+
+
+@registry.replaces(
+    "checkpoint_cpu_rng_set", "megatron.core.tensor_parallel.random._set_cuda_rng_state", "cpu",
+    reason="activation recompute restores the CUDA generator's state before recomputing (tensor_parallel/"
+    "random.py:457; 0.12.1: random.py:374); on a CPU the CPU state, restored just before (random.py:456), is "
+    "the one dropout draws from: nothing to restore",
+)
+def _no_device_rng_restore(*args, **kwargs):
+    return None
+
+
+@registry.replaces(
+    "fresh_global_buffer", "megatron.core.utils.GlobalMemoryBuffer.get_tensor", "cpu",
+    reason="GlobalMemoryBuffer allocates on torch.cuda.current_device() (utils.py:631; 0.12.1: utils.py:394); a "
+    "fresh tensor on the default device also keeps cached state out of Dynamo guards and autograd: under SP a "
+    "buffer first made in a compiled step is a graph output with autograd history, and the next step's backward "
+    "fails (tensor_parallel/layers.py:482; 0.12.1: tensor_parallel/layers.py:433)",
+)
+def _fresh_buffer(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    return torch.empty(tensor_shape, dtype=dtype)
+
+
+@registry.replaces(
+    "causal_mask_on_default_device", "megatron.core.transformer.utils.get_default_causal_mask", "cpu",
+    reason="get_default_causal_mask builds the mask with device='cuda' (transformer/utils.py:35; 0.12.1: "
+    "transformer/utils.py:32), reached when attention_mask is None",
+)
+def _default_causal_mask(sq):
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _rope_emb_on_its_device(rotary, freqs):
+    """[seq, 1, 1, dim] embedding from freqs [seq, dim/2], as Megatron lays it out (rotate-half or interleaved)."""
+    if rotary.rotary_interleaved:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
+
+
+@registry.replaces(
+    "rope_stays_on_device", "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb",
+    "cpu",
+    reason="RotaryEmbedding.get_emb moves inv_freq from cpu to torch.cuda.current_device() "
+    "(models/common/embeddings/rotary_pos_embedding.py:162); get_emb exists from 0.16",
+    megatron_versions=">=0.16",
+)
+def _rope_emb(self, max_seq_len, offset=0):
+    # Megatron's get_emb without the device move: inv_freq stays where the module put it.
+    return _rope_emb_on_its_device(self, self.get_freqs_non_repeated(max_seq_len, offset))
+
+
+@registry.replaces(
+    "rope_stays_on_device_0_12", "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward",
+    "cpu",
+    reason="RotaryEmbedding.forward moves inv_freq from cpu to torch.cuda.current_device() (0.12.1: "
+    "models/common/embeddings/rotary_pos_embedding.py:155); 0.12 has no get_emb, so forward itself is replaced",
+    megatron_versions="<0.13",
+)
+@functools.lru_cache(maxsize=32)  # as Megatron's own (0.12.1: models/common/embeddings/rotary_pos_embedding.py:141)
+def _rope_forward_0_12(self, max_seq_len, offset=0, packed_seq=False):
+    # Megatron 0.12's forward without the device move: inv_freq stays where the module put it.
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    emb = _rope_emb_on_its_device(self, self.get_freqs_non_repeated(max_seq_len, offset))
+    if parallel_state.get_context_parallel_world_size() > 1 and not packed_seq:
+        emb = get_pos_emb_on_this_cp_rank(emb, 0)  # this CP rank's part of the sequence
+    return emb
+
+
+# ======================================================================================================
+# group "compile": what stops Dynamo from capturing Megatron's forward and backward as one graph.
+# ======================================================================================================
+
+@registry.wraps(
+    "quiet_default_tp_group", "megatron.core.utils.get_tensor_model_parallel_group_if_none", "compile",
+    reason="warnings.warn(DeprecationWarning) on every RowParallelLinear forward (utils.py:501, layers.py:1281 "
+    "passes tp_group=None) is a Dynamo graph break; from 0.13 only: 0.12's layers take the group from parallel_state "
+    "and do not warn (0.12.1: tensor_parallel/layers.py:1195, tensor_parallel/mappings.py:31)",
+    megatron_versions=">=0.13",
+)
+def _quiet_default_tp_group(get_group_if_none):
+    from megatron.core import parallel_state
+
+    @functools.wraps(get_group_if_none)
+    def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+        # Hand the original the default group it would pick, so it has nothing to warn about.
+        if tp_group is None and parallel_state.is_initialized():
+            default = (parallel_state.get_expert_tensor_parallel_group if is_expert
+                       else parallel_state.get_tensor_model_parallel_group)
+            tp_group = default(check_initialized=check_initialized)
+        return get_group_if_none(tp_group, is_expert, check_initialized)
+
+    return get_tensor_model_parallel_group_if_none
+
+
+@registry.wraps(
+    "bias_dropout_add_in_grad_mode", "megatron.core.transformer.transformer_layer.TransformerLayer.__init__",
+    "compile",
+    reason="TransformerLayer runs bias-dropout-add under torch.enable_grad() (transformer_layer.py:465; 0.12.1: "
+    "transformer_layer.py:366), kept for nvfuser's fused kernel, which is not used here (bias_dropout_fusion off): "
+    "under torch.no_grad (evaluation) the captured layer is then a training graph in part, and attention and "
+    "bias-GeLU, in its no-grad part, match neither the training nor the inference rules; nullcontext keeps the "
+    "caller's grad mode (the same in training, where grad is on)",
+)
+def _bias_dropout_add_in_grad_mode(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.bias_dropout_add_exec_handler = contextlib.nullcontext
+
+    return __init__
+
+
+# ======================================================================================================
+# group "tp_compile": what stops Dynamo from capturing Megatron at tensor-parallel size > 1.
+# ======================================================================================================
+
+class _Completed:
+    """The Work handle of a collective that has already been issued: nothing is left to wait for."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+_COMPLETED = _Completed()
+
+
+def _issue_in_graph_when_compiling(collective):
+    """`collective` as is in eager; under Dynamo, called without async_op and answered by a finished handle.
+
+    Dynamo turns a torch.distributed collective into a functional one (`_c10d_functional.*` + `wait_tensor`)
+    only when async_op is False. A functional collective is already asynchronous: the backend's comm scheduling
+    decides where its wait goes, which is what async_op=True asks for by hand.
+    """
+
+    @functools.wraps(collective)
+    def issue(*args, async_op=False, **kwargs):
+        if not torch.compiler.is_compiling():
+            return collective(*args, async_op=async_op, **kwargs)
+        collective(*args, **kwargs)
+        return _COMPLETED if async_op else None
+
+    return issue
+
+
+@registry.wraps(
+    "capturable_async_all_reduce", "torch.distributed.all_reduce", "tp_compile",
+    reason="LinearWithGradAccumulationAndAsyncCommunication.backward all-reduces the input grad with "
+    "async_op=True (tensor_parallel/layers.py:544; 0.12.1: tensor_parallel/layers.py:489), a Dynamo graph break "
+    "in every ColumnParallelLinear; it calls it as torch.distributed.all_reduce, so only the torch attribute can "
+    "be wrapped",
+)
+def _capturable_all_reduce(all_reduce):
+    from torch.distributed._functional_collectives import REDUCE_OP_TO_STR
+
+    @functools.wraps(all_reduce)
+    def capturable_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if not torch.compiler.is_compiling():
+            return all_reduce(tensor, op, group, async_op)
+        # Dynamo names the reduce op for the functional collective ("max") only when it calls the function that
+        # is torch.distributed.all_reduce at trace time, which is now this one: name it here, or cross-entropy's
+        # ReduceOp.MAX (tensor_parallel/cross_entropy.py:130, both lines) reaches the functional op unnamed and fails.
+        all_reduce(tensor, REDUCE_OP_TO_STR[op], group)
+        return _COMPLETED if async_op else None
+
+    return capturable_all_reduce
+
+
+@registry.wraps(
+    "capturable_async_all_gather", "megatron.core.tensor_parallel.layers.dist_all_gather_func", "tp_compile",
+    reason="under SP the linear backward re-gathers its input with async_op=True (tensor_parallel/layers.py:522; "
+    "0.12.1: tensor_parallel/layers.py:468), a Dynamo graph break",
+)
+def _capturable_all_gather(all_gather):
+    return _issue_in_graph_when_compiling(all_gather)
+
+
+@registry.wraps(
+    "capturable_async_reduce_scatter", "megatron.core.tensor_parallel.layers.dist_reduce_scatter_func", "tp_compile",
+    reason="under SP the linear backward reduce-scatters the input grad with async_op=True "
+    "(tensor_parallel/layers.py:555; 0.12.1: tensor_parallel/layers.py:502), a Dynamo graph break",
+)
+def _capturable_reduce_scatter(reduce_scatter):
+    return _issue_in_graph_when_compiling(reduce_scatter)
+
+
+registry.add(Adaptation(
+    "no_cuda_max_connections_warning",
+    "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce.warned",
+    "tp_compile",
+    reason="the first TP linear warns unless CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor_parallel/layers.py:728-741; "
+    "0.12.1: tensor_parallel/layers.py:651-664), a CUDA stream-ordering hint with no meaning off CUDA; "
+    "warnings.warn is a Dynamo graph break; set Megatron's own already-warned flag",
+    build=lambda warned: True,
+))
+
+
+# ======================================================================================================
+# group "sp": sequence parallelism with torch norms (no TE/Apex) and no CUDA device.
+# ======================================================================================================
+
+@registry.wraps(
+    "sequence_parallel_torch_norm", "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", "sp",
+    reason="WrappedTorchNorm asserts not config.sequence_parallel (transformer/torch_norm.py:32, both lines); a torch "
+    "norm is correct on a sequence shard once its params are tagged .sequence_parallel, as TE tags its own, so that "
+    "their grads get all-reduced over TP (distributed/finalize_model_grads.py:354; 0.12.1: "
+    "distributed/finalize_model_grads.py:205)",
+)
+def _sequence_parallel_torch_norm(wrapped_new):
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return wrapped_new(cls, config, *args, **kwargs)
+        # Megatron's own choice of norm (and its other checks), shown a config without SP.
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = wrapped_new(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return staticmethod(__new__)
+
+
+# What torch.cuda.current_device() answers under the "sp" group; see set_current_device. None: machine_device().
+_current_device: torch.device | None = None
+
+
+def set_current_device(device: str | torch.device | None) -> None:
+    """Where Megatron's torch.cuda.current_device() buffers go under the "sp" group (default, or None:
+    `machine_device()`; "meta" for a shapes-only capture). Set it before compiling: Dynamo folds the call into
+    the graph as a constant."""
+    global _current_device
+    _current_device = None if device is None else torch.device(device)
+
+
+@registry.wraps(
+    "current_device_stand_in", "torch.cuda.current_device", "sp",
+    reason="SP buffers are made with device=torch.cuda.current_device() (tensor_parallel/mappings.py:141,181, "
+    "tensor_parallel/layers.py:552; 0.12.1: tensor_parallel/mappings.py:142,185, tensor_parallel/layers.py:499); "
+    "torch.cuda is the only place to redirect it from",
+)
+def _current_device_stand_in(cuda_current_device):
+    @torch.compiler.assume_constant_result  # Dynamo folds the call to its result, as it does torch.cuda's own
+    def current_device():
+        return machine_device() if _current_device is None else _current_device
+
+    # Dynamo's trace rules name torch functions by dotted path (torch/_dynamo/trace_rules.py:257): once its rule
+    # map is built after this replacement, "torch.cuda.current_device" is a torch op to put in the graph, and
+    # only the constant-fold table (which held the original) keeps a device-valued call from breaking the graph.
+    # Built before, the function is user code and assume_constant_result folds it. Both must hold.
+    from torch._dynamo.variables import torch as dynamo_torch
+
+    dynamo_torch.constant_fold_functions[current_device] = None
+    return current_device
+
+
+# ======================================================================================================
+# group "regions": a whole GPTModel under torch.compile, its identical layers compiled once.
+# ======================================================================================================
+
+@registry.wraps(
+    "layer_compile_region", "megatron.core.transformer.transformer_layer.TransformerLayer.forward", "regions",
+    reason="TransformerBlock calls its layers in a Python loop (transformer/transformer_block.py:748-779; the same "
+    "loop on 0.12.1) that Dynamo unrolls: torch.compile(gpt_model) traces and compiles every layer again, and "
+    "its compile time grows with num_layers; as a nested compile region (torch.compiler.nested_compile_region) "
+    "the layer is traced once and called N times (invoke_subgraph), and the backend compiles it once. At tensor "
+    "parallel size > 1 the layer is inlined as before: the backend's overlap scheduling does not look inside a "
+    "region for its collectives",
+)
+def _layer_compile_region(forward):
+    def hidden_states(self, *args, **kwargs):
+        # the region returns the hidden states alone: Dynamo reuses a traced region only when it returns tensors
+        # (torch/_dynamo/variables/invoke_subgraph.py, is_reuse_eligible), and the layer's second output, the
+        # cross-attention context, is None in a GPT layer
+        output, context = forward(self, *args, **kwargs)
+        if context is not None:
+            raise RuntimeError("layer_compile_region: a TransformerLayer returned a cross-attention context; "
+                               "take the 'regions' adaptation group off for this model")
+        return output
+
+    region = torch.compiler.nested_compile_region(hidden_states)
+
+    @functools.wraps(forward)
+    def layer_forward(self, *args, **kwargs):
+        # config attributes and a None argument: Dynamo guards on them, so the choice is made once per graph
+        if self.config.tensor_model_parallel_size > 1 or kwargs.get("context") is not None:
+            return forward(self, *args, **kwargs)
+        return region(self, *args, **kwargs), None
+
+    return layer_forward
+
+
+class _LinearImplByWeight:
+    """Class-level `_forward_impl` for 0.12/0.13's parallel linears: reads as the choice 0.14+ makes in its
+    `_forward_impl` method (frozen weight or not, decided per call from the weight passed), and takes the
+    per-call `self._forward_impl = ...` store of those lines without writing the module. Dynamo sees a store that
+    changes nothing, so a layer holding these linears stays reusable as a compile region."""
+
+    def __init__(self, adaptation: str):
+        self.adaptation = adaptation
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else _linear_by_weight
+
+    def __set__(self, obj, value):
+        from megatron.core.tensor_parallel import layers
+
+        if value is not layers.linear_with_frozen_weight and \
+                value is not layers.linear_with_grad_accumulation_and_async_allreduce:
+            raise AttributeError(
+                f"{type(obj).__name__}._forward_impl is chosen per call from the weight (adaptation "
+                f"{self.adaptation!r}, group 'regions'); setting it to {value!r} needs that adaptation reverted")
+
+
+def _linear_by_weight(input, weight, *args, **kwargs):
+    from megatron.core.tensor_parallel import layers
+
+    if not weight.requires_grad:
+        return layers.linear_with_frozen_weight(input, weight, *args, **kwargs)
+    return layers.linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
+
+
+for _linear in ("ColumnParallelLinear", "RowParallelLinear"):
+    _name = f"linear_impl_by_weight_0_13_{_linear}"
+    registry.replaces(
+        _name, f"megatron.core.tensor_parallel.layers.{_linear}._forward_impl",
+        "regions",
+        reason=f"{_linear}.forward stores its linear function on the module at every call (0.12.1: "
+        "tensor_parallel/layers.py:936-939,1171-1174; 0.14 made it a method), a side effect that keeps Dynamo from "
+        "reusing a traced layer region (torch/_dynamo/variables/invoke_subgraph.py, is_reuse_eligible): every "
+        "layer was traced again; a class-level descriptor makes the store a no-op and the read the same choice",
+        megatron_versions="<0.14", adds=True,
+    )(_LinearImplByWeight(_name))
+del _linear, _name
