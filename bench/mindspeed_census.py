@@ -166,11 +166,10 @@ def check(argv: list[str]) -> list[str]:
     from megatron_glue.training.arguments import ArgumentError, parse_args
 
     try:
-        args = parse_args(scale_down(argv), world_size=2)
+        parse_args(scale_down(argv), world_size=2, refusals=(refusal,))
+        return []
     except ArgumentError as e:
         return list(getattr(e, "lines", None) or [e.message])
-    line = refusal(args)
-    return [line] if line else []
 
 
 def _feature(line: str) -> str:

@@ -14,9 +14,9 @@ from megatron_glue.training import gpt
 
 def main(argv: list[str] | None = None) -> int:
     """The job, with MindSpeed-LLM's --enable-hf2mg-convert step (the converter's room) before it starts."""
-    from megatron_glue.convert.at_start import before_start
+    from megatron_glue.convert.at_start import before_start, refusal
 
-    return gpt.main(argv, before_start=before_start)
+    return gpt.main(argv, before_start=before_start, refusals=(refusal,))
 
 
 if __name__ == "__main__":

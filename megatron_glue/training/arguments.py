@@ -639,10 +639,13 @@ def _unknown(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     return list(dict.fromkeys(unknown))
 
 
-def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, world_size: int | None = None,
+               refusals=()) -> argparse.Namespace:
     """Megatron-LM's args from `argv` (default sys.argv[1:]), checked against `world_size`
     (default $WORLD_SIZE or 1). Raises ArgumentError (a SystemExit with one line, or a DialectError listing
-    every refused or unknown flag at once) on bad input."""
+    every refused or unknown flag at once) on bad input. `refusals`: more checks of the parsed args, each giving
+    a refusal line or None, reported with the others (the door adds the converter's, a room this one does not
+    import)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     lines = [f"{flag}: unrecognized (not a flag of Megatron-LM, MindSpeed or MindSpeed-LLM that this job knows)"
@@ -664,7 +667,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     refused = [refusal(f, REFUSED[f][1]) for f in given]
     if hasattr(args, "_refused"):
         del args._refused
-    lines = refused + _value_refusals(args) + lines
+    lines = refused + _value_refusals(args) + [line for check in refusals if (line := check(args))] + lines
     if lines:
         raise DialectError(parser.prog, lines)
     validate(args)

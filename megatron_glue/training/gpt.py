@@ -118,16 +118,17 @@ def datasets_provider(args):
                           mock=args.mock_data, create_attention_mask=False)
 
 
-def main(argv: list[str] | None = None, before_start=None) -> int:
-    """The job; `before_start(args)`, when given, runs after the argument check and before any process group
-    (the door passes the converter's --enable-hf2mg-convert step: this room does not import the converter)."""
+def main(argv: list[str] | None = None, before_start=None, refusals=()) -> int:
+    """The job; `refusals` join the argument check (parse_args), and `before_start(args)`, when given, runs after
+    it and before any process group (the door passes the converter's --enable-hf2mg-convert check and step: this
+    room does not import the converter)."""
     from megatron_glue.training import training
     from megatron_glue.training.checkpointing import CheckpointError
     from megatron_glue.data.datasets import build_loader
     from megatron_glue.data.tokenizer import DataError
 
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, refusals=refusals)
         if before_start is not None:
             before_start(args)
         set_vocabulary(args)

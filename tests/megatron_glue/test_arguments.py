@@ -373,13 +373,15 @@ def test_llama3_8b_script_passes():
 def test_qwen3_8b_script_is_refused_for_what_is_missing():
     from megatron_glue.convert.at_start import refusal
 
-    flags = scale_down(script("qwen3/pretrain_qwen3_8b_4K_ptd.sh"))
-    assert error(flags, world_size=2) == PROG + (
-        "--reuse-fp32-param: MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
-        "implemented here; shard the master weights over DP with --use-distributed-optimizer")
-    args = parse_args([f for f in flags if f != "--reuse-fp32-param"], world_size=2)
-    assert refusal(args).startswith("--model-type-hf qwen3: converting qwen3 weights at start is not implemented "
-                                    "here")
+    with pytest.raises(DialectError) as info:  # the door's check of the family joins the argument check
+        parse_args(scale_down(script("qwen3/pretrain_qwen3_8b_4K_ptd.sh")), world_size=2, refusals=(refusal,))
+    assert info.value.message == "\n".join([
+        PROG + "2 flags of this command line are refused or unknown:",
+        "  --reuse-fp32-param: MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
+        "implemented here; shard the master weights over DP with --use-distributed-optimizer",
+        "  --model-type-hf qwen3: converting qwen3 weights at start is not implemented here (the converter's "
+        "families: gpt2, llama2, llama3, mistral, qwen2, qwen2.5, qwen25); start from a Megatron checkpoint without "
+        "--enable-hf2mg-convert"])
 
 
 def test_a_moe_fine_tuning_script_names_every_missing_feature_at_once():
