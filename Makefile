@@ -81,6 +81,7 @@ bench: $(STAMP)
 	$(PY) -m bench.memory_fit
 	$(PY) -m bench.fused_loss
 	$(PY) -m bench.step_time
+	$(PY) -m bench.recompute
 
 clean:
 	rm -rf $(VENV) $(VENV012) npu_compile_dump .pytest_cache .hypothesis

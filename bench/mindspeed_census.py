@@ -209,8 +209,8 @@ def report(found: dict[str, list[str]], repo_rev: str) -> str:
         "",
         f"- Dense scripts (no `--num-experts`, context parallel <= 1, no instruction data): **{len(admitted)} of "
         f"{len(dense)} admitted** ({100 * len(admitted) / max(1, len(dense)):.0f}%).",
-        f"- Of the others, {converter_only} are refused only for `--model-type-hf` naming a family "
-        "`npu-compile convert` does not have (Qwen3, Seed-OSS, ...): they pass once the converter has it.",
+        f"- Refused only for `--model-type-hf` naming a family `npu-compile convert` does not have (they pass once "
+        f"it has it): {converter_only}.",
         f"- All {len(found)} scripts: {all_admitted} admitted; flags no one knows (\"unrecognized\"): "
         f"{', '.join(unknown) if unknown else 'none'}.",
         "",

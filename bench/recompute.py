@@ -1,104 +1,137 @@
-"""Megatron's activation recompute in the compiled job: peak memory and step time of one training step.
+"""Megatron-LM's activation recompute in the training job: peak memory and step time of `--recompute-granularity
+full --recompute-method uniform --recompute-num-layers 1` against no recompute, compiled (backend="ascend") and
+eager Megatron (`--no-npu-compile`) with the same flags; and, for the choice docs/recompute.md explains, the
+memory planner's own recompute at `memory_budget` 0 on every layer graph.
 
-    python -m bench.recompute [--quick]
+Each configuration is one run of `python -m megatron_glue.pretrain_gpt` (one process, gloo, mock data, fp32,
+dropout 0) in a fresh process. In it, iteration 1 compiles and iteration 2 warms up; iteration 3 is measured with
+the profiler's CPU memory events (bench.harness.peak_bytes: peak bytes allocated above the level at the start of
+the step: activations, gradients, the optimizer's temporaries) and the later ones are timed (the fastest). Compiled
+and eager differ in what the layers save (the compiled layers' fused attention keeps no seq x seq probabilities),
+so each recompute row is read against the no-recompute row of its own kind.
 
-A Llama-style megatron-core GPT (fp32, CPU, one process) built as the training job builds it, each transformer layer
-compiled on its own with backend="ascend" (``npu_compile.precompile.compile``, cache off) or left eager, with
-``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`` or ``block``/2, against no
-recompute. Per row: peak CPU bytes of one forward+backward above the step's start (profiler memory events,
-``bench.harness.peak_bytes``), median step time, and the loss and gradient norm (equal across rows of one backend:
-recompute changes memory, not numbers). Writes ``bench/results/recompute.md``.
+Writes bench/results/recompute.md and prints it.
+
+    python -m bench.recompute [--layers 6] [--hidden 128] [--seq 1024] [--iters 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
-import torch
-
-from bench.harness import median_seconds, peak_bytes, write_result
-
-MODES = {"none": {}, "full/uniform/1": dict(recompute_granularity="full", recompute_method="uniform",
-                                            recompute_num_layers=1),
-         "full/block/2": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)}
-
-
-def measure(mode: str, compiled: bool, shape: dict, repeats: int) -> dict:
-    from megatron_glue.capture import models
-    from npu_compile import precompile
-
-    torch._dynamo.reset()
-    config = models.llama_config(num_layers=shape["layers"], hidden_size=shape["hidden"],
-                                 num_attention_heads=shape["heads"], ffn_hidden_size=shape["ffn"],
-                                 attention_softmax_in_fp32=False, **MODES[mode])
-    model = models.build_gpt_model(config, vocab_size=shape["vocab"], seq_len=shape["seq"], seed=0)
-    if compiled:
-        for layer in model.decoder.layers:
-            layer.forward = precompile.compile(layer.forward, {"cache": False})
-    batch = models.synthetic_batch(shape["batch"], shape["seq"], shape["vocab"], seed=0)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = models.loss_fn(model, batch)
-        loss.backward()
-        return loss
-
-    started = time.perf_counter()
-    loss = float(step())  # the first step compiles
-    first = time.perf_counter() - started
-    norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
-    peak = peak_bytes(step)
-    seconds = median_seconds(step, repeats)
-    return dict(mode=mode, backend="ascend" if compiled else "eager", peak=peak, seconds=seconds, first=first,
-                loss=loss, grad_norm=norm)
+MiB = 2**20
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+CONFIGS = {  # name -> (row label, flags)
+    "eager": ("eager Megatron, no recompute", ["--no-npu-compile"]),
+    "eager-full": ("eager Megatron, full/uniform/1", ["--no-npu-compile", *FULL]),
+    "ascend": ("ascend, no recompute", []),
+    "ascend-full": ("ascend, full/uniform/1", FULL),
+    "ascend-full2": ("ascend, full/uniform/2", [*FULL[:-1], "2"]),
+    "ascend-budget0": ("ascend, no flags, memory_budget 0 (the planner)",
+                       ["--npu-compile-options", '{"memory_budget": 0.0}']),
+}
+MEASURED = 3  # the iteration measured for memory (1: compile, 2: warm-up)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import megatron_glue
-    from megatron_glue.adaptations import groups_for
-    from megatron_glue.capture.models import init_single_process, teardown_single_process
-
-    p = argparse.ArgumentParser(prog="python -m bench.recompute")
-    p.add_argument("--quick", action="store_true", help="a smaller model, 2 timed steps")
-    a = p.parse_args(argv)
-    shape = (dict(layers=4, hidden=128, heads=4, ffn=256, seq=256, batch=2, vocab=256) if a.quick else
-             dict(layers=8, hidden=256, heads=8, ffn=512, seq=512, batch=2, vocab=512))
-    repeats = 2 if a.quick else 3
-    megatron_glue.adapt(groups_for(training=True))
-    init_single_process()
-    rows = []
-    try:
-        for compiled in (False, True):
-            for mode in MODES:
-                rows.append(measure(mode, compiled, shape, repeats))
-                r = rows[-1]
-                print(f"{r['backend']:6s} {mode:15s} peak {r['peak'] / 2**20:8.1f} MiB  step {r['seconds'] * 1e3:8.1f} ms"
-                      f"  loss {r['loss']:.6f}  grad norm {r['grad_norm']:.6f}", flush=True)
-    finally:
-        teardown_single_process()
-    base = {r["backend"]: r for r in rows if r["mode"] == "none"}
-    lines = [
-        "# Activation recompute (Megatron's --recompute-granularity full) in the compiled job",
-        "",
-        f"Llama-style megatron-core GPT, fp32, CPU, one process: {shape['layers']} layers, hidden {shape['hidden']}, "
-        f"{shape['heads']} heads, ffn {shape['ffn']}, sequence {shape['seq']}, batch {shape['batch']}. Each layer "
-        "compiled on its own (backend=\"ascend\") or eager; recompute by megatron-core's own checkpointing "
-        "(`tensor_parallel.checkpoint` around whole layers, the compiled layer run under no_grad and again in the "
-        "backward). Peak: CPU bytes of one forward+backward above its start (profiler). `python -m bench.recompute`.",
-        "",
-        "| backend | recompute | peak MiB | peak ×none | step ms | step ×none | loss | grad norm |",
-        "|---|---|---|---|---|---|---|---|",
+def job_flags(layers: int, hidden: int, seq: int, iters: int) -> list[str]:
+    return [
+        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(max(hidden // 32, 1)),
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--mock-data", "--vocab-size", "1000", "--lr", "1e-4", "--train-iters",
+        str(iters), "--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo", "--no-progress-bar",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1",
     ]
-    for r in rows:
-        b = base[r["backend"]]
-        lines.append(f"| {r['backend']} | {r['mode']} | {r['peak'] / 2**20:.1f} | {r['peak'] / b['peak']:.2f} | "
-                     f"{r['seconds'] * 1e3:.1f} | {r['seconds'] / b['seconds']:.2f} | {r['loss']:.6f} | "
-                     f"{r['grad_norm']:.6f} |")
-    path = write_result("recompute", "\n".join(lines))
-    print(path)
-    return 0
+
+
+def child(out: str, argv: list[str]) -> int:
+    """The job with its train_step measured: iteration MEASURED under the profiler, the rest timed."""
+    from bench.harness import peak_bytes
+    from megatron_glue import pretrain_gpt
+    from megatron_glue.training import training
+
+    original = training.train_step
+    seconds, peak = [], []
+
+    def measured_step(*args, **kwargs):
+        if len(seconds) + len(peak) + 1 == MEASURED:
+            result = []
+            peak.append(peak_bytes(lambda: result.append(original(*args, **kwargs))))
+            return result[0]
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        return result
+
+    training.train_step = measured_step
+    code = pretrain_gpt.main(argv)
+    with open(out, "w") as f:
+        json.dump({"code": code, "seconds": seconds, "peak": peak}, f)
+    return code
+
+
+def measure(name: str, flags: list[str], folder: str) -> dict:
+    out = os.path.join(folder, "result.json")
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.getcwd())
+    command = [sys.executable, "-m", "bench.recompute", "--child", out, "--", *flags]
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
+    if done.returncode or not os.path.exists(out):
+        raise RuntimeError(f"{name}: the job failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+    with open(out) as f:
+        result = json.load(f)
+    timed = result["seconds"][2:]  # after the compiling and the warm-up iterations
+    # the fastest step: on a shared machine other processes only ever add time
+    return {"peak": result["peak"][0], "step": min(timed)}
+
+
+def table(rows: dict[str, dict], setup: str) -> str:
+    lines = [f"# Activation recompute in the training job\n", setup, "",
+             "| configuration | peak memory of a step (MiB) | vs its no-recompute row | step time (ms) | vs its no-recompute row |",
+             "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        base = rows.get("eager" if name.startswith("eager") else "ascend", r)
+        lines.append(f"| {CONFIGS[name][0]} | {r['peak'] / MiB:.1f} | {r['peak'] / base['peak']:.2f}x | {r['step'] * 1e3:.0f} | "
+                     f"{r['step'] / base['step']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    if "--child" in sys.argv:
+        i = sys.argv.index("--child")
+        sys.exit(child(sys.argv[i + 1], sys.argv[sys.argv.index("--") + 1:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ", ".join(CONFIGS))
+    a = p.parse_args()
+    flags = job_flags(a.layers, a.hidden, a.seq, a.iters)
+    rows = {}
+    for name in a.configs.split(","):
+        with tempfile.TemporaryDirectory(prefix="recompute_bench_") as folder:
+            start = time.perf_counter()
+            rows[name] = measure(name, [*flags, *CONFIGS[name][1]], folder)
+            print(f"{name}: {rows[name]['peak'] / MiB:.1f} MiB, {rows[name]['step'] * 1e3:.0f} ms "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+    setup = (f"megatron-core GPT, {a.layers} layers, hidden {a.hidden}, {max(a.hidden // 32, 1)} heads, seq {a.seq}, "
+             f"micro-batch 2, fp32, dropout 0, one CPU process (`python -m megatron_glue.pretrain_gpt`). Peak memory: "
+             f"iteration {MEASURED} under the profiler's CPU memory events, bytes above the step's start; step time: "
+             f"the fastest of iterations {MEASURED + 1}..{a.iters} (the machine is shared: other processes only add "
+             "time). Each recompute row is compared with the "
+             "no-recompute row of its own kind (eager or compiled).")
+    text = table(rows, setup)
+    from bench.harness import write_result
+
+    write_result("recompute", text)
+    print(text)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -7,7 +7,8 @@ import sys
 
 COMMANDS = {
     "demo": "train a small megatron-core GPT eagerly and with backend='ascend', and compare",
-    "preprocess": "tokenize a jsonl corpus into megatron-core's .bin/.idx (Megatron-LM's preprocess_data.py)",
+    "preprocess": "tokenize a jsonl/json/parquet corpus into megatron-core's .bin/.idx (Megatron-LM's and "
+                  "MindSpeed-LLM's preprocess_data.py)",
     "convert": "HuggingFace <-> Megatron checkpoints (MindSpeed-LLM's convert_ckpt_v2.py flags), TP/PP, streamed",
 }
 # Where each command's main(argv) lives; imported only when run, so `import npu_compile` never imports Megatron.

@@ -361,23 +361,24 @@ def _inference_rng_tracker_0_12(initialize_rng_tracker):
 
 
 @registry.replaces(
-    "checkpoint_cpu_rng_get", "megatron.core.tensor_parallel.random._get_cuda_rng_state", "cpu",
-    reason="activation recompute (CheckpointFunction) saves the CUDA generator's state with the CPU's "
-    "(tensor_parallel/random.py:447, torch.cuda.get_rng_state; 0.12.1: random.py:366); on a CPU the CPU state, "
-    "which it saves too (random.py:446), is the one dropout draws from: no device state to save",
+    "checkpoint_rng_state_on_cpu", "megatron.core.tensor_parallel.random._get_cuda_rng_state", "cpu",
+    reason="activation checkpointing (--recompute-granularity full) saves and restores the device generator around "
+    "the recomputed forward with torch.cuda.random.get_rng_state / default_generators (tensor_parallel/random.py:"
+    "447,457,514; 0.12.1: tensor_parallel/random.py:366,373,406); on a CPU the device generator is torch's CPU "
+    "generator",
 )
-def _no_device_rng_state(*args, **kwargs):
-    return torch.empty(0, dtype=torch.uint8)
+def _cpu_rng_state(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
 
 
 @registry.replaces(
-    "checkpoint_cpu_rng_set", "megatron.core.tensor_parallel.random._set_cuda_rng_state", "cpu",
-    reason="activation recompute restores the CUDA generator's state before recomputing (tensor_parallel/"
-    "random.py:457; 0.12.1: random.py:374); on a CPU the CPU state, restored just before (random.py:456), is "
-    "the one dropout draws from: nothing to restore",
+    "checkpoint_set_rng_state_on_cpu", "megatron.core.tensor_parallel.random._set_cuda_rng_state", "cpu",
+    reason="the restoring half of checkpoint_rng_state_on_cpu: _set_cuda_rng_state sets torch.cuda's default "
+    "generator (tensor_parallel/random.py:457,550; 0.12.1: tensor_parallel/random.py:373,441); on a CPU, torch's "
+    "CPU generator",
 )
-def _no_device_rng_restore(*args, **kwargs):
-    return None
+def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
 
 
 @registry.replaces(

@@ -9,15 +9,48 @@ hf -> mg writes Megatron-LM's layout (`latest_checkpointed_iteration.txt` = rele
 megatron-core's torch_dist format, which reshards to any TP/PP when loaded; or with `--ckpt-format torch` the legacy
 `mp_rank_XX[_PPP]/model_optim_rng.pt` files of the target TP x PP, stages even or by `--num-layer-list`) and
 `model_flags.txt`, the architecture flags `megatron_glue.pretrain_gpt --load MG_DIR --finetune` needs. Families:
-`families.FAMILIES`.
+`families.FAMILIES`, named as MindSpeed-LLM names them (`families.MODEL_TYPES`).
+
+MindSpeed-LLM's conversion scripts (examples/mcore/*/ckpt_convert_*.sh: convert_ckpt_v2.py's flags, and
+convert_ckpt.py's on its 2.x branches) run as they are for the dense families: `--model-type GPT`,
+`--use-mcore-models`, `--params-dtype`, `--tokenizer-model`, `--add-qkv-bias`, `--spec ...qwen3_spec`,
+`--num-layer-list`, `--num-layers-per-virtual-pipeline-stage`, `--save-layer-by-layer` are taken (see --help);
+the flags of features not converted here (MoE, MTP, MLA, LoRA, noop layers, ...) are refused naming the feature.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from megatron_glue.convert.families import MODEL_TYPES, ConfigError
+from megatron_glue.convert.families import MODEL_TYPES, ConfigError, model_type_refusal
+
+
+# MindSpeed-LLM's --params-dtype values (its convert_ckpt.py: fp16 (its default), bf16; fp32)
+PARAMS_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# MindSpeed-LLM's --spec modules -> the family whose layer spec they are (megatron-core's local spec with the flag)
+SPECS = {"mindspeed_llm.tasks.models.spec.qwen3_spec": "--qk-layernorm"}
+# Flags of MindSpeed-LLM's convert_ckpt_v2.py / convert_ckpt.py that this converter refuses:
+# flag -> (argparse kind, the value that means "not used" (None: any use), the feature it needs)
+_MOE, _LORA = "mixture-of-experts models", "LoRA weights"
+REFUSED = {
+    "--noop-layers": (str, None, "noop layers (MindSpeed-LLM's empty layers that pad the pipeline)"),
+    "--moe-grouped-gemm": (bool, None, _MOE), "--moe-tp-extend-ep": (bool, None, _MOE),
+    "--target-expert-parallel-size": (int, "1", _MOE), "--expert-tensor-parallel-size": (int, None, _MOE),
+    "--first-k-dense-replace": (int, None, _MOE),
+    "--mtp-num-layers": (int, "0", "multi-token prediction (MTP) layers"),
+    "--mla-mm-split": (bool, None, "multi-latent attention (MLA)"),
+    "--schedules-method": (str, None, "the DualPipeV schedule's layer placement"),
+    "--lora-r": (int, None, _LORA), "--lora-alpha": (int, None, _LORA), "--lora-load": (str, None, _LORA),
+    "--lora-target-modules": ("+", None, _LORA), "--save-lora-to-hf": (bool, None, _LORA),
+    "--qlora-nf4": (bool, None, "QLoRA's NF4 quantization"),
+    "--orm": (bool, None, "outcome reward models (an rm_head)"),
+    "--post-norm": (bool, None, "post-norm layers"),
+    "--add-dense-bias": (bool, None, "a bias on the attention output projection"),
+    "--w-pack": (str, None, "InternLM2's packed wqkv"),
+    "--transformer-impl": (str, "local", "Transformer Engine layers (the local layer spec is what is written)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,19 +58,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = ArgumentParser(prog="npu-compile convert", allow_abbrev=False,
                        description="Convert HuggingFace <-> Megatron (megatron-core GPTModel) checkpoints, "
-                                   "streamed layer by layer.")
+                                   "streamed layer by layer. Takes the flags of MindSpeed-LLM's convert_ckpt_v2.py "
+                                   "and convert_ckpt.py scripts for the dense families.")
     p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--save-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
-    p.add_argument("--model-type-hf", choices=sorted(MODEL_TYPES), default=None,
-                   help="the HF family; default: config.json's model_type")
+    p.add_argument("--model-type-hf", default=None,
+                   help=f"the HF family, by MindSpeed-LLM's name: {', '.join(MODEL_TYPES)} (llama2 also takes "
+                        "Qwen2-layout checkpoints, as MindSpeed-LLM's convert_ckpt.py scripts use it); default: "
+                        "config.json's model_type")
+    p.add_argument("--model-type", default="GPT", help="GPT (MindSpeed-LLM's convert_ckpt.py: GPT or BERT)")
+    p.add_argument("--use-mcore-models", action="store_true",
+                   help="no effect: the Megatron side is always megatron-core's GPTModel (no legacy model)")
+    p.add_argument("--params-dtype", choices=sorted(PARAMS_DTYPES), default=None,
+                   help="the dtype of the weights written (hf -> mg: the checkpoint's; mg -> hf: the HF "
+                        "weights'); default: the source's")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="hf -> mg: the tokenizer file or folder, recorded in the checkpoint's args as "
+                        "MindSpeed-LLM's convert_ckpt.py does (the vocabulary comes from config.json)")
+    p.add_argument("--add-qkv-bias", action="store_true",
+                   help="says the model has q/k/v biases (MindSpeed-LLM's convert_ckpt.py for Qwen): checked "
+                        "against config.json's family, which decides")
+    p.add_argument("--spec", nargs="*", default=None,
+                   help=f"MindSpeed-LLM's layer spec module: {', '.join(SPECS)} (qwen3's q/k norms), checked "
+                        "against the family")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1,
                    help="hf -> mg: the TP size the vocabulary is padded for and checked against (the torch_dist "
                         "checkpoint itself loads at any TP)")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--num-layer-list", default=None, help="--ckpt-format torch, uneven PP: layers per stage, "
-                                                          "e.g. 3,5")
+    p.add_argument("--num-layer-list", default=None,
+                   help="uneven PP, layers per stage, e.g. 3,5: with --ckpt-format torch the files' stages; a "
+                        "torch_dist checkpoint is layout-free (checked against the model, no effect on it)")
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="VPP: checked against the model; no effect on a torch_dist checkpoint, which the job "
+                        "splits into virtual stages when it loads (--ckpt-format torch with VPP is refused)")
     p.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default=None,
                    help="hf -> mg: torch_dist (default; loads at any TP/PP) or torch, Megatron-LM's legacy "
                         "mp_rank_XX[_PPP]/model_optim_rng.pt files split for --target-tensor-parallel-size x "
@@ -45,7 +100,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--hf-cfg-dir", default=None, help="mg -> hf: the HF folder whose config.json (and tokenizer "
                                                       "files) the output gets")
+    p.add_argument("--save-layer-by-layer", action="store_true",
+                   help="no effect: this converter always writes one layer at a time")
+    for flag, (kind, _, _) in REFUSED.items():
+        if kind is bool:
+            p.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
+        else:
+            p.add_argument(flag, nargs="+" if kind == "+" else None, type=None if kind == "+" else kind,
+                           default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _refusals(a) -> None:
+    """One line for the first flag of the command line this converter does not implement."""
+    from megatron_glue.training.arguments import ArgumentError
+
+    if a.model_type_hf is not None and a.model_type_hf not in MODEL_TYPES:
+        raise ArgumentError(f"npu-compile convert: error: {model_type_refusal(a.model_type_hf)}")
+    if a.model_type != "GPT":
+        raise ArgumentError(f"npu-compile convert: error: --model-type {a.model_type}: converts GPT models only")
+    for flag, (_, harmless, feature) in REFUSED.items():
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if value is not None and not (harmless is not None and str(value) == harmless):
+            raise ArgumentError(f"npu-compile convert: error: {flag} is not implemented here: this converter "
+                                f"does not convert {feature}")
+    if a.spec is not None and (not a.spec or a.spec[0] not in SPECS or len(a.spec) > 2):
+        raise ArgumentError(f"npu-compile convert: error: --spec {' '.join(a.spec)}: the spec modules converted "
+                            f"here: {', '.join(SPECS)} (megatron-core's local layer spec with q/k norms)")
+
+
+def _expected(a) -> dict[str, str]:
+    """{pretrain_gpt architecture flag: the words of the command line that said the model has it}."""
+    out = {}
+    if a.add_qkv_bias:
+        out["--add-qkv-bias"] = "--add-qkv-bias"
+    if a.spec:
+        out[SPECS[a.spec[0]]] = f"--spec {' '.join(a.spec)}"
+    return out
 
 
 def _freed_memory_back_to_the_os() -> None:
@@ -67,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     _freed_memory_back_to_the_os()
     try:
         a = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        _refusals(a)
         if (a.load_model_type, a.save_model_type) not in (("hf", "mg"), ("mg", "hf")):
             raise ArgumentError(f"npu-compile convert: error: --load-model-type {a.load_model_type} --save-model-type "
                                 f"{a.save_model_type}: converts hf -> mg or mg -> hf")
@@ -77,32 +169,48 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 raise ArgumentError(f"npu-compile convert: error: --num-layer-list {a.num_layer_list!r}: expected "
                                     "comma-separated layer counts, e.g. 3,5")
+        import torch
+
+        dtype = getattr(torch, PARAMS_DTYPES[a.params_dtype]) if a.params_dtype else None
         if a.load_model_type == "hf":
             if a.hf_cfg_dir is not None:
                 raise ArgumentError("npu-compile convert: error: --hf-cfg-dir is for mg -> hf; hf -> mg reads "
                                     "--load-dir's config.json")
             fmt = a.ckpt_format or "torch_dist"
-            if layer_list is not None and fmt == "torch_dist":
-                raise ArgumentError("npu-compile convert: error: --num-layer-list is for --ckpt-format torch: a "
-                                    "torch_dist checkpoint is layout-free (the job picks the pipeline split when "
-                                    "it loads); leave it out, or add --ckpt-format torch")
-            core.hf_to_mg(a.load_dir, a.save_dir, a.model_type_hf, a.target_tensor_parallel_size,
-                          a.target_pipeline_parallel_size, layer_list, a.make_vocab_size_divisible_by, fmt)
+            vpp = a.num_layers_per_virtual_pipeline_stage
+            if vpp is not None:
+                _check_vpp(a, vpp, layer_list, fmt)
+            if a.tokenizer_model is not None and not os.path.exists(a.tokenizer_model):
+                raise core.ConvertError(f"--tokenizer-model {a.tokenizer_model}: no such file or folder")
+            args = core.hf_to_mg(a.load_dir, a.save_dir, a.model_type_hf, a.target_tensor_parallel_size,
+                                 a.target_pipeline_parallel_size, layer_list, a.make_vocab_size_divisible_by, fmt,
+                                 dtype, _expected(a),
+                                 os.path.abspath(a.tokenizer_model) if a.tokenizer_model else None)
+            if fmt == "torch_dist":
+                for flag, value in (("--num-layer-list", a.num_layer_list),
+                                    ("--num-layers-per-virtual-pipeline-stage", vpp)):
+                    if value is not None:
+                        print(f"npu-compile convert: note: {flag} {value} leaves a torch_dist checkpoint as it is "
+                              "(layout-free: the job splits it when it loads, with its own flag)", file=sys.stderr)
             layout = "torch_dist" if fmt == "torch_dist" else (
                 f"torch, for --ckpt-format torch --tensor-model-parallel-size {a.target_tensor_parallel_size} "
                 f"--pipeline-model-parallel-size {a.target_pipeline_parallel_size}")
             print(f"npu-compile convert: wrote {a.save_dir} (release, {layout}); pretrain_gpt flags: "
                   f"{open(f'{a.save_dir}/{core.FLAGS_FILE}').read().strip()}", file=sys.stderr)
+            del args
         else:
             for flag, value, default in (("--target-tensor-parallel-size", a.target_tensor_parallel_size, 1),
                                          ("--target-pipeline-parallel-size", a.target_pipeline_parallel_size, 1),
                                          ("--num-layer-list", a.num_layer_list, None),
+                                         ("--num-layers-per-virtual-pipeline-stage",
+                                          a.num_layers_per_virtual_pipeline_stage, None),
                                          ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by, 128),
-                                         ("--ckpt-format", a.ckpt_format, None)):
+                                         ("--ckpt-format", a.ckpt_format, None),
+                                         ("--tokenizer-model", a.tokenizer_model, None)):
                 if value != default:
                     raise ArgumentError(f"npu-compile convert: error: {flag} is for hf -> mg; mg -> hf reads the "
                                         "checkpoint's own layout and format")
-            core.mg_to_hf(a.load_dir, a.save_dir, a.hf_cfg_dir, a.model_type_hf)
+            core.mg_to_hf(a.load_dir, a.save_dir, a.hf_cfg_dir, a.model_type_hf, dtype, _expected(a))
             print(f"npu-compile convert: wrote {a.save_dir} (safetensors + config.json)", file=sys.stderr)
     except ArgumentError as e:
         print(e.message, file=sys.stderr)
@@ -111,3 +219,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"npu-compile convert: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_vpp(a, vpp: int, layer_list, fmt: str) -> None:
+    """Megatron-LM's rules for --num-layers-per-virtual-pipeline-stage, on the model's layer count."""
+    from megatron_glue.convert import core, hf_io
+    from megatron_glue.convert.families import family_for
+    from megatron_glue.training.arguments import ArgumentError
+
+    flag = f"--num-layers-per-virtual-pipeline-stage {vpp}"
+    if fmt == "torch":
+        raise ArgumentError(f"npu-compile convert: error: {flag} with --ckpt-format torch is not implemented here: "
+                            "virtual-pipeline legacy files (model0, model1, ... per rank) are not written; leave "
+                            "--ckpt-format out for a torch_dist checkpoint, which the job loads at any VPP")
+    if layer_list is not None:
+        raise ArgumentError(f"npu-compile convert: error: {flag} and --num-layer-list: give one of them "
+                            "(Megatron-LM splits virtual stages evenly)")
+    pp = a.target_pipeline_parallel_size
+    cfg = hf_io.read_config(a.load_dir)
+    family = family_for(a.model_type_hf, cfg)
+    flags = core.architecture_flags(family, cfg)
+    num_layers = int(flags[flags.index("--num-layers") + 1])
+    if vpp < 1 or pp < 2 or num_layers % pp or (num_layers // pp) % vpp:
+        raise core.ConvertError(f"{flag}: with --target-pipeline-parallel-size {pp} the model's {num_layers} layers "
+                                "need PP > 1 and layers per stage divisible by it (Megatron-LM's virtual pipeline)")

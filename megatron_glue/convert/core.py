@@ -29,7 +29,7 @@ FLAGS_FILE = "model_flags.txt"   # the pretrain_gpt architecture flags of a conv
 RECORDED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
             "kv_channels", "group_query_attention", "max_position_embeddings", "position_embedding_type",
             "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "normalization",
-            "norm_epsilon", "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias",
+            "norm_epsilon", "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
             "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "orig_vocab_size",
             "padded_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "params_dtype")
 
@@ -80,10 +80,14 @@ def architecture(family: Family, cfg: dict, tp: int = 1, pp: int = 1, divisible_
            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
            "--make-vocab-size-divisible-by", str(divisible_by)]
+    # --qk-layernorm is set on the parsed args rather than parsed, so that the architecture is built the same with a
+    # job parser that has the flag and one that does not (megatron_glue.training.gpt reads the attribute)
+    parsed = [f for f in flags if f != "--qk-layernorm"]
     try:
-        args = parse_args(flags + job, world_size=tp * pp)
+        args = parse_args(parsed + job, world_size=tp * pp)
     except ArgumentError as e:
         raise ConvertError(f"{family.name} config.json gives pretrain_gpt flags it refuses: {e.message}")
+    args.qk_layernorm = "--qk-layernorm" in flags
     args.orig_vocab_size = vocab
     args.padded_vocab_size = padded_vocab_size(vocab, divisible_by, tp)
     args.params_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
@@ -94,7 +98,7 @@ def architecture(family: Family, cfg: dict, tp: int = 1, pp: int = 1, divisible_
 def recorded_args(args, model_type_hf: str | None, cfg: dict, num_layer_list) -> dict:
     out = {k: getattr(args, k) for k in RECORDED}
     out.update(model_type_hf=model_type_hf, hf_config=cfg, num_layer_list=num_layer_list,
-               architecture_flags=" ".join(args.flags))
+               architecture_flags=" ".join(args.flags), tokenizer_model=getattr(args, "tokenizer_model", None))
     return out
 
 
@@ -154,41 +158,53 @@ def _single_process():
 
 def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp: int = 1, pp: int = 1,
              num_layer_list: list[int] | None = None, divisible_by: int = 128,
-             ckpt_format: str = "torch_dist") -> argparse.Namespace:
+             ckpt_format: str = "torch_dist", params_dtype: torch.dtype | None = None,
+             expect: dict[str, str] | None = None, tokenizer_model: str | None = None) -> argparse.Namespace:
     """Convert the HF model in `load_dir` into a Megatron checkpoint in `save_dir` (release; torch_dist, or with
-    ckpt_format "torch" Megatron-LM's legacy files split for TP x PP). Returns the job's args for it
-    (`args.flags`: the architecture flags pretrain_gpt needs)."""
+    ckpt_format "torch" Megatron-LM's legacy files split for TP x PP, stages by `num_layer_list` or even; a
+    torch_dist checkpoint is layout-free: `num_layer_list` is only checked against the model). Returns the job's
+    args for it (`args.flags`: the architecture flags pretrain_gpt needs).
+
+    params_dtype: the checkpoint's dtype (default: the HF weights'). expect: {pretrain_gpt architecture flag: the
+    command-line words that said the model has it}, checked. tokenizer_model: recorded in the checkpoint's args."""
 
     if ckpt_format not in ("torch_dist", "torch"):
         raise ConvertError(f"--ckpt-format {ckpt_format!r}: choose torch_dist or torch")
-    if num_layer_list is not None and ckpt_format == "torch_dist":
-        raise ConvertError("--num-layer-list is for --ckpt-format torch: a torch_dist checkpoint is layout-free "
-                           "(the job picks the pipeline split when it loads); leave it out, or add --ckpt-format "
-                           "torch")
     cfg = hf_io.read_config(load_dir)
     family = family_for(model_type_hf, cfg)
     reader = hf_io.HFReader(load_dir)
     first = family.tensors[0].hf[0]
-    dtype = reader.get(first).dtype if first in reader else torch.float32
+    dtype = params_dtype or (reader.get(first).dtype if first in reader else torch.float32)
     # an uneven --num-layer-list need not divide the layers evenly: the job's even-split check is not asked
     args = architecture(family, cfg, tp, 1 if num_layer_list else pp, divisible_by, dtype)
     args.pipeline_model_parallel_size = pp
+    _check_expected(family, args, expect)
     layers = args.num_layers
     if num_layer_list is not None:
         if len(num_layer_list) != pp or sum(num_layer_list) != layers or min(num_layer_list) < 1:
             raise ConvertError(f"--num-layer-list {','.join(map(str, num_layer_list))}: needs "
                                f"{pp} stages (--target-pipeline-parallel-size) of at least one layer summing to "
                                f"the model's {layers} layers")
+        if ckpt_format == "torch_dist":
+            num_layer_list = None  # layout-free: the job's own --num-layer-list splits it when it loads
     for check, note in family.notes:
         if check(cfg):
             print(f"npu-compile convert: note: {family.name}: {note}", file=sys.stderr)
     rows = [r for r in family.tensors if _when(r, args)]
     _check_names(reader, family, rows, args, layers)
 
+    args.tokenizer_model = tokenizer_model
     with _single_process():
         _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_hf, num_layer_list, divisible_by,
               ckpt_format)
     return args
+
+
+def _check_expected(family: Family, args, expect: dict[str, str] | None) -> None:
+    for flag, said in (expect or {}).items():
+        if flag not in args.flags:
+            raise ConvertError(f"{said}: the {family.name} model has no {flag[2:].replace('-', ' ')} (its "
+                               f"architecture flags: {' '.join(args.flags)})")
 
 
 def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_hf, num_layer_list, divisible_by,
@@ -304,12 +320,15 @@ def _mg_folder(load_dir: str) -> str:
 
 
 def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
-             model_type_hf: str | None = None) -> str:
+             model_type_hf: str | None = None, params_dtype: torch.dtype | None = None,
+             expect: dict[str, str] | None = None) -> str:
     """Convert the Megatron checkpoint in `load_dir` (torch_dist or torch, any TP/PP) to an HF folder
     `save_dir` that `from_pretrained` loads. config.json comes from `hf_cfg_dir` (checked against the
-    checkpoint's architecture) or, for checkpoints this converter wrote, from the config it recorded."""
+    checkpoint's architecture) or, for checkpoints this converter wrote, from the config it recorded.
+    params_dtype: the HF weights' dtype (default: the checkpoint's); expect: as hf_to_mg's."""
     from megatron_glue.convert import legacy
 
+    _check_no_weights_in(save_dir)
     folder = _mg_folder(load_dir)
     is_dist = os.path.isfile(os.path.join(folder, "metadata.json"))
     if is_dist:
@@ -327,6 +346,7 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
                            "whose config.json describes this model")
     family = family_for(model_type_hf or saved.get("model_type_hf"), cfg)
     args = architecture(family, cfg, divisible_by=saved.get("make_vocab_size_divisible_by", 128))
+    _check_expected(family, args, expect)
     _check_same_architecture(args, saved, folder, hf_cfg_dir)
     rows = [r for r in family.tensors if _when(r, args)]
     layer_rows = [r for r in rows if r.layer]
@@ -357,7 +377,7 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
         out = {}
         for r in layer_rows:
             for name, t in zip(r.hf, TRANSFORMS[r.transform].to_hf(got[r.mcore], args)):
-                out[name.format(i=layer)] = t
+                out[name.format(i=layer)] = t if params_dtype is None else t.to(params_dtype)
         dtype = dtype or max(out.values(), key=torch.Tensor.numel).dtype  # the weights', not the norms'
         writer.write(out)
         del got, out
@@ -366,13 +386,21 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
     out = {}
     for r in top_rows:
         for name, t in zip(r.hf, TRANSFORMS[r.transform].to_hf(got[r.mcore], args)):
-            out[name] = t
+            out[name] = t if params_dtype is None else t.to(params_dtype)
     writer.write(out)
     bar.update(1)
     bar.close()
     _write_config(cfg, family, hf_cfg_dir, save_dir, dtype)
     writer.close()
     return save_dir
+
+
+def _check_no_weights_in(save_dir: str) -> None:
+    """MindSpeed-LLM's convert_ckpt.py writes mg -> hf into <--save-dir>/mg2hf, and its scripts give the original HF
+    folder as --save-dir: weights written there would replace that model's."""
+    if os.path.isdir(save_dir) and any(n.endswith((".safetensors", ".bin")) for n in os.listdir(save_dir)):
+        raise ConvertError(f"--save-dir {save_dir} already holds model weights; give an empty or new folder (e.g. "
+                           f"{os.path.join(save_dir, 'mg2hf')}, where MindSpeed-LLM's convert_ckpt.py writes)")
 
 
 def _check_same_architecture(args, saved: dict, folder: str, hf_cfg_dir: str | None) -> None:

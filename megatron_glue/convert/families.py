@@ -7,7 +7,8 @@ megatron-core's local layer spec (`get_gpt_layer_local_spec`, the spec `pretrain
 relative to `decoder.layers.<i>.`; HF names carry `{i}` for the layer index.
 
 Sources of the mappings: transformers' modeling files (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-GPT2LMHeadModel: names, Conv1D's [in, out] storage, rotate-half RoPE) and megatron-core's layers
+Qwen3ForCausalLM, GPT2LMHeadModel: names, Conv1D's [in, out] storage, rotate-half RoPE; Qwen3's q_norm / k_norm,
+an RMSNorm over each head's head_dim before RoPE) and megatron-core's layers
 (`SelfAttention` reads linear_qkv per query group: [q heads of the group; k; v], attention.py
 `get_query_key_value_tensors`; the GLU fc1 is [gate; up], transformer/mlp.py; `ColumnParallelLinear` splits
 dim 0, `RowParallelLinear` dim 1).
@@ -168,6 +169,18 @@ MISTRAL = Family("mistral", ("mistral",), "MistralForCausalLM", LLAMA_CONFIG, LL
 QWEN2 = Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", LLAMA_CONFIG, LLAMA_FLAGS + ("--add-qkv-bias",),
                LLAMA_TENSORS, LLAMA_REFUSE, ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
 
+# -- Qwen3 (dense): the Llama layout with an RMSNorm on each head's query and key ------------------------------
+# megatron-core's --qk-layernorm: q_layernorm / k_layernorm of kv_channels features, applied per head before RoPE
+# (attention.py `get_query_key_value_tensors`), replicated across TP.
+
+_Q3 = _layer_tensors("model.layers", {"qn": "self_attn.q_norm.weight", "kn": "self_attn.k_norm.weight"})
+QWEN3_TENSORS = LLAMA_TENSORS + (
+    Tensor("self_attention.q_layernorm.weight", (_Q3["qn"],)),
+    Tensor("self_attention.k_layernorm.weight", (_Q3["kn"],)),
+)
+QWEN3 = Family("qwen3", ("qwen3",), "Qwen3ForCausalLM", LLAMA_CONFIG, LLAMA_FLAGS + ("--qk-layernorm",),
+               QWEN3_TENSORS, LLAMA_REFUSE, ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
+
 # -- GPT-2 ------------------------------------------------------------------------------------------------------
 
 _G = _layer_tensors("transformer.h", {
@@ -215,10 +228,29 @@ GPT2 = Family(
     ignored_hf=("transformer.h.{i}.attn.bias", "transformer.h.{i}.attn.masked_bias", "lm_head.weight"),
 )
 
-FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "gpt2": GPT2}
-# --model-type-hf values (MindSpeed-LLM's names) -> family
-MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen2.5": "qwen2",
-               "gpt2": "gpt2"}
+FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gpt2": GPT2}
+# --model-type-hf values (MindSpeed-LLM's names: convert_ckpt_v2.py's and convert_ckpt.py's choices, and the
+# spellings of the models' own names) -> family. MindSpeed-LLM's Magistral is a Mistral-architecture checkpoint.
+MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "magistral": "mistral", "qwen2": "qwen2",
+               "qwen2.5": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+# MindSpeed-LLM's convert_ckpt.py (its 2.x scripts) says `--model-type-hf llama2` for every Llama-layout checkpoint,
+# Qwen 1.5 / 2 / 2.5 included (with --add-qkv-bias): the family is then config.json's, among these.
+LLAMA_LAYOUT = {"llama2": ("llama", "qwen2")}
+# MindSpeed-LLM's names of families not converted here, by the feature they need
+_NOT_CONVERTED = {
+    "a mixture-of-experts model": ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek2", "deepseek2-lite", "deepseek3",
+                           "deepseek32", "deepseek4", "deepseek4_base", "glm45", "glm45-air", "glm5", "bailing_mini",
+                           "qwen3-next", "phi3.5-moe", "minicpm-moe", "longcat", "minimax_m2", "HYV3", "hunyuan"),
+    "a state-space (Mamba) model": ("mamba2",),
+}
+
+
+def model_type_refusal(name: str) -> str:
+    """The line for a --model-type-hf name this converter does not have: the families it has."""
+    why = next((f" ({name} is {kind}: not converted here)" for kind, names in _NOT_CONVERTED.items()
+                if name in names), "")
+    return (f"--model-type-hf {name}: not a family this converter has{why}; it converts "
+            f"{', '.join(MODEL_TYPES)}")
 
 
 def family_for(model_type_hf: str | None, cfg: dict) -> Family:
@@ -231,9 +263,12 @@ def family_for(model_type_hf: str | None, cfg: dict) -> Family:
         raise ConfigError(f"config.json model_type {hf_type!r} is not a known family; known: "
                           f"{sorted(t for f in FAMILIES.values() for t in f.hf_model_types)}")
     if model_type_hf not in MODEL_TYPES:
-        raise ConfigError(f"--model-type-hf {model_type_hf!r}: choose from {sorted(MODEL_TYPES)}")
-    family = FAMILIES[MODEL_TYPES[model_type_hf]]
-    if hf_type is not None and hf_type not in family.hf_model_types:
-        raise ConfigError(f"--model-type-hf {model_type_hf} expects config.json model_type "
-                          f"{' or '.join(family.hf_model_types)}, the config says {hf_type!r}")
-    return family
+        raise ConfigError(model_type_refusal(model_type_hf))
+    candidates = [FAMILIES[f] for f in LLAMA_LAYOUT.get(model_type_hf, (MODEL_TYPES[model_type_hf],))]
+    if hf_type is None:
+        return candidates[0]
+    for family in candidates:
+        if hf_type in family.hf_model_types:
+            return family
+    raise ConfigError(f"--model-type-hf {model_type_hf} expects config.json model_type "
+                      f"{' or '.join(t for f in candidates for t in f.hf_model_types)}, the config says {hf_type!r}")

@@ -350,6 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
 
+    g = p.add_argument_group("activation recompute (Megatron-LM's meanings; see docs/recompute.md)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="the same as --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: checkpoint whole transformer layers (Megatron's own checkpointing around the compiled "
+                        "layers; needs --recompute-method and --recompute-num-layers); selective: core attention, "
+                        "which the backend's fused attention recomputes in its backward")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="uniform: every layer, in chunks of --recompute-num-layers checkpointed together; block: "
+                        "only the first --recompute-num-layers layers of each pipeline stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per checkpointed chunk (uniform), or layers recomputed per pipeline stage (block)")
+
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
@@ -392,18 +405,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop when there is no checkpoint there, instead of starting from random weights")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist")
-
-    g = p.add_argument_group("activation recompute (megatron-core's own checkpointing; each layer stays one "
-                             "compiled graph)")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="full: whole transformer layers keep only their input and are run again in the backward "
-                        "(--recompute-method, --recompute-num-layers); selective: the core attention only")
-    g.add_argument("--recompute-activations", action="store_true",
-                   help="Megatron-LM's short form of --recompute-granularity selective")
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
-                   help="uniform: every layer of the stage, in units of --recompute-num-layers; block: the first "
-                        "--recompute-num-layers layers of each stage")
-    g.add_argument("--recompute-num-layers", type=int, default=None)
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--fp16", action="store_true")
@@ -744,7 +745,6 @@ def validate(args: argparse.Namespace) -> None:
 
     if args.num_layers % pp:
         fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-    _check_recompute(args, fail)
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // pp
@@ -759,6 +759,7 @@ def validate(args: argparse.Namespace) -> None:
                  f"multiple of --pipeline-model-parallel-size {pp}")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         fail("--overlap-param-gather needs --use-distributed-optimizer")
+    validate_recompute(args, fail)
 
     if args.split is None:
         args.split = "969, 30, 1"
@@ -790,6 +791,11 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--manual-gc-interval {args.manual_gc_interval} must be >= 0 (0: no collection between iterations)")
     if args.enable_hf2mg_convert and not args.load:
         fail("--enable-hf2mg-convert needs --load, the HuggingFace folder to start from")
+    if args.save:  # a job that cannot write its checkpoints is refused here, not after training to its first save
+        from megatron_glue.training.checkpointing import save_refusal
+
+        if (why := save_refusal(args)) is not None:
+            fail(why)
     if args.save_interval is not None and not args.save and int(os.environ.get("RANK", "0")) == 0:
         print(" WARNING: --save-interval has no effect without --save; no checkpoints will be written",
               file=sys.stderr)
@@ -820,20 +826,6 @@ def validate(args: argparse.Namespace) -> None:
         options = npu_config.validate(args.npu_compile_options)
     except npu_config.OptionError as e:
         fail(f"--npu-compile-options: {e}")
-    if args.recompute_granularity == "full" and args.hidden_dropout > 0 and args.npu_compile and \
-            options.fusion_enabled("bias_dropout_add"):
-        # measured: the rule's masks in the no-grad forward differ from those of the recompute's training graph, so
-        # the gradients would not be those of the forward (losses equal to no recompute with the rule off, or eager)
-        fail(f"--recompute-granularity {args.recompute_granularity} with --hidden-dropout {args.hidden_dropout:g}: "
-             "the backend's bias_dropout_add rule draws other dropout masks in the recomputed forward than in the "
-             "first; give --hidden-dropout 0, or turn the rule off: --npu-compile-options "
-             "'{\"fusions\": {\"bias_dropout_add\": false}}'")
-    if args.recompute_granularity == "selective" and args.npu_compile:
-        # measured (4 layers): 9 graph breaks, and with attention dropout losses that drift from no recompute's
-        fail("--recompute-granularity selective: recomputing the core attention inside a compiled layer splits the "
-             "layer's graph; recompute whole layers (--recompute-granularity full, each layer one graph), or let the "
-             "compiler plan it: --npu-compile-options '{\"memory_budget\": \"auto\"}' (selective runs with "
-             "--no-npu-compile)")
     if args.use_ascend_mc2:  # MC2 is the compiler's, and only the npu targets have its ops: never a silent no-op
         if not args.npu_compile:
             fail("--use-ascend-mc2 is done by the compiler (option mc2='on'), which --no-npu-compile turns off; "
@@ -845,25 +837,54 @@ def validate(args: argparse.Namespace) -> None:
                  "'{\"target\": \"npu-sim\"}'")
 
 
-def _check_recompute(args, fail) -> None:
-    """Megatron-LM's rules for the recompute flags (arguments.py validate_args; megatron-core's
-    TransformerConfig.__post_init__), each failure naming the fix."""
-    if args.recompute_activations:  # Megatron-LM: the older spelling of selective
+def validate_recompute(args: argparse.Namespace, fail) -> None:
+    """Megatron-LM's recompute rules (megatron/training/arguments.py validate_args and TransformerConfig's
+    __post_init__, core_v0.16.1; docs/recompute.md cites the lines), each broken one a one-line error.
+    Afterwards args.recompute_activations is gone, as in Megatron-LM, and recompute_granularity says it all."""
+    if args.recompute_activations:  # Megatron-LM: --recompute-activations sets selective, over any granularity
         args.recompute_granularity = "selective"
-    granularity, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    del args.recompute_activations
+    granularity, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
     per_stage = args.num_layers // args.pipeline_model_parallel_size
+    per_chunk = per_stage // (args.virtual_pipeline_model_parallel_size or 1)
     if granularity is None:
-        if method is not None or layers is not None:
-            fail("--recompute-method and --recompute-num-layers need --recompute-granularity full")
-    elif granularity == "selective":
-        if method is not None or layers is not None:
-            fail("--recompute-granularity selective recomputes the core attention of every layer; it takes no "
-                 "--recompute-method or --recompute-num-layers (those are for full)")
-    elif method is None:
-        fail("--recompute-granularity full needs --recompute-method uniform or block")
-    elif layers is None or not 1 <= layers <= per_stage:
-        fail(f"--recompute-granularity full needs --recompute-num-layers between 1 and the {per_stage} layers of "
-             f"each pipeline stage (got {layers})")
+        if method is not None or n is not None:
+            given = "--recompute-method" if method is not None else "--recompute-num-layers"
+            fail(f"{given} has no effect without --recompute-granularity full (Megatron-LM ignores it); give "
+                 "--recompute-granularity full, or drop it")
+        return
+    if granularity == "selective":
+        fusions = args.npu_compile_options.get("fusions", "all")
+        attention_fused = fusions == "all" or (fusions.get("attention", False) if isinstance(fusions, dict)
+                                               else "attention" in fusions)
+        if args.npu_compile and not attention_fused:
+            fail("--recompute-granularity selective (core attention) is done by the fused attention, whose backward "
+                 "recomputes the attention probabilities, and --npu-compile-options 'fusions' leaves the attention "
+                 "rule out; add \"attention\" to 'fusions', or drop the recompute flag")
+        if method is not None:
+            fail("--recompute-method is not supported with --recompute-granularity selective (Megatron-LM: "
+                 "recompute method is not yet supported for selective recomputing granularity); drop "
+                 "--recompute-method, or use --recompute-granularity full")
+        if n is not None:
+            fail("--recompute-num-layers must be None with --recompute-granularity selective (selective "
+                 "recomputes core attention in every layer); drop --recompute-num-layers")
+        return
+    if method is None:
+        fail('--recompute-granularity full needs --recompute-method "block" or "uniform"')
+    if n is None or n < 1:
+        got = "" if n is None else f" (got {n})"
+        fail(f"--recompute-granularity full needs --recompute-num-layers between 1 and the {per_chunk} layers of "
+             f"each model chunk{got}")
+    if args.npu_compile and (args.hidden_dropout > 0 or args.attention_dropout > 0):
+        # the checkpointed forward runs the layer's no-grad graph, the recompute its training graph, and the two
+        # draw their dropout seeds in different orders: the backward would use other masks than the forward's
+        fail(f"--recompute-granularity full in the compiled job needs --hidden-dropout 0 and --attention-dropout 0 "
+             f"(got {args.hidden_dropout} and {args.attention_dropout}): the recomputed layer's graph draws its "
+             "dropout masks in another order than the forward's; set both to 0, or run --no-npu-compile")
+    if method == "uniform" and per_chunk % n:
+        # Megatron's uniform loop steps over chunks of n layers and would index past the last layer
+        fail(f"--recompute-method uniform checkpoints chunks of --recompute-num-layers {n} layers, which must "
+             f"divide the {per_chunk} layers of each model chunk; use a divisor of {per_chunk}")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:

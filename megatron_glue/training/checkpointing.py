@@ -4,14 +4,28 @@
     <save>/iter_0000100/                          one iteration, one folder
         torch_dist: megatron-core dist_checkpointing (any TP/PP/DP can load it)
         torch:      mp_rank_XX[_YYY]/model_optim_rng.pt, one file per (TP, PP) rank, as Megatron-LM's legacy format
+                    mp_rank_XX[_YYY]/distrib_optim.pt beside it with --use-distributed-optimizer
 
 Each checkpoint holds the model (one entry per virtual-pipeline chunk: `model`, or `model0`, `model1`, ...), the
 optimizer, the LR scheduler, the RNG states, the iteration, the consumed samples and the job's arguments (plain
-values), as Megatron-LM's `generate_state_dict` does.
+values), as Megatron-LM's `generate_state_dict` does. In the torch format the distributed optimizer's state goes
+where Megatron-LM puts it (megatron/training/checkpointing.py of core_v0.16.1 / core_v0.12.1:
+get_distributed_optimizer_checkpoint_name at :221 / :157, the save at :563 / :392, the load at :1794-1810 /
+:1394-1410): `model_optim_rng.pt` holds its `state_dict()` (param groups, step, grad scaler, no parameter state),
+and every rank calls megatron-core's `DistributedOptimizer.save_parameter_state(<mp_rank folder>/distrib_optim.pt)`
+(megatron/core/optimizer/distrib_optimizer.py, 0.16.1 :1126, 0.12.1 :1050), which gathers the DP shards of the
+main parameters and their Adam moments over the DP group's gloo group to DP rank 0, which writes the one file of
+that (TP, PP) rank; after `load_state_dict`, `load_parameter_state` (0.16.1 :2253, 0.12.1 :1822) reads it on DP
+rank 0 and scatters each DP rank its shard, for the DP size of the loading job. DP rank 0 of each (TP, PP) rank
+writes `model_optim_rng.pt`; the other DP ranks hold the same model.
 
-A save is committed only when complete: every rank has finished writing the folder before rank 0 replaces the
-tracker file (written to a temporary name and renamed), so an interrupted save leaves the tracker on the last
-complete iteration. A folder left by an interrupted save is removed when the same iteration is saved again.
+A save is committed only when complete: every rank writes into `.iter_XXXXXXX.incomplete/`, and when all have
+finished rank 0 renames it to `iter_XXXXXXX/` and then replaces the tracker file (written to a temporary name and
+renamed). An interrupted save leaves the tracker and every `iter_*` folder as they were (no half-written
+`iter_*` folder exists for a loader or a script to pick); its `.incomplete` folder is removed by the next save.
+A committed folder of the same iteration (a resumed job that saves the iteration it loaded) is replaced only once
+the new one is complete: moved aside to `.iter_XXXXXXX.replaced`, the new one renamed in, the old one removed (a
+save that dies between the two renames leaves it aside; the next load or save puts it back).
 """
 
 from __future__ import annotations
@@ -28,6 +42,9 @@ from megatron_glue.training import versions
 from megatron_glue.training.log import print_rank0
 
 TRACKER = "latest_checkpointed_iteration.txt"
+DISTRIB_OPTIM = "distrib_optim.pt"  # Megatron-LM's name for the distributed optimizer's state (torch format)
+INCOMPLETE = ".incomplete"  # the suffix of a folder being saved (.iter_0000100.incomplete)
+REPLACED = ".replaced"  # a committed folder moved aside while a new save of its iteration takes its name
 CHECKPOINT_VERSION = 3.0
 # Architecture flags a checkpoint must agree with (stored with it; `--load` refuses another value).
 ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -140,31 +157,75 @@ def _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed,
     return state
 
 
+def save_refusal(args) -> str | None:
+    """Why this job could not write its checkpoints to --save (None: it can), asked by the argument check: a job
+    that cannot save is refused before it trains, never at its first save. Every rank asks (each writes its part)."""
+    root = os.path.abspath(args.save)
+    if os.path.exists(root) and not os.path.isdir(root):
+        return f"--save {args.save} is a file; --save names the folder the checkpoints go in"
+    existing = root
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"--save {args.save} lies under {existing}, which is a file; give a folder path"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--save {args.save}: {existing} is not writable by this process; give a folder it can write"
+    return None
+
+
+def _aside(root: str, iteration: int | str, suffix: str) -> str:
+    return os.path.join(root, "." + os.path.basename(iteration_dir(root, iteration)) + suffix)
+
+
+def _restore_replaced(root: str) -> None:
+    """Rank 0: a committed folder moved aside by a save that died before the new one took its name goes back."""
+    for name in sorted(os.listdir(root)):
+        committed = os.path.join(root, name[1:-len(REPLACED)])
+        if name.startswith(".iter_") and name.endswith(REPLACED) and not os.path.lexists(committed):
+            os.rename(os.path.join(root, name), committed)
+            print(f" {committed} restored from {name}, where a save of its iteration that died had moved it",
+                  flush=True)
+
+
+def _clear_interrupted(root: str) -> None:
+    """Rank 0, before a save: what interrupted saves left is removed, a committed folder they moved aside restored."""
+    _restore_replaced(root)
+    for name in os.listdir(root):
+        if name.startswith(".iter_") and name.endswith((INCOMPLETE, REPLACED)):
+            shutil.rmtree(os.path.join(root, name))
+
+
 def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed_train: int,
                     consumed_valid: int = 0) -> str:
     """Write iteration `iteration` under args.save and commit it in the tracker; returns the folder."""
     from megatron.core import dist_checkpointing
 
     root = args.save
-    folder = iteration_dir(root, iteration)
+    folder, partial = iteration_dir(root, iteration), _aside(root, iteration, INCOMPLETE)
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        if os.path.exists(folder):  # left by an interrupted save of this iteration: never committed
-            shutil.rmtree(folder)
-        os.makedirs(folder)
+        _clear_interrupted(root)
+        os.makedirs(partial)
     dist.barrier()
     with_optim, with_rng = not args.no_save_optim, not args.no_save_rng
     consumed = (consumed_train, consumed_valid)
     if args.ckpt_format == "torch_dist":
         state = _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed, loading=False,
                                     with_optim=with_optim, with_rng=with_rng)
-        dist_checkpointing.save(state, folder, **versions.checkpoint_save_kwargs(DISTOPT_METADATA))
+        dist_checkpointing.save(state, partial, **versions.checkpoint_save_kwargs(DISTOPT_METADATA))
     else:
-        _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed, with_optim, with_rng)
-    dist.barrier()  # every rank's part is on disk before the tracker moves
+        _save_torch(args, partial, chunks, optimizer, scheduler, iteration, consumed, with_optim, with_rng)
+    dist.barrier()  # every rank's part is on disk before the folder gets its name and the tracker moves
     if rank == 0:
+        replaced = None
+        if os.path.lexists(folder):  # this iteration saved before (a resumed job saving what it loaded)
+            replaced = _aside(root, iteration, REPLACED)
+            os.rename(folder, replaced)
+        os.rename(partial, folder)
         _write_tracker(root, iteration)
+        if replaced:
+            shutil.rmtree(replaced)
     dist.barrier()
     pp_rank, pp, tp_rank, tp, _ = _parallel_ranks()
     print_rank0(f" successfully saved checkpoint from iteration {iteration:7d} to {root} "
@@ -178,13 +239,22 @@ def _torch_file(folder: str) -> str:
     return os.path.join(folder, name, "model_optim_rng.pt")
 
 
+def _distrib_optim_file(model_file: str) -> str:
+    """Megatron-LM's get_distributed_optimizer_checkpoint_name: beside the model file of the (TP, PP) rank."""
+    return os.path.join(os.path.dirname(model_file), DISTRIB_OPTIM)
+
+
 def _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed, with_optim, with_rng):
     from megatron.core import parallel_state as ps
-    if args.use_distributed_optimizer and with_optim:
-        raise CheckpointError("--ckpt-format torch with --use-distributed-optimizer is not implemented: its "
-                              "optimizer state is sharded over DP; use --ckpt-format torch_dist")
-    if ps.get_data_parallel_rank() != 0:
-        return  # DP replicas hold the same model and optimizer
+
+    path = _torch_file(folder)
+    first = ps.get_data_parallel_rank() == 0  # DP replicas hold the same model; DP rank 0 writes the folder
+    if first:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    if with_optim and optimizer is not None and args.use_distributed_optimizer:
+        optimizer.save_parameter_state(_distrib_optim_file(path))  # every DP rank: a gather to DP rank 0
+    if not first:
+        return
     state = _common(args, iteration, consumed)
     for i, chunk in versions.model_chunks(chunks):
         state[_model_key(chunks, i)] = chunk.state_dict_for_save_checkpoint()
@@ -193,8 +263,6 @@ def _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed,
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = [_rng_state()]
-    path = _torch_file(folder)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(state, path)
 
 
@@ -274,6 +342,22 @@ def _legacy_layout_refusal(folder: str, saved: tuple | None = None) -> str:
             "through `npu-compile convert` to hf and back to a torch_dist checkpoint, which reshards")
 
 
+def _check_legacy_optimizer(args, saved_args: dict, folder: str, model_file: str) -> None:
+    """A torch-format optimizer state loads only into the optimizer kind that saved it: the distributed
+    optimizer's is its `state_dict()` plus distrib_optim.pt, the other's a whole optimizer state dict."""
+    saved = bool(saved_args.get("use_distributed_optimizer"))
+    if saved != bool(args.use_distributed_optimizer):
+        said, ours = ("with", "without") if saved else ("without", "with")
+        raise CheckpointError(f"{folder} was saved {said} --use-distributed-optimizer, this job runs {ours} it: "
+                              f"the optimizer state is in the other's form; run {said} --use-distributed-optimizer, "
+                              "or load the weights alone with --no-load-optim")
+    optim_file = _distrib_optim_file(model_file)
+    if saved and not os.path.isfile(optim_file):  # checked on every rank: only DP rank 0 reads it, the rest wait
+        raise CheckpointError(f"{optim_file} is missing: a --use-distributed-optimizer checkpoint in the torch "
+                              "format keeps its optimizer state there; load with --no-load-optim to take the "
+                              "weights alone")
+
+
 def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
     """Load from args.load as Megatron-LM does; returns (iteration, consumed train samples, consumed validation
     samples), zeros when there is nothing to load. --finetune loads only the model and restarts at 0."""
@@ -290,6 +374,9 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
                     "will not load any checkpoints and will start from random")
         return 0, 0, 0
     folder = iteration_dir(root, tracker)
+    if dist.get_rank() == 0:
+        _restore_replaced(root)
+    dist.barrier()
     if not os.path.isdir(folder):
         raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {tracker}, but {folder} is missing")
     release = tracker == "release"
@@ -324,6 +411,9 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
         with_rng = False
     if with_optim and saved_args.get("no_save_optim"):
         raise CheckpointError(f"{folder} was saved without optimizer state (--no-save-optim); load with --no-load-optim")
+    distributed_optim = with_optim and args.ckpt_format == "torch" and args.use_distributed_optimizer
+    if with_optim and args.ckpt_format == "torch":
+        _check_legacy_optimizer(args, saved_args, folder, path)
 
     if args.ckpt_format == "torch_dist":
         template = _sharded_state_dict(args, chunks, optimizer, scheduler, 0, (0, 0), loading=True,
@@ -341,6 +431,8 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
         chunk.load_state_dict(state[_model_key(chunks, i)], strict=True)
     if with_optim:
         optimizer.load_state_dict(state["optimizer"])
+        if distributed_optim:  # after load_state_dict, as Megatron-LM: it allocates the state this fills
+            optimizer.load_parameter_state(_distrib_optim_file(path))
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if with_rng:
         rng = state["rng_state"]

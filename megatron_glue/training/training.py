@@ -99,6 +99,7 @@ def transformer_config(args, where):
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=_activation(args),
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=getattr(args, "qk_layernorm", False),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -110,18 +111,32 @@ def transformer_config(args, where):
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         # Megatron-LM's --attention-softmax-in-fp32 (default off); megatron-core's own default is on
         attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
-        recompute_granularity=getattr(args, "recompute_granularity", None),
-        recompute_method=getattr(args, "recompute_method", None),
-        recompute_num_layers=getattr(args, "recompute_num_layers", None),
         use_cpu_initialization=where.device.type == "cpu",
         # p2p: no torch.cuda.synchronize; at PP=2 interleaved, batched p2p posts the send to and the receive
         # from the same peer with the same tag, and gloo swaps activations and grads (wrong losses, no error)
         batch_p2p_comm=not interleaved, batch_p2p_sync=False, overlap_p2p_comm=False,
         deallocate_pipeline_outputs=pipelined,
+        **recompute_fields(args),
     )
     fields.update(versions.transformer_config_extras())
     with quiet_megatron():
         return TransformerConfig(**fields)
+
+
+def recompute_fields(args) -> dict:
+    """--recompute-* as TransformerConfig fields. Full recompute is megatron-core's own: TransformerBlock's
+    checkpointed forward wraps the chosen layers (uniform: every chunk of N; block: the first N of the stage) in
+    tensor_parallel.checkpoint, around the compiled layers, whose graphs stay whole (docs/recompute.md).
+    Selective (core attention): eagerly megatron-core's checkpointed core attention; compiled, the backend's
+    fused attention, whose backward recomputes the attention probabilities from the saved softmax statistics,
+    so the config asks for nothing more (checkpointing inside a layer's graph would break it)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity is None or granularity == "selective" and args.npu_compile:
+        return {}
+    if granularity == "selective":
+        return dict(recompute_granularity="selective")
+    return dict(recompute_granularity="full", recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers)
 
 
 def compile_model(chunk, args) -> None:

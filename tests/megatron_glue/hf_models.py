@@ -36,6 +36,10 @@ def hf_config(name: str, **over):
     elif name == "qwen2.5":
         cfg = tf.Qwen2Config(**common, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif name == "qwen3":  # head_dim 32, not hidden / heads (16), as the real Qwen3s (0.6B: 128, not 1024 / 16)
+        cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                             tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                        "rope_theta": 1000000.0})
     elif name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -46,7 +50,7 @@ def hf_config(name: str, **over):
     return cfg
 
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "gpt2")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "gpt2")
 
 
 def save_random_hf(name: str, folder: str, seed: int = 0, **over):

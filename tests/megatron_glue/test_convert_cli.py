@@ -125,9 +125,16 @@ def test_num_layer_list(hf, tmp_path, capsys):
                                  "one layer summing to the model's 2 layers")
     assert _fails(_hf_to_mg(hf["llama3"], tmp_path, *pp2, "--num-layer-list", "1;1", "--ckpt-format", "torch"),
                   capsys) == (2, "--num-layer-list '1;1': expected comma-separated layer counts, e.g. 3,5")
-    assert _fails(_hf_to_mg(hf["llama3"], tmp_path, *pp2, "--num-layer-list", "1,1"), capsys) == (
-        2, "--num-layer-list is for --ckpt-format torch: a torch_dist checkpoint is layout-free (the job picks the "
-           "pipeline split when it loads); leave it out, or add --ckpt-format torch")
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path, *pp2, "--num-layer-list", "2,1"), capsys) == (
+        1, "--num-layer-list 2,1: needs 2 stages (--target-pipeline-parallel-size) of at least one layer summing to "
+           "the model's 2 layers")  # checked for torch_dist too
+    capsys.readouterr()
+    assert main(_hf_to_mg(hf["llama3"], tmp_path / "dist", *pp2, "--num-layer-list", "1,1")) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "npu-compile convert: note: --num-layer-list 1,1 leaves a torch_dist checkpoint as it is (layout-free: the "
+        "job splits it when it loads, with its own flag)")
+    assert "num_layer_list" not in torch.load(tmp_path / "dist" / "release" / "common.pt", weights_only=False)["args"] \
+        or torch.load(tmp_path / "dist" / "release" / "common.pt", weights_only=False)["args"]["num_layer_list"] is None
 
 
 def test_hf_to_mg_flags_on_mg_to_hf(hf, tmp_path, capsys):
@@ -203,3 +210,127 @@ def test_peak_memory_stays_below_two_layers(tmp_path):
     assert max(streamed.values()) < 2 * layer, {k: round(v / layer, 2) for k, v in above.items()}
     stage = 4 * layer + m["sizes"]["vocab_bytes"]  # TP=2 PP=2: 4 layers a stage, the embedding on the first
     assert above["hf -> mg (torch, TP=2 PP=2)"] < stage + layer
+
+
+# -- MindSpeed-LLM's conversion scripts' flags (examples/mcore/*/ckpt_convert_*.sh) ----------------------------
+
+def _tensor_dtypes(mg) -> set:
+    from megatron_glue.convert import torch_dist
+
+    return {dtype for _, dtype in torch_dist.tensor_metadata(os.path.join(mg, "release")).values()}
+
+
+def test_convert_ckpt_v1_llama_line(hf, tmp_path, capsys):
+    """Its 2.x convert_ckpt.py line for Llama (llama3's script: --model-type-hf llama2, bf16, a tokenizer file),
+    scaled to TP=2: bf16 weights, the tokenizer recorded; back to fp32 HF with --params-dtype fp32."""
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    mg = tmp_path / "mg"
+    assert main(["--use-mcore-models", "--model-type-hf", "llama2", "--model-type", "GPT", "--load-model-type", "hf",
+                 "--save-model-type", "mg", "--params-dtype", "bf16", "--target-tensor-parallel-size", "2",
+                 "--target-pipeline-parallel-size", "1", "--load-dir", hf["llama3"], "--save-dir", str(mg),
+                 "--tokenizer-model", str(tok), "--save-layer-by-layer"]) == 0
+    assert _tensor_dtypes(mg) == {torch.bfloat16}
+    args = torch.load(mg / "release" / "common.pt", weights_only=False)["args"]
+    assert args["tokenizer_model"] == str(tok) and args["params_dtype"] == "bfloat16"
+    back = tmp_path / "back"
+    assert main(["--use-mcore-models", "--model-type-hf", "llama2", "--model-type", "GPT", "--load-model-type", "mg",
+                 "--save-model-type", "hf", "--params-dtype", "fp32", "--load-dir", str(mg), "--save-dir",
+                 str(back)]) == 0
+    original, got = _weights(hf["llama3"]), _weights(back)
+    assert sorted(original) == sorted(got)
+    for name, t in original.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], t.to(torch.bfloat16).float()), name
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path / "x", "--tokenizer-model", str(tmp_path / "none.model")),
+                  capsys) == (1, f"--tokenizer-model {tmp_path / 'none.model'}: no such file or folder")
+
+
+def test_model_type_hf_names(hf, tmp_path, capsys):
+    """qwen25 and qwen3 (convert_ckpt_v2.py's names) are families; llama2 with --add-qkv-bias (convert_ckpt.py's
+    Qwen lines) takes a Qwen2-layout folder and checks the biases; a name it does not have names the ones it has."""
+    qwen = tmp_path / "qwen25"
+    H.save_random_hf("qwen2.5", str(qwen))
+    for i, line in enumerate((["--model-type-hf", "qwen25"], ["--model-type-hf", "llama2", "--add-qkv-bias"])):
+        assert main(_hf_to_mg(qwen, tmp_path / f"mg{i}", *line, "--target-tensor-parallel-size", "2",
+                              "--target-pipeline-parallel-size", "2")) == 0
+        assert "--add-qkv-bias" in (tmp_path / f"mg{i}" / "model_flags.txt").read_text().split()
+    mistral = tmp_path / "magistral"  # MindSpeed-LLM's magistral: a MistralForCausalLM checkpoint
+    H.save_random_hf("mistral", str(mistral))
+    assert main(_hf_to_mg(mistral, tmp_path / "mg-magistral", "--model-type-hf", "magistral")) == 0
+    assert _fails(_hf_to_mg(qwen, tmp_path / "y", "--model-type-hf", "magistral"), capsys) == (
+        1, "--model-type-hf magistral expects config.json model_type mistral, the config says 'qwen2'")
+    assert _fails(_hf_to_mg(hf["llama2"], tmp_path / "y", "--model-type-hf", "llama2", "--add-qkv-bias"),
+                  capsys)[1].startswith("--add-qkv-bias: the llama model has no add qkv bias (its architecture flags: ")
+    assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "llama3"), capsys) == (
+        1, "--model-type-hf llama3 expects config.json model_type llama, the config says 'qwen2'")
+    known = "llama2, llama3, mistral, magistral, qwen2, qwen2.5, qwen25, qwen3, gpt2"
+    assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "qwen3-moe"), capsys) == (
+        2, f"--model-type-hf qwen3-moe: not a family this converter has (qwen3-moe is a mixture-of-experts model: not "
+           f"converted here); it converts {known}")
+    assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "chatglm3"), capsys) == (
+        2, f"--model-type-hf chatglm3: not a family this converter has; it converts {known}")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--noop-layers", "1"], "--noop-layers is not implemented here: this converter does not convert noop layers "
+                             "(MindSpeed-LLM's empty layers that pad the pipeline)"),
+    (["--moe-grouped-gemm"], "--moe-grouped-gemm is not implemented here: this converter does not convert "
+                             "mixture-of-experts models"),
+    (["--target-expert-parallel-size", "8"], "--target-expert-parallel-size is not implemented here: this converter "
+                                             "does not convert mixture-of-experts models"),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers is not implemented here: this converter does not convert "
+                                "multi-token prediction (MTP) layers"),
+    (["--lora-r", "8"], "--lora-r is not implemented here: this converter does not convert LoRA weights"),
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl is not implemented here: this converter does "
+                                                   "not convert Transformer Engine layers (the local layer spec is "
+                                                   "what is written)"),
+    (["--model-type", "BERT"], "--model-type BERT: converts GPT models only"),
+    (["--spec", "mindspeed_llm.tasks.models.spec.gemma2_spec"],
+     "--spec mindspeed_llm.tasks.models.spec.gemma2_spec: the spec modules converted here: "
+     "mindspeed_llm.tasks.models.spec.qwen3_spec (megatron-core's local layer spec with q/k norms)"),
+    (["--target-pipeline-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--ckpt-format",
+      "torch"], "--num-layers-per-virtual-pipeline-stage 1 with --ckpt-format torch is not implemented here: "
+                "virtual-pipeline legacy files (model0, model1, ... per rank) are not written; leave --ckpt-format "
+                "out for a torch_dist checkpoint, which the job loads at any VPP"),
+])
+def test_flags_of_features_not_converted(flags, message, hf, tmp_path, capsys):
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path / "out", *flags), capsys) == (2, message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_vpp_spec_and_harmless_values(hf, tmp_path, capsys):
+    """--num-layers-per-virtual-pipeline-stage: checked, no effect on a torch_dist checkpoint (bitwise the same
+    files); the values of refused flags that mean "not used" pass; --spec qwen3_spec needs a Qwen3."""
+    plain, vpp = tmp_path / "plain", tmp_path / "vpp"
+    pp2 = ("--target-pipeline-parallel-size", "2")
+    assert main(_hf_to_mg(hf["llama3"], plain, *pp2)) == 0
+    capsys.readouterr()
+    assert main(_hf_to_mg(hf["llama3"], vpp, *pp2, "--num-layers-per-virtual-pipeline-stage", "1",
+                          "--target-expert-parallel-size", "1", "--mtp-num-layers", "0", "--transformer-impl",
+                          "local")) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "npu-compile convert: note: --num-layers-per-virtual-pipeline-stage 1 leaves a torch_dist checkpoint as it "
+        "is (layout-free: the job splits it when it loads, with its own flag)")
+    for name in os.listdir(plain / "release"):
+        if name.endswith(".distcp"):
+            assert (plain / "release" / name).read_bytes() == (vpp / "release" / name).read_bytes()
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path / "x", "--num-layers-per-virtual-pipeline-stage", "1"),
+                  capsys) == (1, "--num-layers-per-virtual-pipeline-stage 1: with --target-pipeline-parallel-size 1 "
+                                 "the model's 2 layers need PP > 1 and layers per stage divisible by it "
+                                 "(Megatron-LM's virtual pipeline)")
+    assert _fails(_hf_to_mg(hf["llama3"], tmp_path / "x", "--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec"),
+                  capsys)[1].startswith("--spec mindspeed_llm.tasks.models.spec.qwen3_spec: the llama model has no "
+                                        "qk layernorm")
+    qwen3 = tmp_path / "qwen3"
+    H.save_random_hf("qwen3", str(qwen3))
+    assert main(_hf_to_mg(qwen3, tmp_path / "q3", "--model-type-hf", "qwen3", "--spec",
+                          "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec")) == 0
+    assert "--qk-layernorm" in (tmp_path / "q3" / "model_flags.txt").read_text().split()
+
+
+def test_mg_to_hf_into_a_folder_with_weights_is_refused(hf, tmp_path, capsys):
+    """MindSpeed-LLM's convert_ckpt.py mcore2hf lines give the original HF folder as --save-dir (it writes into
+    mg2hf/ there): the weights there are not overwritten."""
+    assert _fails(_mg_to_hf(hf["mg"], hf["llama3"]), capsys) == (
+        1, f"--save-dir {hf['llama3']} already holds model weights; give an empty or new folder (e.g. "
+           f"{os.path.join(hf['llama3'], 'mg2hf')}, where MindSpeed-LLM's convert_ckpt.py writes)")

@@ -17,7 +17,8 @@ from megatron_glue.convert import core
 pytestmark = pytest.mark.usefixtures("process_state_kept")
 
 LAYERS = 4
-FAMILIES = ("llama3", "qwen2", "gpt2")  # untied GQA with rope scaling; tied with qkv bias; tied LayerNorm + biases
+# untied GQA with rope scaling; tied with qkv bias; untied with q/k norms (replicated across TP); tied LayerNorm + biases
+FAMILIES = ("llama3", "qwen2", "qwen3", "gpt2")
 
 
 def _over(name: str) -> dict:
@@ -124,7 +125,7 @@ def test_the_last_stage_of_a_tied_model_holds_the_embedding_as_its_output_layer(
         assert "embedding.position_embeddings.weight" in _rank(mg, 0, 0)["model"]
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "gpt2", "uneven"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "gpt2", "uneven"])
 def test_mg_to_hf_of_a_legacy_checkpoint_gives_the_original_weights_bitwise(ckpts, name, tmp_path):
     folder, mg, _ = ckpts[name]
     core.mg_to_hf(mg, str(tmp_path / "back"))

@@ -139,8 +139,8 @@ def test_bad_utf8_and_missing_input(gpt2, tmp_path, capsys):
                                        f"byte 10 of the line)\n")
     missing = str(tmp_path / "none.jsonl")
     assert pp.main(_args(missing, str(tmp_path / "o"), gpt2)) == 1
-    assert capsys.readouterr().err == (f"npu-compile preprocess: error: --input {missing}: no such file (expected a "
-                                       f".jsonl file, one JSON object per line)\n")
+    assert capsys.readouterr().err == (f"npu-compile preprocess: error: --input {missing}: no such file or folder "
+                                       f"(expected a .jsonl, .json or .parquet file, or a folder of them)\n")
 
 
 def test_tokenizer_errors_reach_the_cli(corpus, tmp_path, capsys):
@@ -171,7 +171,7 @@ def test_default_partitions_is_accepted_and_unknown_tokenizer_type_refused(corpu
         pp.main(["--input", corpus, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "TikTokenizer"])
     assert capsys.readouterr().err.splitlines()[-1] == (
         "npu-compile preprocess: error: --tokenizer-type TikTokenizer is not implemented here (supported: "
-        "GPT2BPETokenizer, HuggingFaceTokenizer)")
+        "GPT2BPETokenizer, HuggingFaceTokenizer, PretrainedFromHF)")
 
 
 def test_demo_data_is_made_once_and_remade_when_broken(tmp_path):
@@ -190,3 +190,182 @@ def test_demo_data_is_made_once_and_remade_when_broken(tmp_path):
     assert os.stat(out["data_prefix"] + ".bin").st_mtime_ns == stamp  # reused, not rewritten
     os.remove(out["data_prefix"] + ".idx")
     assert make_demo_data(str(tmp_path / "demo")) == out and os.path.exists(out["data_prefix"] + ".idx")
+
+
+# -- MindSpeed-LLM's preprocess_data.py flags (its examples/mcore/*/data_convert_*_pretrain.sh) -------------------
+
+@pytest.fixture(scope="module")
+def hf_dir(gpt2, tmp_path_factory):
+    """A local HF tokenizer folder (save_pretrained), as --tokenizer-name-or-path takes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE.from_file(gpt2[0], gpt2[1]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    path = str(tmp_path_factory.mktemp("hf_tokenizer"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+    return path
+
+
+def _mindspeed_args(data, prefix, hf_dir, *extra):
+    """A data_convert_*_pretrain.sh line (llama2's, scaled down: --workers 2)."""
+    return ["--input", data, "--tokenizer-name-or-path", hf_dir, "--tokenizer-type", "PretrainedFromHF",
+            "--handler-name", "GeneralPretrainHandler", "--output-prefix", prefix, "--json-keys", "text",
+            "--workers", "2", "--log-interval", "1000", *extra]
+
+
+def _reference_ids(hf_dir, texts, eod=True):
+    """transformers' own tokenizer of the folder: what MindSpeed-LLM's handler calls for each text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    return [list(tok(t).input_ids) + ([tok.eos_token_id] if eod else []) for t in texts]
+
+
+def _write_parquet(path, rows):
+    pa = pytest.importorskip("pyarrow", reason="the [megatron] extra installs pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), str(path), row_group_size=16)  # several row groups
+
+
+def _job_samples(prefix, tokenizer, docs, seq):
+    """The job's dataset code (megatron_glue.data.datasets) over `prefix`: each sample checked against the
+    documents' tokens, concatenated in the dataset's document order."""
+    from megatron_glue.data.datasets import build_datasets
+
+    train = build_datasets(data_path=[prefix], split="1,0,0", seq_length=seq, seed=1234, tokenizer=tokenizer,
+                           num_samples=(8, 0, 0), data_cache_path=None, mock=False)[0]
+    stream = [t for d in train.document_index for t in docs[d]]
+    for i in range(len(train)):
+        sample = train[i]
+        s = int(train.shuffle_index[i])
+        assert sample["tokens"].tolist() == stream[s * seq: (s + 1) * seq]
+        assert sample["labels"].tolist() == stream[s * seq + 1: (s + 1) * seq + 1]
+    return len(train)
+
+
+def test_mindspeed_pretrain_flags_jsonl_and_parquet_read_back_by_the_job(hf_dir, tmp_path):
+    rows = [{"text": t, "title": title, "id": i} for i, (t, title) in enumerate(zip(TEXTS, TITLES))]
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    parquet = tmp_path / "train-00000-of-00001.parquet"
+    _write_parquet(parquet, rows)
+    expected = _reference_ids(hf_dir, TEXTS)
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
+    for data in (jsonl, parquet):
+        prefix = str(tmp_path / data.suffix[1:] / "enwiki")
+        assert pp.main(_mindspeed_args(str(data), prefix, hf_dir, "--append-eod")) == 0
+        docs, _ = _documents(f"{prefix}_text_document")  # MindSpeed-LLM's name, what its --data-path takes
+        assert docs == expected
+        assert _job_samples(f"{prefix}_text_document", tokenizer, docs, seq=16) >= 8
+    for ext in (".bin", ".idx"):
+        assert (Path(f"{tmp_path}/jsonl/enwiki_text_document{ext}").read_bytes()
+                == Path(f"{tmp_path}/parquet/enwiki_text_document{ext}").read_bytes())
+
+
+def test_folder_input_json_array_and_n_subs(hf_dir, tmp_path):
+    """A folder: its files of one format in name order (README.md skipped); a .json file holding an array; --n-subs
+    cuts into subsets written in the pool and merged: byte-identical to one pass, no subset files left."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "README.md").write_text("not data")
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[30:]), encoding="utf-8")
+    (folder / "a.json").write_text(json.dumps([{"text": t} for t in TEXTS[:30]]), encoding="utf-8")
+    expected = _reference_ids(hf_dir, TEXTS, eod=False)
+    one = str(tmp_path / "one" / "corpus")
+    assert pp.main(_mindspeed_args(str(folder), one, hf_dir)) == 0
+    assert _documents(f"{one}_text_document")[0] == expected
+    subs = str(tmp_path / "subs" / "corpus")
+    assert pp.main(_mindspeed_args(str(folder), subs, hf_dir, "--n-subs", "4")) == 0
+    for ext in (".bin", ".idx"):
+        assert Path(f"{one}_text_document{ext}").read_bytes() == Path(f"{subs}_text_document{ext}").read_bytes()
+    assert sorted(os.listdir(tmp_path / "subs")) == ["corpus_text_document.bin", "corpus_text_document.idx"]
+    assert pp.subset_ranges(70, 4) == [(0, 17), (17, 34), (34, 51), (51, 68), (68, 70)]  # MindSpeed-LLM's cut
+
+
+def test_n_subs_in_one_process_and_bad_record_in_a_subset(hf_dir, tmp_path, capsys):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:9]) + '{"body": "x"}\n', encoding="utf-8")
+    prefix = str(tmp_path / "o" / "c")
+    args = _mindspeed_args(str(path), prefix, hf_dir, "--n-subs", "3")
+    args[args.index("--workers") + 1] = "1"
+    assert pp.main(args) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"npu-compile preprocess: error: {path}:10: no key 'text' (--json-keys); the object has ['body']")
+    assert os.listdir(tmp_path / "o") == []  # neither the output nor a subset left behind
+    assert pp.main(args[:-2] + ["--n-subs", "11"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "npu-compile preprocess: error: --n-subs 11: more subsets than the 10 documents of --input")
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda d: (d / "x.txt").write_text("a"), "--input {p}: not a .jsonl, .json or .parquet file"),
+    (lambda d: (d / "README.md").write_text("a"), "--input {p}: the folder holds no .jsonl, .json or .parquet file"),
+    (lambda d: ((d / "a.jsonl").write_text('{"text": "a"}\n'), _write_parquet(d / "b.parquet", [{"text": "b"}])),
+     "--input {p}: the folder holds both JSON and parquet files; give a folder of one format"),
+    (lambda d: _write_parquet(d / "b.parquet", [{"body": "b"}]),
+     "{p}/b.parquet: no column 'text' (--json-keys); the file has ['body']"),
+    (lambda d: _write_parquet(d / "b.parquet", [{"text": "a"}, {"text": None}]),
+     "{p}/b.parquet: row 2: key 'text' holds a NoneType, expected a string"),
+    (lambda d: (d / "a.json").write_text('[{"text": "a"}, 3]'), "{p}/a.json: item 2: expected a JSON object, got a "
+                                                                "JSON int"),
+])
+def test_bad_inputs_of_the_new_formats(make, why, hf_dir, tmp_path, capsys):
+    d = tmp_path / "in"
+    d.mkdir()
+    make(d)
+    p = str(d / "x.txt") if "not a .jsonl" in why else str(d)
+    assert pp.main(_mindspeed_args(p, str(tmp_path / "o"), hf_dir)) == 1
+    assert capsys.readouterr().err == f"npu-compile preprocess: error: {why.format(p=p)}\n"
+
+
+def test_pretrained_from_hf_tokenizer_errors_name_its_flag(tmp_path, capsys):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a"}\n')
+    base = ["--input", str(path), "--output-prefix", str(tmp_path / "o")]
+    assert pp.main(base) == 1  # PretrainedFromHF is the default, as MindSpeed-LLM's
+    assert capsys.readouterr().err == ("npu-compile preprocess: error: PretrainedFromHF needs --tokenizer-name-or-path "
+                                       "(a local directory written by save_pretrained; no hub downloads)\n")
+    assert pp.main(base + ["--tokenizer-name-or-path", "meta-llama/Llama-2-7b-hf"]) == 1
+    assert capsys.readouterr().err == (
+        "npu-compile preprocess: error: --tokenizer-name-or-path meta-llama/Llama-2-7b-hf: no such directory "
+        "(HuggingFaceTokenizer loads a local directory written by save_pretrained; no hub downloads)\n")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--handler-name", "AlpacaStyleInstructionHandler"],
+     "--handler-name AlpacaStyleInstructionHandler is not implemented here: it makes instruction-tuning data (prompt "
+     "templates, packed `_packed` outputs for MindSpeed-LLM's --is-instruction-dataset), a feature not built yet; "
+     "supported: GeneralPretrainHandler"),
+    (["--handler-name", "AlpacaPretrainHandler"],
+     "--handler-name AlpacaPretrainHandler is not implemented here (its own record layout); supported: "
+     "GeneralPretrainHandler, with --json-keys naming the text fields"),
+    (["--handler-name", "MyHandler"], "--handler-name MyHandler is not a MindSpeed-LLM handler; supported: "
+                                      "GeneralPretrainHandler"),
+    (["--prompt-type", "qwen"], "--prompt-type is not implemented here (MindSpeed-LLM's preprocess_data.py has it, "
+                                "for instruction-tuning data (prompt templates, packed `_packed` outputs for "
+                                "MindSpeed-LLM's --is-instruction-dataset), a feature not built yet)"),
+    (["--pack"], "--pack is not implemented here (MindSpeed-LLM's preprocess_data.py has it, for instruction-tuning "
+                 "data (prompt templates, packed `_packed` outputs for MindSpeed-LLM's --is-instruction-dataset), a "
+                 "feature not built yet)"),
+    (["--dataset-impl", "lazy"], "--dataset-impl is not implemented here (MindSpeed-LLM's preprocess_data.py has "
+                                 "it, for dataset formats other than mmap, the only one megatron-core reads)"),
+])
+def test_mindspeed_handlers_and_flags_refused(extra, message, hf_dir, corpus, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        pp.main(_mindspeed_args(corpus, str(tmp_path / "o"), hf_dir, *extra))
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"npu-compile preprocess: error: {message}"
+
+
+def test_no_handler_name_no_effect_flags(hf_dir, corpus, tmp_path):
+    """qwen25's data script gives no --handler-name (MindSpeed-LLM then uses GeneralPretrainHandler);
+    --tokenizer-not-use-fast and --dataset-impl mmap change nothing."""
+    args = _mindspeed_args(corpus, str(tmp_path / "a"), hf_dir)
+    i = args.index("--handler-name")
+    assert pp.main(args[:i] + args[i + 2:]) == 0
+    assert pp.main(_mindspeed_args(corpus, str(tmp_path / "b"), hf_dir, "--tokenizer-not-use-fast",
+                                   "--dataset-impl", "mmap")) == 0
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"a_text_document{ext}").read_bytes() == (tmp_path / f"b_text_document{ext}").read_bytes()

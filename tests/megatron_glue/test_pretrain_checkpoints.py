@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from pretrain_runs import assert_close, pretrain
 
@@ -73,14 +74,14 @@ def test_tp2_checkpoint_loads_at_tp1_and_pp2(tmp_path):
 
 
 INTERRUPT = """
-import sys
+import os, sys
 from megatron.core import dist_checkpointing
 import megatron_glue.training.checkpointing as ckpt
 
 real_save, calls = dist_checkpointing.save, []
 def save(state, folder, **kw):
     calls.append(folder)
-    if len(calls) == 2:  # the second save dies after writing part of its folder
+    if len(calls) == int(os.environ["DIE_AT_SAVE"]):  # this save dies after writing part of its folder
         open(folder + "/__0_0.distcp", "wb").write(b"partial")
         raise KeyboardInterrupt("killed during the save of " + folder)
     return real_save(state, folder, **kw)
@@ -90,20 +91,44 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path):
+def _interrupted(monkeypatch, folder, *flags, die_at: int):
+    monkeypatch.setenv("DIE_AT_SAVE", str(die_at))  # pretrain_runs.env() passes the environment on
+    return pretrain(folder, *flags, prefix=[sys.executable, "-c", INTERRUPT])
+
+
+def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch):
+    """A save that dies leaves the tracker and every iter_* folder as they were: its files are in
+    .iter_XXXXXXX.incomplete, which the next save removes; a committed iteration saved again (a resumed job's last
+    save of the iteration it loaded) is replaced only once the new folder is complete, and where the save died
+    with it moved aside, the next load puts it back."""
     ckpt = tmp_path / "ckpt"
     flags = ["--train-iters", "6", "--save-interval", "2", "--save", str(ckpt)]
-    died = pretrain(tmp_path / "a", *flags, prefix=[sys.executable, "-c", INTERRUPT])
+    died = _interrupted(monkeypatch, tmp_path / "a", *flags, die_at=2)
     assert died.returncode != 0 and "killed during the save of" in died.output
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert (ckpt / "iter_0000004").is_dir()  # the broken folder is there, but nothing points at it
+    assert sorted(p.name for p in ckpt.iterdir()) == [".iter_0000004.incomplete", "iter_0000002",
+                                                      "latest_checkpointed_iteration.txt"]
+    assert (ckpt / ".iter_0000004.incomplete" / "__0_0.distcp").read_bytes() == b"partial"
 
     again = pretrain(tmp_path / "b", *flags, "--load", str(ckpt)).check()
     assert "at iteration 2" in again.output
     assert [r["iteration"] for r in again.rows("train")] == [3, 4, 5, 6]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
-    partial = ckpt / "iter_0000004" / "__0_0.distcp"
-    assert not partial.exists() or partial.read_bytes() != b"partial"  # the folder was written anew
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                                      "latest_checkpointed_iteration.txt"]
+
+    # loaded at 6 with nothing left to train: the job saves iteration 6 again (6 is no multiple of 4), and dies
+    resave = _interrupted(monkeypatch, tmp_path / "c", "--train-iters", "6", "--save-interval", "4",
+                          "--save", str(ckpt), "--load", str(ckpt), "--eval-iters", "0", die_at=1)
+    assert resave.returncode != 0 and "killed during the save of" in resave.output
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    assert (ckpt / "iter_0000006" / "metadata.json").is_file()  # the committed iteration 6, whole
+    assert (ckpt / ".iter_0000006.incomplete").is_dir()
+    # a save that died between its two renames: the committed folder moved aside, the new one not yet in its place
+    (ckpt / "iter_0000006").rename(ckpt / ".iter_0000006.replaced")
+    last = pretrain(tmp_path / "d", "--train-iters", "6", "--load", str(ckpt), "--eval-iters", "0").check()
+    assert f"{ckpt}/iter_0000006 restored from .iter_0000006.replaced" in last.output
+    assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 6" in last.output
 
 
 def test_architecture_mismatch_is_refused(tmp_path):
@@ -125,3 +150,52 @@ def test_torch_format_resumes_exactly(tmp_path):
     assert (ckpt / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").is_file()
     second = pretrain(tmp_path / "parts", *common, "--save", str(ckpt), "--load", str(ckpt)).check()
     assert _train_rows(second) == _train_rows(whole)
+
+
+@pytest.mark.megatron_lines  # the distributed optimizer's parameter state: megatron-core's own, per line
+def test_torch_format_with_distributed_optimizer_resumes_bitwise(tmp_path):
+    """--ckpt-format torch --use-distributed-optimizer at DP=2 (45 of 48 of MindSpeed-LLM's pretraining scripts):
+    Megatron-LM's legacy layout, mp_rank_00/model_optim_rng.pt with the optimizer's state_dict() and distrib_optim.pt
+    beside it (the DP shards gathered to DP rank 0 by megatron-core's save_parameter_state); resumed at iteration 3
+    (load_parameter_state scatters them back), iterations 4-6 bitwise those of the run that went on, dropout on;
+    loaded at DP=1, the same optimizer state; loaded without the distributed optimizer, refused."""
+    ckpt = tmp_path / "ckpt"
+    flags = ["--train-iters", "6", "--save-interval", "3", "--use-distributed-optimizer", "--ckpt-format", "torch",
+             *DROPOUT]
+    whole = pretrain(tmp_path / "whole", *flags, "--save", str(ckpt), nproc=2).check()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000003", "iter_0000006",
+                                                      "latest_checkpointed_iteration.txt"]
+    for folder in ("iter_0000003", "iter_0000006"):  # one (TP, PP) rank: one folder, DP rank 0's two files
+        assert sorted(str(p.relative_to(ckpt / folder)) for p in (ckpt / folder).rglob("*")) == [
+            "mp_rank_00", "mp_rank_00/distrib_optim.pt", "mp_rank_00/model_optim_rng.pt"]
+    model = torch.load(ckpt / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert model["iteration"] == 3 and model["args"]["use_distributed_optimizer"] is True
+    # DistributedOptimizer.state_dict(): the param groups without the parameter state, which is in distrib_optim.pt
+    assert "state" not in model["optimizer"]["optimizer"] and model["optimizer"]["optimizer"]["param_groups"]
+    param_state = torch.load(ckpt / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt")
+    words = sum(t.numel() for d in param_state[0].values() if isinstance(d, dict)
+                for k, t in d.items() if k == "param")
+    assert words == sum(t.numel() for t in model["model"].values() if isinstance(t, torch.Tensor))  # every DP shard
+
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")  # as if it had stopped at 3
+    resumed = pretrain(tmp_path / "resumed", *flags, "--load", str(ckpt), nproc=2).check()
+    assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 3" in resumed.output
+    assert [r["iteration"] for r in resumed.rows("train")] == [4, 5, 6]
+    assert _train_rows(resumed) == _train_rows(whole)[3:]
+
+    # at DP=1 (one process, eager): megatron-core scatters the gathered state to the DP ranks there are; saved
+    # again at once (iteration 3, no step between), it is the same state
+    flags = ["--ckpt-format", "torch", "--no-npu-compile", "--eval-iters", "0", "--load", str(ckpt)]
+    pretrain(tmp_path / "dp1", "--train-iters", "3", "--save-interval", "4", "--use-distributed-optimizer", *flags,
+             "--save", str(tmp_path / "dp1" / "ckpt")).check()
+    again = torch.load(tmp_path / "dp1" / "ckpt" / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt")
+    assert again.keys() == param_state.keys() and again[0].keys() == param_state[0].keys()
+    for key, saved in param_state[0].items():
+        assert saved.keys() == again[0][key].keys() == {"param", "exp_avg", "exp_avg_sq", "numel_unpadded"}
+        assert all(torch.equal(saved[k], again[0][key][k]) for k in ("param", "exp_avg", "exp_avg_sq"))
+    # the other optimizer cannot take this state: refused at the load, naming both ways out
+    other = pretrain(tmp_path / "plain", "--train-iters", "4", *flags)
+    assert other.returncode == 1
+    assert (f"pretrain_gpt: error: {ckpt}/iter_0000003 was saved with --use-distributed-optimizer, this job runs "
+            "without it: the optimizer state is in the other's form; run with --use-distributed-optimizer, or load "
+            "the weights alone with --no-load-optim") in other.output
