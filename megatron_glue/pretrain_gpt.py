@@ -9,7 +9,15 @@ the batch, the loss, the datasets) and the job around them `megatron_glue.traini
 
 import sys
 
-from megatron_glue.training.gpt import main
+from megatron_glue.training import gpt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The job, with MindSpeed-LLM's --enable-hf2mg-convert step (the converter's room) before it starts."""
+    from megatron_glue.convert.at_start import before_start, refusal
+
+    return gpt.main(argv, before_start=before_start, refusals=(refusal,))
+
 
 if __name__ == "__main__":
     sys.exit(main())

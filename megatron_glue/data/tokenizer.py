@@ -126,24 +126,26 @@ class HuggingFaceTokenizer(_Tokenizer):
     tokenizer's own call (so its BOS/EOS template applies, as in Megatron)."""
 
     tokenizer_type = "HuggingFaceTokenizer"
+    flag = "--tokenizer-model"  # the flag that names the directory, in messages
 
-    def __init__(self, tokenizer_model: str) -> None:
+    def __init__(self, tokenizer_model: str, use_fast: bool = True) -> None:
+        flag, kind = self.flag, self.tokenizer_type
         if not os.path.isdir(tokenizer_model):
-            raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no such directory (HuggingFaceTokenizer "
-                                    f"loads a local directory written by save_pretrained; no hub downloads)")
+            raise FileNotFoundError(f"{flag} {tokenizer_model}: no such directory ({kind} loads a local directory "
+                                    f"written by save_pretrained; no hub downloads)")
         if not any(os.path.isfile(os.path.join(tokenizer_model, f)) for f in _HF_FILES):
-            raise DataError(f"--tokenizer-model {tokenizer_model}: no tokenizer files in it (expected one of "
+            raise DataError(f"{flag} {tokenizer_model}: no tokenizer files in it (expected one of "
                              f"{', '.join(_HF_FILES)}, as written by save_pretrained)")
         from transformers import AutoTokenizer
 
         try:
-            tok = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True, use_fast=use_fast)
         except Exception as error:  # transformers' messages run over many lines: keep the first
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise DataError(f"--tokenizer-model {tokenizer_model}: AutoTokenizer cannot load it: {first}") from error
+            raise DataError(f"{flag} {tokenizer_model}: AutoTokenizer cannot load it: {first}") from error
         if tok.eos_token_id is None:
-            raise DataError(f"--tokenizer-model {tokenizer_model}: the tokenizer has no eos token, which "
-                             f"HuggingFaceTokenizer uses as its end-of-document id (eod)")
+            raise DataError(f"{flag} {tokenizer_model}: the tokenizer has no eos token, which {kind} uses as its "
+                             f"end-of-document id (eod)")
         self._tok = tok
         self._vocab = tok.get_vocab()
         self.vocab_size = len(tok)
@@ -155,6 +157,20 @@ class HuggingFaceTokenizer(_Tokenizer):
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+class PretrainedFromHF(HuggingFaceTokenizer):
+    """MindSpeed-LLM's PretrainedFromHF (mindspeed_llm/training/tokenizer/tokenizer.py, `_AutoTokenizer`): the same
+    AutoTokenizer read of a local directory (its `--tokenizer-name-or-path`), fast unless
+    `--tokenizer-not-use-fast`; vocab_size = len(tokenizer), eod = eos id; tokenize = `encode(text)`. Remote code
+    in the directory is not run (MindSpeed-LLM passes trust_remote_code=True; the families converted here need
+    none)."""
+
+    tokenizer_type = "PretrainedFromHF"
+    flag = "--tokenizer-name-or-path"
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
 
 
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -188,9 +204,10 @@ class NullTokenizer(_Tokenizer):
 
 
 def build_tokenizer(tokenizer_type: str, *, vocab_file: str | None = None, merge_file: str | None = None,
-                    tokenizer_model: str | None = None, vocab_size: int | None = None) -> _Tokenizer:
-    """Megatron-LM's `--tokenizer-type` with its file flags (`vocab_size` for NullTokenizer only); the flags a
-    type does not use are ignored."""
+                    tokenizer_model: str | None = None, vocab_size: int | None = None,
+                    tokenizer_name_or_path: str | None = None, use_fast: bool = True) -> _Tokenizer:
+    """Megatron-LM's `--tokenizer-type` with its file flags (`vocab_size` for NullTokenizer only; MindSpeed-LLM's
+    PretrainedFromHF with `tokenizer_name_or_path` and `use_fast`); the flags a type does not use are ignored."""
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None:
             raise DataError("GPT2BPETokenizer needs --vocab-file (GPT-2's vocab.json)")
@@ -202,10 +219,15 @@ def build_tokenizer(tokenizer_type: str, *, vocab_file: str | None = None, merge
             raise DataError("HuggingFaceTokenizer needs --tokenizer-model (a local directory written by "
                              "save_pretrained)")
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "PretrainedFromHF":
+        if tokenizer_name_or_path is None:
+            raise DataError("PretrainedFromHF needs --tokenizer-name-or-path (a local directory written by "
+                             "save_pretrained)")
+        return PretrainedFromHF(tokenizer_name_or_path, use_fast=use_fast)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise DataError(f"--tokenizer-type {tokenizer_type} is not implemented here (supported: "
-                     f"{', '.join(SUPPORTED + ('NullTokenizer',))})")
+                     f"{', '.join(SUPPORTED + ('PretrainedFromHF', 'NullTokenizer'))})")
 
 
 # -- GPT-2 file readers ------------------------------------------------------------------------------------

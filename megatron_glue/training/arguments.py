@@ -1,14 +1,19 @@
-"""The training job's command line: Megatron-LM's `pretrain_gpt.py` flags, with their names, defaults and meanings.
+"""The training job's command line: Megatron-LM's `pretrain_gpt.py` flags, with their names, defaults and meanings,
+and the dialect Ascend users write (MindSpeed's and MindSpeed-LLM's flags, as their `examples/mcore/` scripts pass
+them).
 
 `parse_args(argv, world_size)` returns an `argparse.Namespace` shaped like Megatron-LM's `args` (the same
-attribute names), checked against the world size before anything is built. Flags are grouped as Megatron-LM
-groups them in `--help`. Three kinds of flag exist here:
+attribute names), checked against the world size before anything is built. Every flag is one of four kinds, each
+listed in `--help` under its own heading:
 
-- implemented: Megatron-LM's meaning, end to end;
-- MindSpeed's switches (`--use-flash-attn`, ...): Ascend users pass them today; here they name fusions of
-  the `ascend` backend, which runs them by default, so they map onto its `fusions` option;
-- known to Megatron-LM but not implemented (`NOT_IMPLEMENTED`): refused with a message that says so, never
-  accepted and ignored. Anything else is argparse's "unrecognized arguments" error.
+- implemented: Megatron-LM's (or MindSpeed's / MindSpeed-LLM's) meaning, end to end;
+- mapped onto the backend: MindSpeed's switches (`--use-flash-attn`, `--use-ascend-coc`, ...) name fusions or
+  schedules the `ascend` backend runs (`MINDSPEED_FUSIONS`, `compile_options`);
+- accepted, no effect here (`NO_EFFECT`): only where that is true of this job, each with the reason;
+- refused (`REFUSED`, and some values in `_value_refusals`): a feature not implemented here, named, with what to
+  do instead. Never accepted and ignored.
+
+A command line with several refused or unknown flags is answered once, with all of them (`DialectError`).
 """
 
 from __future__ import annotations
@@ -18,37 +23,200 @@ import json
 import os
 import sys
 
-# Megatron-LM flags this job does not implement, each with what to use instead (shown in the error).
-NOT_IMPLEMENTED = {
-    "--context-parallel-size": "context parallelism is not implemented; use TP/PP/DP",
-    "--expert-model-parallel-size": "MoE is not implemented",
-    "--num-experts": "MoE is not implemented",
-    "--transformer-impl": "only the local (megatron-core, no Transformer Engine) layers exist here; drop the flag",
-    "--train-samples": "give --train-iters",
-    "--rampup-batch-size": "batch-size ramp-up is not implemented; give a fixed --global-batch-size",
-    "--async-save": "asynchronous checkpoint saves are not implemented",
-    "--use-checkpoint-args": "architecture flags must be given on the command line",
-    "--tensorboard-dir": "use the metrics JSONL (--metrics-file) and the loss-curve PNG",
-    "--wandb-project": "use the metrics JSONL (--metrics-file) and the loss-curve PNG",
-    "--fp8-format": "fp8 is not implemented",
-    "--fp8": "fp8 is not implemented",
-    "--num-workers": "the data loader reads in the training process",
-    "--data-args-path": "give --data-path",
-    "--train-data-path": "give --data-path with --split",
-    "--valid-data-path": "give --data-path with --split",
-    "--test-data-path": "give --data-path with --split",
-    "--lr-decay-samples": "give --lr-decay-iters",
-    "--lr-warmup-samples": "give --lr-warmup-iters",
-    "--lr-wsd-decay-style": "WSD schedules are not implemented",
-    "--use-torch-fsdp2": "FSDP is not implemented; use --use-distributed-optimizer",
-    "--use-megatron-fsdp": "FSDP is not implemented; use --use-distributed-optimizer",
-    "--num-distributed-optimizer-instances": "only one distributed-optimizer instance is supported",
-    "--tp-comm-overlap": "TE's TP comm overlap is not used; the compiler overlaps TP collectives itself",
-    "--use-tp-pp-dp-mapping": "the default rank order (tp-cp-ep-dp-pp) is used",
-    "--exit-duration-in-mins": "give --exit-interval",
-    "--exit-signal-handler": "not implemented; give --exit-interval",
-    "--ckpt-convert-format": "use `npu-compile convert`",
-    "--auto-detect-ckpt-format": "give --ckpt-format",
+# -- refused: the feature each flag belongs to, and what to do instead -------------------------------------------------
+
+MOE = "MoE (mixture of experts) is not implemented here; train a dense model"
+# an MoE setting: configures nothing in a model without experts (Megatron-LM and MindSpeed read it only for them)
+MOE_SETTING = MOE + " (without --num-experts this flag configures nothing, and is accepted)"
+CP = "context parallelism is not implemented here; use --context-parallel-size 1 with TP/PP/DP"
+INSTRUCTION = ("instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) is not implemented here; "
+               "pretrain on a .bin/.idx prefix written by `npu-compile preprocess`")
+PACKED = ("packed sequences (per-document attention masks and position ids) are not implemented here; train on "
+          "unpacked pretraining data")
+DPO = "preference training (DPO) is not implemented here"
+MLA = "multi-latent attention (MLA) is not implemented here; use a model with standard (GQA) attention"
+MTP = "multi-token prediction (MTP) is not implemented here; drop the MTP flags"
+LORA = "LoRA is not implemented here; fine-tune all weights (--finetune)"
+DSA = "DeepSeek sparse attention (its indexer, compressed KV) is not implemented here"
+MHC = "hyper-connections (mHC) are not implemented here"
+LINEAR_ATTENTION = "linear-attention layers (Gated DeltaNet, Mamba, Qwen3-Next's) are not implemented here"
+GEMMA2 = ("Gemma 2's layer (post-norms, logit soft-capping, sliding-window attention, scaled embeddings) is not "
+          "implemented here")
+ROPE_EXTENSION = ("YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
+                  "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)")
+RECOMPUTE = ("it is not implemented here; Megatron's --recompute-granularity full/selective is, and the compiler "
+             "recomputes by its memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'")
+UNEVEN_PP = ("uneven pipeline stages are not implemented here; give a --num-layers divisible by "
+             "--pipeline-model-parallel-size")
+MG_CONVERT = ("converting to HF at each save is not implemented here; convert a saved checkpoint with `npu-compile "
+              "convert --load-model-type mg --save-model-type hf ...`")
+
+# flag -> (values it takes: 0 a switch, 1 one value, "+" one or more; why it is refused)
+REFUSED: dict[str, tuple[int | str, str]] = {
+    # MoE
+    **{flag: (1, MOE) for flag in ("--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size")},
+    **{flag: (nargs, MOE_SETTING) for flag, nargs in {
+        "--moe-ffn-hidden-size": 1, "--moe-router-topk": 1, "--moe-router-load-balancing-type": 1,
+        "--moe-token-dispatcher-type": 1, "--moe-layer-freq": 1, "--moe-aux-loss-coeff": 1,
+        "--moe-router-num-groups": 1, "--moe-router-group-topk": 1, "--moe-router-topk-scaling-factor": 1,
+        "--moe-router-score-function": 1, "--moe-router-dtype": 1, "--moe-shared-expert-intermediate-size": 1,
+        "--moe-input-jitter-eps": 1, "--moe-zero-memory": 1, "--first-k-dense-replace": 1, "--n-shared-experts": 1,
+        "--n-hash-layers": 1, "--num-zero-experts": 1, "--moe-grouped-gemm": 0, "--moe-permutation-async-comm": 0,
+        "--moe-alltoall-overlap-comm": 0, "--moe-permute-fusion": 0, "--moe-router-enable-expert-bias": 0,
+        "--moe-router-pre-softmax": 0, "--moe-tp-extend-ep": 0, "--moe-fb-overlap": 0, "--norm-topk-prob": 0,
+        "--seq-aux": 0, "--router-gating-in-fp32": 0, "--topk-softmax-in-fp32": 0, "--shared-expert-gate": 0,
+        "--gemm-gradient-accumulation-fusion": 0, "--use-fused-moe-token-permute-and-unpermute": 0}.items()},
+    # context parallelism (size 1 and its algorithm are accepted: see the parser)
+    **{flag: (nargs, CP) for flag, nargs in {
+        "--cp-attention-mask-type": 1, "--use-cp-send-recv-overlap": 0, "--cp-window-size": 1,
+        "--ulysses-degree-in-cp": 1}.items()},
+    # instruction data, packing, preference data
+    **{flag: (nargs, INSTRUCTION) for flag, nargs in {
+        "--stage": 1, "--is-instruction-dataset": 0, "--prompt-type": 1, "--prompt-type-path": 1,
+        "--no-pad-to-seq-lengths": 0, "--variable-seq-lengths": 0, "--enable-thinking": 1, "--padded-samples": 0,
+        "--pad-to-multiple-of": 1}.items()},
+    **{flag: (nargs, PACKED) for flag, nargs in {
+        "--reset-attention-mask": 0, "--reset-position-ids": 0, "--eod-mask-loss": 0, "--pack": 0,
+        "--neat-pack": 0}.items()},
+    "--is-pairwise-dataset": (0, DPO),
+    # attention and layer variants of other families
+    **{flag: (nargs, MLA) for flag, nargs in {
+        "--multi-latent-attention": 0, "--q-lora-rank": 1, "--kv-lora-rank": 1, "--qk-head-dim": 1,
+        "--qk-pos-emb-head-dim": 1, "--v-head-dim": 1, "--mla-fa-without-pad": 0, "--mla-mm-split": 0,
+        "--enable-mla-absorb": 0, "--enable-mla-scale-q-lora": 0, "--enable-mla-scale-kv-lora": 0}.items()},
+    **{flag: (nargs, MTP) for flag, nargs in {
+        "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 1, "--mtp-mem-efficient-logits": 0, "--mtp-spec": 2,
+        "--index-share-for-mtp-iteration": 0}.items()},
+    **{flag: (nargs, LORA) for flag, nargs in {
+        "--lora-r": 1, "--lora-alpha": 1, "--lora-target-modules": "+", "--lora-fusion": 0,
+        "--lora-ckpt-filter": 0}.items()},
+    **{flag: (nargs, DSA) for flag, nargs in {
+        "--enable-dsa-indexer": 0, "--use-sparse-flash-attn": 0, "--use-fused-lightning-indexer": 0,
+        "--use-fused-lightning-indexer-loss": 0, "--index-topk": 1, "--index-n-heads": 1, "--index-head-dim": 1,
+        "--index-topk-freq": 1, "--index-skip-topk-offset": 1, "--indexer-loss-coeff": 1,
+        "--no-use-sparse-c8-indexer": 0, "--compress-ratios": "+", "--compress-rope-theta": 1,
+        "--original-seq-len": 1, "--rope-factor": 1, "--max-batch-size": 1, "--kv-compress": 0, "--o-groups": 1,
+        "--o-lora-rank": 1, "--sliding-window-size": 1, "--swiglu-limit": 1, "--apply-rope-no-in-complex": 0}.items()},
+    **{flag: (nargs, MHC) for flag, nargs in {
+        "--enable-mhc": 0, "--hc-mult": 1, "--use-triton-mhc": 0, "--use-fused-mhc": 0}.items()},
+    **{flag: (nargs, LINEAR_ATTENTION) for flag, nargs in {
+        "--full-attention-interval": 1, "--linear-key-head-dim": 1, "--linear-value-head-dim": 1,
+        "--linear-num-key-heads": 1, "--linear-num-value-heads": 1, "--use-triton-gdn": 0, "--mamba-d-conv": 1,
+        "--mamba-expand": 1, "--mamba-chunk-size": 1, "--partial-rotary-factor": 1,
+        "--no-enable-linear-qkv": 0}.items()},
+    **{flag: (nargs, GEMMA2) for flag, nargs in {
+        "--post-norm": 0, "--input-embeds-norm": 0, "--interleave-sliding-window": 1, "--gelu-tanh": 0,
+        "--query-pre-attn-scalar": 1, "--output-logit-softcapping": 1}.items()},
+    "--add-rmsnorm-offset": (0, "RMSNorm with a +1 weight offset (Gemma / Qwen3-Next style) is not implemented here"),
+    "--rmsnorm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
+    "--init-norm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
+    "--add-dense-bias": (0, "a bias on the attention output projection alone is not implemented here; "
+                            "--disable-bias-linear off gives every linear its bias"),
+    "--add-output-layer-bias": (0, "a bias on the output layer is not implemented here"),
+    "--squared-relu": (0, "the squared-ReLU activation is not implemented here; use --swiglu or GeLU"),
+    "--fc-type": (1, "MindSpeed-LLM's alternative MLP layouts (--fc-type) are not implemented here"),
+    **{flag: (nargs, ROPE_EXTENSION) for flag, nargs in {
+        "--beta-fast": 1, "--beta-slow": 1, "--rope-scaling-mscale": 1, "--rope-scaling-mscale-all-dim": 1,
+        "--rope-scaling-original-max-position-embeddings": 1, "--longrope-freqs-type": 1, "--long-factor": 1,
+        "--short-factor": 1, "--long-mscale": 1, "--short-mscale": 1, "--dynamic-factor": 1,
+        "--use-glm-rope": 0}.items()},
+    # recompute, memory switches, schedules
+    "--recompute-activation-function": (0, "MindSpeed's recompute of the MLP activation: " + RECOMPUTE),
+    "--recompute-norm": (0, "MindSpeed's recompute of the norms: " + RECOMPUTE),
+    "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory: " + RECOMPUTE),
+    "--swap-optimizer": (0, "MindSpeed's swap of optimizer state to host memory is not implemented here; shard it "
+                            "over DP with --use-distributed-optimizer"),
+    "--swap-optimizer-times": (1, "MindSpeed's swap of optimizer state to host memory is not implemented here; "
+                                  "shard it over DP with --use-distributed-optimizer"),
+    "--reuse-fp32-param": (0, "MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
+                              "implemented here; shard the master weights over DP with --use-distributed-optimizer"),
+    "--o2-optimizer": (0, "MindSpeed-LLM's O2 (bf16 optimizer states) is not implemented here; --bf16 keeps fp32 "
+                          "master weights and states"),
+    "--o2-gradient": (0, "MindSpeed-LLM's O2 (bf16 gradients) is not implemented here; --bf16 keeps fp32 master "
+                         "weights and states"),
+    "--num-layer-list": (1, UNEVEN_PP),
+    "--noop-layers": (1, UNEVEN_PP),
+    "--schedules-method": (1, "MindSpeed's DualPipeV schedule is not implemented here; Megatron's 1F1B (with "
+                              "--num-layers-per-virtual-pipeline-stage, interleaved) is"),
+    "--disable-gloo-group": (0, "running without Megatron's gloo groups is not implemented here"),
+    "--calculate-per-token-loss": (0, "per-token loss normalisation is not implemented here"),
+    "--no-shuffle": (0, "unshuffled datasets are not implemented here"),
+    # checkpoints
+    "--enable-mg2hf-convert": (0, MG_CONVERT),
+    # Megatron-LM flags of features not implemented here
+    "--train-samples": (1, "sample-based training is not implemented here; give --train-iters"),
+    "--rampup-batch-size": ("+", "batch-size ramp-up is not implemented here; give a fixed --global-batch-size"),
+    "--async-save": (0, "asynchronous checkpoint saves are not implemented here"),
+    "--use-checkpoint-args": (0, "architecture flags from the checkpoint are not implemented here; give them on the "
+                                 "command line"),
+    "--tensorboard-dir": (1, "TensorBoard logging is not implemented here; use the metrics JSONL (--metrics-file) and "
+                             "the loss-curve PNG"),
+    "--wandb-project": (1, "W&B logging is not implemented here; use the metrics JSONL (--metrics-file) and the "
+                           "loss-curve PNG"),
+    "--fp8-format": (1, "fp8 is not implemented here"),
+    "--fp8": (1, "fp8 is not implemented here"),
+    "--data-args-path": (1, "data paths from a file are not implemented here; give --data-path"),
+    "--train-data-path": ("+", "separate split paths are not implemented here; give --data-path with --split"),
+    "--valid-data-path": ("+", "separate split paths are not implemented here; give --data-path with --split"),
+    "--test-data-path": ("+", "separate split paths are not implemented here; give --data-path with --split"),
+    "--lr-decay-samples": (1, "sample-based schedules are not implemented here; give --lr-decay-iters"),
+    "--lr-warmup-samples": (1, "sample-based schedules are not implemented here; give --lr-warmup-iters"),
+    "--lr-wsd-decay-style": (1, "WSD schedules are not implemented here"),
+    "--use-torch-fsdp2": (0, "FSDP is not implemented here; use --use-distributed-optimizer"),
+    "--use-megatron-fsdp": (0, "FSDP is not implemented here; use --use-distributed-optimizer"),
+    "--num-distributed-optimizer-instances": (1, "more than one distributed-optimizer instance is not implemented "
+                                                 "here"),
+    "--tp-comm-overlap": (0, "Transformer Engine's TP comm overlap is not used here; the compiler overlaps TP "
+                             "collectives itself (--use-ascend-coc)"),
+    "--use-tp-pp-dp-mapping": (0, "the tp-pp-dp rank order is not implemented here; the default (tp-cp-ep-dp-pp) is "
+                                  "used"),
+    "--exit-duration-in-mins": (1, "a time limit is not implemented here; give --exit-interval"),
+    "--exit-signal-handler": (0, "exit on a signal is not implemented here; give --exit-interval"),
+    "--ckpt-convert-format": (1, "checkpoint format conversion at save is not implemented here; use `npu-compile "
+                                 "convert`"),
+    "--auto-detect-ckpt-format": (0, "checkpoint format detection is not implemented here; give --ckpt-format"),
+}
+
+# Accepted, with no effect here: (argparse keywords, why it changes nothing in this job). Only where that is true.
+NO_FUSION = ("Megatron's hand-fused {} kernel is never used here (the job keeps it off and leaves fusion to the "
+             "ascend backend's rules)")
+NO_EFFECT: dict[str, tuple[dict, str]] = {
+    "--use-mcore-models": (dict(action="store_true"), "megatron-core models are the only ones here"),
+    "--no-masked-softmax-fusion": (dict(action="store_false", dest="masked_softmax_fusion"),
+                                   NO_FUSION.format("scale-mask-softmax")),
+    "--no-gradient-accumulation-fusion": (dict(action="store_false", dest="gradient_accumulation_fusion"),
+                                          NO_FUSION.format("weight-gradient accumulation")),
+    "--no-bias-swiglu-fusion": (dict(action="store_false", dest="bias_swiglu_fusion"), NO_FUSION.format("bias-SwiGLU")),
+    "--no-bias-gelu-fusion": (dict(action="store_false", dest="bias_gelu_fusion"), NO_FUSION.format("bias-GeLU")),
+    "--no-bias-dropout-fusion": (dict(action="store_false", dest="bias_dropout_fusion"),
+                                 NO_FUSION.format("bias-dropout-add")),
+    "--no-rope-fusion": (dict(action="store_false", dest="apply_rope_fusion"), NO_FUSION.format("RoPE")),
+    "--shape-order": (dict(choices=["SBH", "BSH", "BSND", "BNSD"], default="SBH"),
+                      "the input layout of MindSpeed's fused attention; here the backend's attention rule chooses "
+                      "the layout of npu_fusion_attention"),
+    "--tokenizer-not-use-fast": (dict(action="store_false", dest="tokenizer_use_fast"),
+                                 "MindSpeed-LLM's slow (Python) HF tokenizer; transformers 5, which this project "
+                                 "requires, has fast tokenizers only (AutoTokenizer ignores use_fast)"),
+    "--tokenizer-padding-side": (dict(choices=["left", "right"], default="right"),
+                                 "the side instruction batches are padded on; pretraining data is not padded"),
+    "--loss-compute-mode": (dict(choices=["default", "chunk"], default="default"),
+                            "'default' is the plain cross-entropy this job computes ('chunk' is refused)"),
+    "--loss-chunk-size": (dict(type=int, default=1024), "used only by --loss-compute-mode chunk"),
+    "--hf-cfg-dir": (dict(default=None), "the HF config folder for --enable-mg2hf-convert (refused here); alone it "
+                                         "changes nothing, as in MindSpeed-LLM"),
+    "--handler-name": (dict(default=""),
+                       "MindSpeed-LLM preprocesses at start only a --data-path that names raw data (a .jsonl/.json/"
+                       ".parquet/... file or folder); for a .bin/.idx prefix it changes nothing. Raw data is refused "
+                       "here: write the prefix with `npu-compile preprocess`"),
+    "--workers": (dict(type=int, default=1), "the worker count of that start-time preprocessing (see --handler-name)"),
+    "--context-parallel-algo": (dict(choices=["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo",
+                                              "adaptive_cp_algo", "hybrid_adaptive_cp_algo", "kvallgather_cp_algo"],
+                                     default="ulysses_cp_algo"),
+                                "MindSpeed's context-parallel algorithm; at --context-parallel-size 1 (the only size "
+                                "here) there is none to choose"),
+    "--attention-mask-type": (dict(choices=["causal", "general"], default="causal"),
+                              "MindSpeed's mask kind for context parallelism; 'causal' is the mask this job's "
+                              "attention uses ('general' is refused)"),
 }
 
 # MindSpeed's switches -> the backend's fusion rules they name (all on by default in the backend).
@@ -59,6 +227,45 @@ MINDSPEED_FUSIONS = {
     "use_fused_swiglu": ("swiglu",),
     "use_fused_rotary_pos_emb": ("rotary",),
 }
+
+# MindSpeed-LLM's --spec modules: the ones whose local-layer spec (no experts) is megatron-core's own local layer,
+# which the job builds (qk norms as --qk-layernorm says); the others name their family's features.
+SPECS_BUILT = {"mindspeed_llm.tasks.models.spec.qwen3_spec": "megatron-core's local GPT layer (q/k norms with "
+                                                             "--qk-layernorm)"}
+SPECS_REFUSED = {
+    "mindspeed_llm.tasks.models.spec.deepseek_spec": "DeepSeek's layer (" + MLA.split(" is ")[0] + ", MoE)",
+    "mindspeed_llm.tasks.models.spec.deepseek4_spec": "DeepSeek-V4's layer (sparse attention, mHC, MoE)",
+    "mindspeed_llm.tasks.models.spec.qwen3_next_spec": "Qwen3-Next's layer (linear attention, MoE)",
+    "mindspeed_llm.tasks.models.spec.gemma2_spec": "Gemma 2's layer (post-norms, soft-capping, sliding window)",
+    "mindspeed_llm.tasks.models.spec.plm_spec": "PLM's layer (MLA, squared ReLU)",
+    "mindspeed_llm.tasks.models.spec.bailing_spec": "Bailing / Ling's layer (MoE)",
+    "mindspeed_llm.tasks.models.spec.longcat_spec": "LongCat's layer (MoE, zero experts)",
+    "mindspeed_llm.tasks.models.spec.minimax_spec": "MiniMax's layer (MoE)",
+    "mindspeed_llm.tasks.models.spec.phi35_moe_spec": "Phi-3.5-MoE's layer (MoE)",
+    "mindspeed_llm.tasks.models.spec.qwen2_moe_spec": "Qwen2-MoE's layer (MoE)",
+    "mindspeed_llm.tasks.models.spec.mamba_spec": "Mamba's layer (linear attention)",
+    "mindspeed_llm.tasks.models.spec.grok_spec": "Grok's layer (MoE)",
+    "mindspeed_llm.tasks.models.spec.hunyuan_spec": "Hunyuan's layer (MoE)",
+    "mindspeed_llm.tasks.models.spec.minicpm_spec": "MiniCPM's layer (scaled residuals)",
+}
+# Values of implemented flags whose feature is not: value -> what is missing
+POSITION_EMBEDDINGS_REFUSED = {
+    "mrope": "multimodal RoPE (mrope) is not implemented here",
+    "relative": "relative position embeddings are not implemented here",
+    "none": "models without position embeddings are not implemented here",
+    "deepseek4": "DeepSeek-V4's position embedding is not implemented here",
+}
+TOKENIZERS_REFUSED = {
+    name: f"the {name} is not implemented here" for name in (
+        "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+        "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "MagistralTokenizer")}
+# MindSpeed-LLM's --model-type-hf names spelled differently by the converter (megatron_glue.convert.families)
+HF_MODEL_TYPE_ALIASES = {"qwen25": "qwen2.5"}
+# Raw data MindSpeed-LLM preprocesses at start (mindspeed_llm/tasks/preprocess/data_handler.py `_get_data_format`)
+RAW_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".csv", ".arrow")
+PRETRAIN_HANDLERS = ("GeneralPretrainHandler",)
+# megatron-core's Llama 3 RoPE scaling (rotary_pos_embedding.py `_apply_scaling`): its fixed parameters
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 class ArgumentError(SystemExit):
@@ -95,11 +302,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", *POSITION_EMBEDDINGS_REFUSED],
+                   default="learned_absolute", help="learned_absolute or rope; the others are refused")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1's RoPE frequency scaling")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--rope-scaling-type", choices=["llama3", "yarn", "longrope", "plm"], default=None,
+                   help="MindSpeed-LLM's RoPE scaling: llama3 is --use-rope-scaling (megatron-core's Llama 3 scaling, "
+                        "with its fixed --low-freq-factor 1, --high-freq-factor 4, --original-max-position-embeddings "
+                        "8192); yarn, longrope and plm are refused")
+    g.add_argument("--low-freq-factor", type=float, default=None, help="with --rope-scaling-type llama3: 1 here")
+    g.add_argument("--high-freq-factor", type=float, default=None, help="with --rope-scaling-type llama3: 4 here")
+    g.add_argument("--original-max-position-embeddings", type=float, default=None,
+                   help="with --rope-scaling-type llama3: 8192 here")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
@@ -108,7 +326,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--add-qkv-bias", action="store_true")
-    g.add_argument("--use-mcore-models", action="store_true", help="accepted: megatron-core models are the only ones")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="a norm (--normalization) on each head's query and key before attention (megatron-core's "
+                        "q_layernorm / k_layernorm; Qwen3)")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="bf16/fp16 attention scores masked and soft-maxed in fp32 (megatron-core's "
+                        "attention_softmax_in_fp32). Where the backend fuses attention (npu_fusion_attention, "
+                        "--use-flash-attn) the softmax is in fp32 either way")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="local: megatron-core's own layers, the only ones here (transformer_engine is refused: "
+                        "Transformer Engine is CUDA-only)")
+    g.add_argument("--spec", nargs="*", default=None, metavar="MODULE NAME",
+                   help="a layer spec by module and name; MindSpeed-LLM's "
+                        + ", ".join(f"{m} ({what})" for m, what in SPECS_BUILT.items())
+                        + " is built; its other specs are refused, naming their features")
 
     g = p.add_argument_group("regularization")
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -163,6 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load model weights only; iteration starts at 0")
+    g.add_argument("--enable-hf2mg-convert", action="store_true",
+                   help="--load is a HuggingFace folder: rank 0 converts it (`npu-compile convert`) into "
+                        "<load>/megatron_cache_tp{TP}pp{PP}_{--ckpt-format} once, every rank waits, and the job "
+                        "starts from those weights (MindSpeed-LLM's meaning)")
+    g.add_argument("--model-type-hf", default=None,
+                   help="with --enable-hf2mg-convert: the HF family (MindSpeed-LLM's names; default: config.json's "
+                        "model_type); a family the converter lacks, or a folder of another family, is refused "
+                        "before the job starts")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop when there is no checkpoint there, instead of starting from random weights")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist")
 
     g = p.add_argument_group("mixed precision")
@@ -180,7 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo", "hccl"], default="nccl")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo", "hccl"], default="nccl",
+                   help="nccl: the machine's accelerator backend, as torch_npu makes it mean (hccl on an Ascend NPU, "
+                        "nccl on CUDA; on a machine with neither, gloo, said in the log); hccl: Ascend; gloo: CPU")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="1 only (context parallelism is refused above 1)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -198,19 +443,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--split", default=None, help="train,valid,test weights; default 969,30,1")
     g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=0,
+                   help="data loader worker processes (default 0 here: the loader reads in the training process; "
+                        "Megatron-LM's default is 2)")
+    g.add_argument("--dataloader-type", choices=["single", "cyclic", "external"], default="single",
+                   help="single: each sample once, in order, from where the job left off (Megatron-LM's cyclic and "
+                        "external loaders are refused)")
+    g.add_argument("--no-shared-storage", action="store_true",
+                   help="MindSpeed-LLM: the nodes share no file system. On one node (all this job's processes on one "
+                        "machine) it changes nothing; across nodes it is refused (the dataset index would be built "
+                        "by rank 0 only)")
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
-                   default=None)
+    g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "PretrainedFromHF",
+                                                "NullTokenizer", *TOKENIZERS_REFUSED], default=None,
+                   help="GPT2BPETokenizer, HuggingFaceTokenizer, PretrainedFromHF (MindSpeed-LLM's: "
+                        "HuggingFaceTokenizer read from --tokenizer-name-or-path) or NullTokenizer; the others are "
+                        "refused")
     g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-name-or-path", default=None,
+                   help="PretrainedFromHF's tokenizer: a local directory written by save_pretrained (no hub downloads)")
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="the model's embedding rows, as given (default: the tokenizer's vocabulary padded to a "
+                        "multiple of --make-vocab-size-divisible-by x TP)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer's vocabulary (ids; eod is this id); with a tokenizer with files, the model's "
                         "vocabulary when its embedding has more rows than the tokenizer has tokens")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--log-throughput", action="store_true", help="accepted: tokens/s is always logged")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="log Megatron-LM's model TFLOP/s per device in each iteration line")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's automatic garbage collection off; collected at the start, every "
+                        "--manual-gc-interval iterations, and around each evaluation")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every this many iterations (0: not between iterations)")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc: no collection around evaluations")
     g.add_argument("--metrics-file", default=None, help="metrics JSONL (default <save>/metrics.jsonl)")
     g.add_argument("--no-progress-bar", action="store_true")
 
@@ -220,13 +491,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-ascend-mc2", action="store_true",
                    help="the tensor-parallel linears' all-gather + matmul and matmul + reduce-scatter as MC2 ops at "
                         "every site (npu_compile option mc2='on'); needs --sequence-parallel and TP > 1")
+    g.add_argument("--use-ascend-coc", action="store_true",
+                   help="MindSpeed's computation/communication overlap of the tensor-parallel linears: the "
+                        "backend's overlap scheduler (npu_compile option overlap, on by default)")
+    g.add_argument("--coc-fused-kernel", action="store_true",
+                   help="MindSpeed's fused matmul + collective kernels for --use-ascend-coc: the backend's MC2 ops "
+                        "where its cost model finds them faster (npu_compile option mc2 'auto', the default; "
+                        "--use-ascend-mc2 puts them everywhere)")
 
     g = p.add_argument_group("npu_compile")
     g.add_argument("--npu-compile-options", type=_json_object, default={},
                    help="JSON object passed to torch.compile(..., options=)")
     g.add_argument("--no-npu-compile", action="store_false", dest="npu_compile",
                    help="the same job, eager (the reference)")
+
+    g = p.add_argument_group("accepted, no effect here (each with the reason)")
+    for flag, (kwargs, reason) in NO_EFFECT.items():
+        g.add_argument(flag, help=reason, **kwargs)
+
+    g = p.add_argument_group("refused: not implemented here (each with the feature and what to do instead)")
+    for flag, (nargs, reason) in REFUSED.items():
+        g.add_argument(flag, nargs=nargs, action=_Refused, default=argparse.SUPPRESS, help=reason,
+                       metavar="VALUE")
     return p
+
+
+class _Refused(argparse.Action):
+    """Takes a refused flag's values (so that they are not read as flags of their own) and records the flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        refused = getattr(namespace, "_refused", [])
+        refused.append(option_string)
+        setattr(namespace, "_refused", refused)
 
 
 def _json_object(text: str) -> dict:
@@ -239,21 +535,142 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _refuse_not_implemented(argv: list[str]) -> None:
-    for arg in argv:
-        flag = arg.split("=", 1)[0]
-        if flag in NOT_IMPLEMENTED:
-            raise ArgumentError(f"{flag} is a Megatron-LM flag that megatron_glue.pretrain_gpt does not implement: "
-                                f"{NOT_IMPLEMENTED[flag]}")
+def refusal(flag: str, reason: str) -> str:
+    """One line: a flag (or flag and value) and why it is refused, naming the feature and what to do instead."""
+    return f"{flag}: {reason}"
 
 
-def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+def _value_refusals(args: argparse.Namespace) -> list[str]:
+    """Flags this job takes with some values and refuses with others: one line each."""
+    lines = []
+    if args.transformer_impl == "transformer_engine":
+        lines.append(refusal("--transformer-impl transformer_engine",
+                             "Transformer Engine is CUDA-only and not used here; use --transformer-impl local "
+                             "(megatron-core's own layers, the default here)"))
+    if args.context_parallel_size != 1:
+        lines.append(refusal(f"--context-parallel-size {args.context_parallel_size}", CP))
+    if args.attention_mask_type == "general":
+        lines.append(refusal("--attention-mask-type general", PACKED))
+    if args.spec is not None:
+        module = args.spec[0] if args.spec else ""
+        if len(args.spec) != 2 or args.spec[1] != "layer_spec" or module not in SPECS_BUILT:
+            what = SPECS_REFUSED.get(module)
+            lines.append(refusal(
+                "--spec " + " ".join(args.spec),
+                (f"{what} is not implemented here" if what else "this layer spec is not one this job builds")
+                + "; the specs built here: " + ", ".join(f"{m} layer_spec" for m in SPECS_BUILT)
+                + " (or leave --spec out: megatron-core's local GPT layer)"))
+    if args.position_embedding_type in POSITION_EMBEDDINGS_REFUSED:
+        lines.append(refusal(f"--position-embedding-type {args.position_embedding_type}",
+                             POSITION_EMBEDDINGS_REFUSED[args.position_embedding_type]
+                             + "; use rope or learned_absolute"))
+    if args.tokenizer_type in TOKENIZERS_REFUSED:
+        lines.append(refusal(f"--tokenizer-type {args.tokenizer_type}",
+                             TOKENIZERS_REFUSED[args.tokenizer_type] + "; use PretrainedFromHF (or "
+                             "HuggingFaceTokenizer) with a local HF tokenizer folder, GPT2BPETokenizer or "
+                             "NullTokenizer"))
+    if args.loss_compute_mode == "chunk":
+        lines.append(refusal("--loss-compute-mode chunk",
+                             "MindSpeed-LLM's chunked cross-entropy is not implemented here; the backend fuses the "
+                             "output layer with the loss (vocab_parallel_cross_entropy) instead"))
+    if args.dataloader_type != "single":
+        lines.append(refusal(f"--dataloader-type {args.dataloader_type}",
+                             f"Megatron-LM's {args.dataloader_type} data loader is not implemented here; use single "
+                             "(the default: each sample once, in order)"))
+    if args.rope_scaling_type in ("yarn", "longrope", "plm"):
+        lines.append(refusal(f"--rope-scaling-type {args.rope_scaling_type}", ROPE_EXTENSION))
+    if args.rope_scaling_type == "llama3":
+        given = {"low_freq_factor": args.low_freq_factor, "high_freq_factor": args.high_freq_factor,
+                 "original_max_position_embeddings": args.original_max_position_embeddings}
+        for name, value in given.items():
+            if value is not None and value != LLAMA3_ROPE[name]:
+                lines.append(refusal(
+                    f"--{name.replace('_', '-')} {value:g}",
+                    f"megatron-core's Llama 3 RoPE scaling fixes it at {LLAMA3_ROPE[name]:g}; other values are not "
+                    "implemented here"))
+    if args.handler_name and args.handler_name not in PRETRAIN_HANDLERS:
+        lines.append(refusal(f"--handler-name {args.handler_name}", INSTRUCTION))
+    raw = [p for p in args.data_path or () if _is_raw_data(p)]
+    if raw:
+        lines.append(refusal(
+            f"--data-path {raw[0]}",
+            "preprocessing raw data when the job starts (MindSpeed-LLM's --handler-name) is not implemented here; "
+            f"write a .bin/.idx prefix with `npu-compile preprocess --input {raw[0]} ...` and give the prefix"))
+    nodes = _nodes(args)
+    if args.no_shared_storage and nodes > 1:
+        lines.append(refusal("--no-shared-storage",
+                             f"this job runs on {nodes} nodes, and building the dataset index on each node is not "
+                             "implemented here; put --data-path and --data-cache-path on storage every node sees "
+                             "and drop the flag"))
+    return lines
+
+
+def _is_raw_data(path: str) -> bool:
+    """MindSpeed-LLM's test for data it preprocesses at start: a file, or a folder of files, of a raw format."""
+    if os.path.isfile(path):
+        return path.endswith(RAW_DATA_SUFFIXES)
+    if os.path.isdir(path):
+        return any(name.endswith(RAW_DATA_SUFFIXES) for name in os.listdir(path))
+    return False
+
+
+def _nodes(args) -> int:
+    """Machines this job runs on: the world over the processes per machine ($LOCAL_WORLD_SIZE, set by torchrun)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size) or args.world_size)
+    return max(1, -(-args.world_size // max(1, per_node)))
+
+
+class DialectError(ArgumentError):
+    """Every refused or unknown flag of one command line, one line each, under a line that counts them."""
+
+    def __init__(self, prog: str, lines: list[str]):
+        self.lines = lines
+        if len(lines) == 1:
+            message = f"{prog}: error: {lines[0]}"
+        else:
+            message = "\n".join([f"{prog}: error: {len(lines)} flags of this command line are refused or unknown:",
+                                 *(f"  {line}" for line in lines)])
+        super().__init__(message)
+
+
+def _unknown(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Flags (`--name` or `--name=value`) the parser does not know, in order, each once."""
+    known = parser._option_string_actions
+    unknown = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in known]
+    return list(dict.fromkeys(unknown))
+
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None,
+               refusals=()) -> argparse.Namespace:
     """Megatron-LM's args from `argv` (default sys.argv[1:]), checked against `world_size`
-    (default $WORLD_SIZE or 1). Raises ArgumentError (a SystemExit with one line) on bad input."""
+    (default $WORLD_SIZE or 1). Raises ArgumentError (a SystemExit with one line, or a DialectError listing
+    every refused or unknown flag at once) on bad input. `refusals`: more checks of the parsed args, each giving
+    a refusal line or None, reported with the others (the door adds the converter's, a room this one does not
+    import)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    _refuse_not_implemented(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    lines = [f"{flag}: unrecognized (not a flag of Megatron-LM, MindSpeed or MindSpeed-LLM that this job knows)"
+             for flag in _unknown(argv, parser)]
+    try:
+        args, _ = parser.parse_known_args(argv)
+    except ArgumentError as e:  # a bad value or a missing flag: reported with the refusals found so far
+        refused = [a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in REFUSED]
+        if "--num-experts" not in refused:
+            refused = [f for f in refused if REFUSED[f][1] != MOE_SETTING]
+        lines = [refusal(f, REFUSED[f][1]) for f in dict.fromkeys(refused)] + lines
+        if not lines:
+            raise
+        raise DialectError(parser.prog, lines + [e.message.split(": error: ", 1)[-1]]) from None
     args.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    given = list(dict.fromkeys(getattr(args, "_refused", [])))
+    if "--num-experts" not in given:  # MoE settings of a model without experts configure nothing
+        given = [f for f in given if REFUSED[f][1] != MOE_SETTING]
+    refused = [refusal(f, REFUSED[f][1]) for f in given]
+    if hasattr(args, "_refused"):
+        del args._refused
+    lines = refused + _value_refusals(args) + [line for check in refusals if (line := check(args))] + lines
+    if lines:
+        raise DialectError(parser.prog, lines)
     validate(args)
     return args
 
@@ -307,6 +724,10 @@ def validate(args: argparse.Namespace) -> None:
                  "(8/3 x hidden rounded down to a multiple of 64); give --ffn-hidden-size")
     if args.kv_channels is None:  # Megatron-LM's validate_args: the head size, stored and compared resolved
         args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.use_rotary_position_embeddings:  # Megatron-LM's validate_args: the older spelling of rope
+        args.position_embedding_type = "rope"
+    if args.rope_scaling_type == "llama3":  # megatron-core's Llama 3 scaling (MindSpeed-LLM's name for it)
+        args.use_rope_scaling = True
     if args.max_position_embeddings is None:
         if args.position_embedding_type == "learned_absolute":
             fail("--max-position-embeddings is required with --position-embedding-type learned_absolute")
@@ -352,13 +773,24 @@ def validate(args: argparse.Namespace) -> None:
             args.tokenizer_type = "NullTokenizer"
         else:
             fail("--tokenizer-type is required: GPT2BPETokenizer (with --vocab-file, --merge-file), "
-                 "HuggingFaceTokenizer (with --tokenizer-model) or NullTokenizer (with --vocab-size)")
+                 "HuggingFaceTokenizer (with --tokenizer-model), PretrainedFromHF (with --tokenizer-name-or-path) or "
+                 "NullTokenizer (with --vocab-size)")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
         fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt)")
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         fail("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local directory)")
+    if args.tokenizer_type == "PretrainedFromHF" and not args.tokenizer_name_or_path:
+        fail("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path (a local directory)")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.padded_vocab_size is not None and args.padded_vocab_size < 1:
+        fail(f"--padded-vocab-size {args.padded_vocab_size} must be >= 1")
+    if args.num_workers < 0:
+        fail(f"--num-workers {args.num_workers} must be >= 0")
+    if args.manual_gc_interval < 0:
+        fail(f"--manual-gc-interval {args.manual_gc_interval} must be >= 0 (0: no collection between iterations)")
+    if args.enable_hf2mg_convert and not args.load:
+        fail("--enable-hf2mg-convert needs --load, the HuggingFace folder to start from")
     if args.save:  # a job that cannot write its checkpoints is refused here, not after training to its first save
         from megatron_glue.training.checkpointing import save_refusal
 
@@ -381,6 +813,12 @@ def validate(args: argparse.Namespace) -> None:
     if args.use_ascend_mc2 and args.npu_compile_options.get("mc2", "on") != "on":
         fail(f"--use-ascend-mc2 sets npu_compile option mc2='on', but --npu-compile-options gives mc2="
              f"{args.npu_compile_options['mc2']!r}; drop one of them")
+    if args.use_ascend_coc and args.npu_compile_options.get("overlap", True) is False:
+        fail("--use-ascend-coc is the backend's overlap scheduler (npu_compile option overlap), but "
+             "--npu-compile-options gives overlap=false; drop one of them")
+    if args.coc_fused_kernel and args.npu_compile_options.get("mc2", "auto") == "off":
+        fail("--coc-fused-kernel is the backend's MC2 ops (npu_compile option mc2), but --npu-compile-options gives "
+             "mc2='off'; drop one of them")
     args.npu_compile_options = compile_options(args.npu_compile_options, mindspeed, args.use_ascend_mc2)
     from npu_compile import config as npu_config
 

@@ -2,7 +2,10 @@
 
 - `hccl`: Ascend NPU. torch_npu is imported, and its own `transfer_to_npu` maps `cuda` to `npu` across torch
   (device strings, `torch.cuda.*`, `.cuda()`), which is how Ascend's own Megatron ports run CUDA-minded code.
-- `nccl`: CUDA.
+- `nccl`: the machine's accelerator backend, as torch_npu makes it mean: every MindSpeed-LLM script says
+  `--distributed-backend nccl`, and on an NPU torch_npu's `transfer_to_npu` turns nccl into hccl
+  (Ascend/pytorch `torch_npu/contrib/transfer_to_npu.py`, its `init_process_group` wrapper). So: hccl where
+  torch_npu sees an NPU, nccl on CUDA, and on a machine with neither gloo on the CPU, with a log line saying so.
 - `gloo`: CPU (how every test here runs).
 
 `init(args)` joins the process group, picks this rank's device and applies the adaptation groups the job needs.
@@ -51,6 +54,18 @@ def _torch_npu_missing() -> str | None:
     return None
 
 
+def _accelerator_backend(local_rank: int) -> tuple[str, torch.device]:
+    """What `--distributed-backend nccl` means on this machine (see the module docstring)."""
+    if _torch_npu_missing() is None:
+        return "hccl", torch.device("npu", local_rank)
+    if torch.cuda.is_available():
+        return "nccl", torch.device("cuda", local_rank)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(" --distributed-backend nccl: this machine has no NPU (torch_npu) and no CUDA; running on the CPU with "
+              "gloo", flush=True)
+    return "gloo", torch.device("cpu")
+
+
 def process_group_timeout(args) -> datetime.timedelta:
     connect = os.environ.get("HCCL_CONNECT_TIMEOUT")
     if connect:
@@ -75,10 +90,7 @@ def placement(args) -> Placement:
                 "--distributed-backend gloo")
         device = torch.device("npu", local_rank)
     elif backend == "nccl":
-        if not torch.cuda.is_available():
-            raise ArgumentError("pretrain_gpt: error: --distributed-backend nccl needs CUDA, which this machine "
-                                "lacks; on an Ascend NPU use --distributed-backend hccl, on CPU use gloo")
-        device = torch.device("cuda", local_rank)
+        backend, device = _accelerator_backend(local_rank)
     else:
         device = torch.device("cpu")
     try:

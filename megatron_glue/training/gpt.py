@@ -25,7 +25,9 @@ def tokenizer_for(args):
     if args.tokenizer_type == "NullTokenizer":
         return NullTokenizer(args.vocab_size)
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                           tokenizer_model=args.tokenizer_model)
+                           tokenizer_model=args.tokenizer_model,
+                           tokenizer_name_or_path=getattr(args, "tokenizer_name_or_path", None),
+                           use_fast=getattr(args, "tokenizer_use_fast", True))
 
 
 def model_vocab_size(args) -> int:
@@ -42,11 +44,22 @@ def model_vocab_size(args) -> int:
 
 def set_vocabulary(args) -> None:
     """The job's tokenizer and model vocabulary: args.tokenizer, args.orig_vocab_size (model_vocab_size) and
-    args.padded_vocab_size (Megatron-LM's padding for --make-vocab-size-divisible-by and TP)."""
+    args.padded_vocab_size: --padded-vocab-size as given (MindSpeed-LLM's meaning), else Megatron-LM's padding for
+    --make-vocab-size-divisible-by and TP."""
     from megatron_glue.data.tokenizer import padded_vocab_size
 
     args.tokenizer = tokenizer_for(args)
     args.orig_vocab_size = model_vocab_size(args)
+    given = getattr(args, "padded_vocab_size", None)
+    if given is not None:
+        if given < args.orig_vocab_size:
+            raise ArgumentError(f"pretrain_gpt: error: --padded-vocab-size {given} is smaller than the model's "
+                                f"vocabulary ({args.orig_vocab_size} tokens); give at least {args.orig_vocab_size}")
+        if given % args.tensor_model_parallel_size:
+            raise ArgumentError(f"pretrain_gpt: error: --padded-vocab-size {given} is not divisible by "
+                                f"--tensor-model-parallel-size {args.tensor_model_parallel_size}; the embedding "
+                                "rows are split over TP")
+        return
     args.padded_vocab_size = padded_vocab_size(args.orig_vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
 
@@ -61,7 +74,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization,
-                                                         qk_layernorm=getattr(args, "qk_layernorm", False)),
+                                                        qk_layernorm=getattr(args, "qk_layernorm", False)),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -105,14 +118,19 @@ def datasets_provider(args):
                           mock=args.mock_data, create_attention_mask=False)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, before_start=None, refusals=()) -> int:
+    """The job; `refusals` join the argument check (parse_args), and `before_start(args)`, when given, runs after
+    it and before any process group (the door passes the converter's --enable-hf2mg-convert check and step: this
+    room does not import the converter)."""
     from megatron_glue.training import training
     from megatron_glue.training.checkpointing import CheckpointError
     from megatron_glue.data.datasets import build_loader
     from megatron_glue.data.tokenizer import DataError
 
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, refusals=refusals)
+        if before_start is not None:
+            before_start(args)
         set_vocabulary(args)
         with quiet_megatron():
             training.pretrain(args, model_provider, forward_step, datasets_provider, build_loader)

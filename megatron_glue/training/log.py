@@ -43,10 +43,12 @@ def peak_memory_mb(device: torch.device) -> float:
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                    learning_rate: float, global_batch_size: int, losses: dict[str, float], loss_scale: float,
                    grad_norm: float | None, skipped: int, nan: int, tokens_per_sec: float,
-                   peak_mb: float) -> str:
+                   peak_mb: float, tflops_per_device: float | None = None) -> str:
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+    if tflops_per_device is not None:  # --log-throughput, where Megatron-LM puts it
+        line += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_device:.1f} |"
     line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     for key, value in losses.items():
@@ -59,6 +61,22 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
     line += f" tokens per second: {tokens_per_sec:.1f} |"
     line += f" peak memory (MB): {peak_mb:.1f} |"
     return line
+
+
+def num_floating_point_operations(args, batch_size: int) -> float:
+    """The model FLOPs of one iteration of `batch_size` sequences, as Megatron-LM counts them for --log-throughput
+    (megatron/training/training.py `num_floating_point_operations`, the dense GPT case): every GEMM three times
+    (forward, weight and data gradients), 2 FLOPs per multiply-add, the attention matrix half (causal), the
+    logits over the padded vocabulary."""
+    heads, hidden, layers, seq = args.num_attention_heads, args.hidden_size, args.num_layers, args.seq_length
+    groups = args.num_query_groups if args.group_query_attention else heads
+    query_ratio = args.kv_channels * heads / hidden
+    glu = 3 / 2 if args.swiglu else 1
+    expansion = 3 * 2 * 2
+    attention = expansion * layers * hidden * hidden * ((1 + groups / heads + seq / hidden / 2) * query_ratio)
+    mlp = expansion * layers * hidden * args.ffn_hidden_size * glu
+    logits = 3 * 2 * hidden * args.padded_vocab_size
+    return batch_size * seq * (mlp + attention + logits)
 
 
 def validation_lines(prefix: str, losses: dict[str, float]) -> str:

@@ -10,6 +10,7 @@ Nothing here is a hand-written training loop over a model: one iteration is mega
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import random
@@ -22,7 +23,8 @@ import torch.distributed as dist
 
 from megatron_glue.capture import quiet_megatron
 from megatron_glue.training import checkpointing, device as glue_device, versions
-from megatron_glue.training.log import Metrics, iteration_line, peak_memory_mb, print_rank0, validation_lines
+from megatron_glue.training.log import (Metrics, iteration_line, num_floating_point_operations, peak_memory_mb,
+                                        print_rank0, validation_lines)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,6 +109,8 @@ def transformer_config(args, where):
         # ops reach the backend's rules.
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        # Megatron-LM's --attention-softmax-in-fp32 (default off); megatron-core's own default is on
+        attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
         use_cpu_initialization=where.device.type == "cpu",
         # p2p: no torch.cuda.synchronize; at PP=2 interleaved, batched p2p posts the send to and the receive
         # from the same peer with the same tag, and gloo swaps activations and grads (wrong losses, no error)
@@ -379,7 +383,7 @@ def _iterators(args, build, datasets, consumed: tuple[int, int], chunks):
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         per_chunk.append(tuple(
             build(ds, consumed_samples=c, micro_batch_size=args.micro_batch_size, data_parallel_rank=dp_rank,
-                  data_parallel_size=dp) if ds is not None else None
+                  data_parallel_size=dp, num_workers=getattr(args, "num_workers", 0)) if ds is not None else None
             for ds, c in ((train_ds, consumed[0]), (valid_ds, consumed[1]), (test_ds, 0))))
     if len(chunks) == 1:
         return per_chunk[0]
@@ -397,6 +401,10 @@ def _count_graphs() -> dict:
 def pretrain(args, model_provider, forward_step, datasets_provider, build_loader):
     """Megatron-LM's pretrain(): set up, load, train with periodic evaluation and saves, evaluate, exit."""
     where = initialize(args)
+    if args.load and getattr(args, "exit_on_missing_checkpoint", False) and checkpointing.read_tracker(args.load) is None:
+        raise checkpointing.CheckpointError(
+            f"--load {args.load}: no checkpoint there ({checkpointing.TRACKER} missing), and "
+            "--exit-on-missing-checkpoint says to stop rather than start from random weights")
     state = State()
     chunks, config = build_model(args, where, model_provider)
     optimizer, scheduler = build_optimizer(args, chunks, config)
@@ -436,7 +444,12 @@ def _evaluate_and_print(args, forward_step, data_iterator, chunks, state, metric
     """Megatron-LM's evaluate_and_print_results on the validation (split 1) or test (split 2) data."""
     if not state.has_split[split]:
         return
+    manual_gc = getattr(args, "manual_gc", False) and getattr(args, "manual_gc_eval", True)
+    if manual_gc:
+        gc.collect()  # Megatron-LM: everything, before the evaluation
     losses = evaluate(args, forward_step, data_iterator, chunks)
+    if manual_gc:
+        gc.collect(generation=0)  # and what the evaluation made, after it
     if split == 1:
         state.consumed_valid_samples += args.eval_iters * args.global_batch_size
     prefix = f"iteration {state.iteration}" + (f" {suffix}" if suffix else "")
@@ -459,6 +472,12 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
     interval = _Interval()
     for c in chunks:
         c.train()
+    if getattr(args, "manual_gc", False):
+        # Megatron-LM's --manual-gc: no threshold-based collection, so that ranks collect at the same points
+        gc.disable()
+        gc.collect()
+    flops_per_iteration = (num_floating_point_operations(args, args.global_batch_size)
+                           if getattr(args, "log_throughput", False) else None)
     while state.iteration < args.train_iters:
         started = time.perf_counter()
         losses, skipped, grad_norm = train_step(args, forward_step, train_it, chunks, optimizer, scheduler)
@@ -495,7 +514,9 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
                 global_batch_size=args.global_batch_size,
                 losses={k: v / counted for k, v in interval.loss_sums.items()}, loss_scale=scale, grad_norm=norm,
                 skipped=interval.skipped, nan=interval.nan, tokens_per_sec=tokens_per_it / elapsed,
-                peak_mb=peak_memory_mb(where.device)))
+                peak_mb=peak_memory_mb(where.device),
+                tflops_per_device=(flops_per_iteration / (elapsed * 1e12 * args.world_size)
+                                   if flops_per_iteration is not None else None)))
             interval = _Interval()
         if args.eval_interval and state.iteration % args.eval_interval == 0 and args.eval_iters > 0 \
                 and state.iteration < args.train_iters:
@@ -503,6 +524,9 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, state.iteration, chunks, optimizer, scheduler,
                                           state.consumed_train_samples, state.consumed_valid_samples)
+        if getattr(args, "manual_gc", False) and args.manual_gc_interval and \
+                state.iteration % args.manual_gc_interval == 0:
+            gc.collect()
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             print_rank0(f" exiting program at iteration {state.iteration}")
             break

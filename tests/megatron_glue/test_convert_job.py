@@ -292,6 +292,53 @@ def test_finetune_compiled_from_the_converted_checkpoint(converted, hf_dir, data
     assert relative(hf_loss(tuned, job_batches(args, 1, 1)), validation) <= 1e-5
 
 
+# -- HF weights at start: MindSpeed-LLM's --enable-hf2mg-convert ------------------------------------------------
+
+def _hf2mg_flags(hf: Path, converted: Path, hf_dir: Path, data_prefix: str, cache: Path, *more: str) -> list[str]:
+    """job_flags with --load the HF folder itself, converted by the job (--ckpt-format torch, as their scripts
+    say), and MindSpeed-LLM's tokenizer spelling."""
+    flags = job_flags(converted, hf_dir, data_prefix, cache, "--skip-train", "--train-iters", "0", "--eval-iters",
+                      str(EVAL_ITERS), "--no-npu-compile", *more)
+    flags = _without(_without(flags, "--load"), "--tokenizer-model")
+    flags = [f for f in flags if f not in ("--finetune", "HuggingFaceTokenizer", "--tokenizer-type")]
+    return [*flags, "--load", str(hf), "--enable-hf2mg-convert", "--ckpt-format", "torch", "--tokenizer-type",
+            "PretrainedFromHF", "--tokenizer-name-or-path", str(hf_dir)]
+
+
+@pytest.mark.training
+@pytest.mark.any_megatron_line
+def test_enable_hf2mg_convert_starts_from_the_hf_folder(converted, hf_dir, data_prefix, cache, hf_model, tmp_path):
+    """--load HF --enable-hf2mg-convert --model-type-hf llama3 on 2 processes: rank 0 converts the folder into
+    <load>/megatron_cache_tp1pp1_torch while rank 1 waits, the job loads it and evaluates to transformers' loss on
+    the same samples; a second start (one process) uses the cache as it is."""
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_dir, hf)
+    flags = _hf2mg_flags(hf, converted, hf_dir, data_prefix, cache, "--model-type-hf", "llama3")
+    first = pretrain(tmp_path / "first", *flags, nproc=2, base=[]).check()  # rank 1 waits for rank 0's conversion
+    converted_here = hf / "megatron_cache_tp1pp1_torch"
+    assert f" --enable-hf2mg-convert: converting {hf} into {converted_here} ..." in first.output
+    assert (converted_here / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert f"successfully loaded checkpoint from {converted_here}" in first.output
+    job = first.rows("validation")[0]["lm loss"]
+    want = hf_loss(hf_model, job_batches(job_args(flags), 1, EVAL_ITERS))
+    print(f"--enable-hf2mg-convert: job {job:.7f}, transformers {want:.7f}, relative {relative(job, want):.1e}")
+    assert relative(job, want) <= 1e-5
+    second = pretrain(tmp_path / "second", *flags, base=[]).check()
+    assert f" --enable-hf2mg-convert: using the converted weights in {converted_here}" in second.output
+    assert second.rows("validation")[0]["lm loss"] == job
+
+
+def test_enable_hf2mg_convert_refuses_another_family_before_starting(converted, hf_dir, data_prefix, cache, tmp_path):
+    run = pretrain(tmp_path, *_hf2mg_flags(hf_dir, converted, hf_dir, data_prefix, cache, "--model-type-hf", "qwen25"),
+                   base=[])
+    assert run.returncode == 1, run.output[-3000:]
+    assert f"pretrain_gpt: error: --load {hf_dir}: --model-type-hf qwen2.5 expects config.json model_type qwen2, " \
+           "the config says 'llama'" in run.output
+    assert not (hf_dir / "megatron_cache_tp1pp1_torch").exists()
+
+
 # -- refusals --------------------------------------------------------------------------------------------------
 
 def _saved_args(mg: Path) -> dict:

@@ -184,4 +184,28 @@ def test_huggingface_bad_dirs_and_unknown_type(tmp_path):
                     f"tokenizer_config.json, as written by save_pretrained)")
     assert _error("SentencePieceTokenizer", tokenizer_model=empty) == (
         DataError, "--tokenizer-type SentencePieceTokenizer is not implemented here (supported: GPT2BPETokenizer, "
-                    "HuggingFaceTokenizer, NullTokenizer)")
+                    "HuggingFaceTokenizer, PretrainedFromHF, NullTokenizer)")
+
+
+def test_pretrained_from_hf_is_mindspeed_llms_auto_tokenizer(gpt2_files, tmp_path):
+    """MindSpeed-LLM's PretrainedFromHF: AutoTokenizer on --tokenizer-name-or-path; vocab_size = len(tokenizer),
+    eod = eos; tokenize = encode(text). --tokenizer-not-use-fast (use_fast=False) asks for the slow tokenizer,
+    which transformers 5 no longer has: the same fast one comes back (hence its place among the no-effect flags)."""
+    from transformers import GPT2Tokenizer
+
+    folder = str(tmp_path / "hf")
+    GPT2Tokenizer(*gpt2_files, eos_token=EOD_TOKEN).save_pretrained(folder)  # slow and fast both load from it
+    fast = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=folder)
+    slow = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=folder, use_fast=False)
+    assert (fast._tok.is_fast, slow._tok.is_fast) == (True, True)
+    vocab = json.loads(Path(gpt2_files[0]).read_text(encoding="utf-8"))
+    for tok in (fast, slow):
+        assert (tok.vocab_size, tok.eod, tok.tokenizer_type) == (len(vocab), vocab[EOD_TOKEN], "PretrainedFromHF")
+    for text in SAMPLES:
+        assert fast.tokenize(text) == slow.tokenize(text) == fast._tok.encode(text)
+    assert _error("PretrainedFromHF") == (
+        DataError, "PretrainedFromHF needs --tokenizer-name-or-path (a local directory written by save_pretrained)")
+    missing = str(tmp_path / "nope")
+    assert _error("PretrainedFromHF", tokenizer_name_or_path=missing) == (
+        FileNotFoundError, f"--tokenizer-name-or-path {missing}: no such directory (PretrainedFromHF loads a local "
+                           "directory written by save_pretrained; no hub downloads)")

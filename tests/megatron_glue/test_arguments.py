@@ -1,0 +1,391 @@
+"""megatron_glue.training.arguments: the dialect of MindSpeed-LLM's training scripts. Each kind of flag (implemented, mapped
+onto the backend, accepted with no effect, refused) with its exact message; every refused or unknown flag of a
+command line reported at once; --help listing the refused and no-effect flags with their reasons; and real
+MindSpeed-LLM launch lines (flags and values extracted from its scripts: fixtures/mindspeed_llm_scripts.json),
+scaled down to a tiny model on 2 processes, through parse_args."""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import types
+from pathlib import Path
+
+import pytest
+
+from bench.mindspeed_census import scale_down
+from megatron_glue.training.arguments import (NO_EFFECT, REFUSED, ArgumentError, DialectError, build_parser,
+                                             parse_args)
+from pretrain_runs import TINY, pretrain
+
+PROG = "python -m megatron_glue.pretrain_gpt: error: "
+JOB = [*TINY, "--train-iters", "5"]
+SCRIPTS = json.loads((Path(__file__).parent / "fixtures" / "mindspeed_llm_scripts.json").read_text())["scripts"]
+
+
+def script(name: str) -> list[str]:
+    (key,) = [k for k in SCRIPTS if k.endswith("/" + name)]
+    return SCRIPTS[key]
+
+
+def error(argv, world_size=1) -> str:
+    with pytest.raises(ArgumentError) as info:
+        parse_args(argv, world_size=world_size)
+    assert info.value.code == 2
+    return info.value.message
+
+
+# -- implemented ----------------------------------------------------------------------------------------------------
+
+def test_transformer_impl_local_is_what_runs_and_transformer_engine_is_refused():
+    assert parse_args(JOB).transformer_impl == "local"
+    assert parse_args([*JOB, "--transformer-impl", "local"]).transformer_impl == "local"
+    assert error([*JOB, "--transformer-impl", "transformer_engine"]) == PROG + (
+        "--transformer-impl transformer_engine: Transformer Engine is CUDA-only and not used here; use "
+        "--transformer-impl local (megatron-core's own layers, the default here)")
+
+
+def test_context_parallel_size_1_is_accepted_with_its_algorithm():
+    args = parse_args([*JOB, "--context-parallel-size", "1", "--context-parallel-algo", "megatron_cp_algo"])
+    assert args.context_parallel_size == 1
+
+
+def test_rope_flags():
+    args = parse_args([*JOB, "--use-rotary-position-embeddings", "--rotary-base", "1000000"])
+    assert (args.position_embedding_type, args.rotary_base, args.use_rope_scaling) == ("rope", 1000000, False)
+    # MindSpeed-LLM's llama3 scaling is megatron-core's (factor as given; its other parameters fixed)
+    llama31 = ["--rope-scaling-type", "llama3", "--rope-scaling-factor", "8.0", "--low-freq-factor", "1.0",
+               "--high-freq-factor", "4.0", "--original-max-position-embeddings", "8192"]
+    args = parse_args([*JOB, "--position-embedding-type", "rope", *llama31])
+    assert (args.use_rope_scaling, args.rope_scaling_factor) == (True, 8.0)
+    assert error([*JOB, "--position-embedding-type", "rope", *llama31[:-1], "32768"]) == PROG + (
+        "--original-max-position-embeddings 32768: megatron-core's Llama 3 RoPE scaling fixes it at 8192; other "
+        "values are not implemented here")
+    assert error([*JOB, "--rope-scaling-type", "yarn", "--beta-fast", "32"]) == "\n".join([
+        PROG + "2 flags of this command line are refused or unknown:",
+        "  --beta-fast: YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
+        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)",
+        "  --rope-scaling-type yarn: YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
+        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)"])
+
+
+def test_pretrained_from_hf_tokenizer_and_padded_vocab_size():
+    from megatron_glue.training.gpt import set_vocabulary
+
+    hf = [f for f in JOB if f != "--mock-data"] + ["--data-path", "corpus_text_document"]
+    args = parse_args([*hf, "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", "tok",
+                       "--tokenizer-not-use-fast"])
+    assert (args.tokenizer_type, args.tokenizer_name_or_path, args.tokenizer_use_fast) == ("PretrainedFromHF", "tok",
+                                                                                          False)
+    assert error([*hf, "--tokenizer-type", "PretrainedFromHF"]) == (
+        "pretrain_gpt: error: --tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path (a local directory)")
+    # NullTokenizer --vocab-size 500: 501 ids, Megatron pads to 512; --padded-vocab-size is taken as given
+    for given, rows in ((None, 512), (600, 600)):
+        args = parse_args([*JOB, *(["--padded-vocab-size", str(given)] if given else [])])
+        set_vocabulary(args)
+        assert (args.orig_vocab_size, args.padded_vocab_size) == (501, rows)
+    args = parse_args([*JOB, "--padded-vocab-size", "400"])
+    with pytest.raises(ArgumentError) as info:
+        set_vocabulary(args)
+    assert info.value.message == ("pretrain_gpt: error: --padded-vocab-size 400 is smaller than the model's "
+                                  "vocabulary (501 tokens); give at least 501")
+
+
+def test_qk_layernorm_and_softmax_in_fp32_reach_the_model(megatron_cpu):
+    from megatron_glue.training import gpt as pretrain_gpt, training
+    from megatron_glue.capture.models import init_single_process
+
+    init_single_process()
+    args = parse_args([*JOB, "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--qk-layernorm",
+                       "--attention-softmax-in-fp32", "--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec",
+                       "layer_spec"])
+    pretrain_gpt.set_vocabulary(args)
+    config = training.transformer_config(args, types.SimpleNamespace(device=types.SimpleNamespace(type="cpu")))
+    assert config.attention_softmax_in_fp32 is True
+    model = pretrain_gpt.model_provider(args, config)
+    for layer in model.decoder.layers:
+        for norm in (layer.self_attention.q_layernorm, layer.self_attention.k_layernorm):
+            assert type(norm).__name__ != "IdentityOp" and tuple(norm.weight.shape) == (args.kv_channels,)
+    plain = parse_args(JOB)
+    pretrain_gpt.set_vocabulary(plain)
+    assert training.transformer_config(plain, types.SimpleNamespace(
+        device=types.SimpleNamespace(type="cpu"))).attention_softmax_in_fp32 is False  # Megatron-LM's default
+    layer = pretrain_gpt.model_provider(plain, config).decoder.layers[0]
+    assert type(layer.self_attention.q_layernorm).__name__ == "IdentityOp"
+
+
+@pytest.mark.training
+def test_qk_layernorm_trains_compiled(tmp_path):
+    run = pretrain(tmp_path, "--train-iters", "12", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                   "--swiglu", "--ffn-hidden-size", "128", "--qk-layernorm").check()
+    losses = run.losses
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3]), losses
+
+
+def test_spec_names_the_layers_built_and_refuses_the_others():
+    assert parse_args([*JOB, "--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"]).spec == [
+        "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"]
+    assert error([*JOB, "--spec", "mindspeed_llm.tasks.models.spec.gemma2_spec", "layer_spec"]) == PROG + (
+        "--spec mindspeed_llm.tasks.models.spec.gemma2_spec layer_spec: Gemma 2's layer (post-norms, soft-capping, "
+        "sliding window) is not implemented here; the specs built here: mindspeed_llm.tasks.models.spec.qwen3_spec "
+        "layer_spec (or leave --spec out: megatron-core's local GPT layer)")
+    assert error([*JOB, "--spec", "my.module", "my_spec"]) == PROG + (
+        "--spec my.module my_spec: this layer spec is not one this job builds; the specs built here: "
+        "mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec (or leave --spec out: megatron-core's local GPT "
+        "layer)")
+
+
+def test_handler_name_only_for_preprocessed_pretraining_data(tmp_path):
+    assert parse_args([*JOB, "--handler-name", "GeneralPretrainHandler", "--workers", "4"]).handler_name == (
+        "GeneralPretrainHandler")
+    assert error([*JOB, "--handler-name", "AlpacaStyleInstructionHandler"]) == PROG + (
+        "--handler-name AlpacaStyleInstructionHandler: instruction / fine-tuning data (MindSpeed-LLM's --stage, "
+        "prompt templates) is not implemented here; pretrain on a .bin/.idx prefix written by `npu-compile "
+        "preprocess`")
+    raw = tmp_path / "corpus.jsonl"
+    raw.write_text('{"text": "a"}\n')
+    flags = [f for f in JOB if f != "--mock-data"]
+    assert error([*flags, "--data-path", str(raw), "--handler-name", "GeneralPretrainHandler"]) == PROG + (
+        f"--data-path {raw}: preprocessing raw data when the job starts (MindSpeed-LLM's --handler-name) is not "
+        f"implemented here; write a .bin/.idx prefix with `npu-compile preprocess --input {raw} ...` and give the "
+        "prefix")
+
+
+def test_no_shared_storage_on_one_node_only(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert parse_args([*JOB, "--no-shared-storage"], world_size=2).no_shared_storage
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert error([*JOB, "--no-shared-storage"], world_size=2) == PROG + (
+        "--no-shared-storage: this job runs on 2 nodes, and building the dataset index on each node is not "
+        "implemented here; put --data-path and --data-cache-path on storage every node sees and drop the flag")
+
+
+def test_enable_hf2mg_convert_needs_load_and_a_family_the_converter_has():
+    from megatron_glue.convert.at_start import refusal
+
+    args = parse_args([*JOB, "--enable-hf2mg-convert", "--model-type-hf", "llama2", "--load", "hf"])
+    assert (args.model_type_hf, refusal(args)) == ("llama2", None)
+    assert refusal(parse_args([*JOB, "--enable-hf2mg-convert", "--model-type-hf", "qwen25", "--load", "hf"])) is None
+    assert error([*JOB, "--enable-hf2mg-convert"]) == (
+        "pretrain_gpt: error: --enable-hf2mg-convert needs --load, the HuggingFace folder to start from")
+    line = refusal(parse_args([*JOB, "--enable-hf2mg-convert", "--model-type-hf", "deepseek3", "--load", "hf"]))
+    assert re.fullmatch(re.escape("--model-type-hf deepseek3: converting deepseek3 weights at start is not implemented "
+                                  "here (the converter's families: ") + r"[a-z0-9., ]+" + re.escape(
+        "); start from a Megatron checkpoint without --enable-hf2mg-convert"), line), line
+    assert "llama2, llama3" in line and "qwen25" in line
+
+
+def test_mindspeed_memory_switches_are_refused_naming_the_feature():
+    assert error([*JOB, "--recompute-activation-function", "--swap-attention", "--reuse-fp32-param"]) == "\n".join([
+        PROG + "3 flags of this command line are refused or unknown:",
+        *(f"  {flag}: MindSpeed's {what}: it is not implemented here; Megatron's --recompute-granularity "
+          "full/selective is, and the compiler recomputes by its memory plan: --npu-compile-options "
+          "'{\"memory_budget\": \"auto\"}'"
+          for flag, what in (("--recompute-activation-function", "recompute of the MLP activation"),
+                             ("--swap-attention", "swap of attention activations to host memory"))),
+        "  --reuse-fp32-param: MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
+        "implemented here; shard the master weights over DP with --use-distributed-optimizer"])
+
+
+def test_manual_gc_disables_and_collects_as_megatron_lm(monkeypatch):
+    """gc.disable() + gc.collect() before the first iteration, gc.collect() every --manual-gc-interval."""
+    from megatron_glue.training import training
+
+    events = []
+    fake_gc = types.SimpleNamespace(disable=lambda: events.append("disable"),
+                                    collect=lambda generation=2: events.append(f"collect{generation}"))
+    monkeypatch.setattr(training, "gc", fake_gc)
+    monkeypatch.setattr(training, "train_step", lambda *a: (events.append("step") or ({"lm loss": 1.0}, False, 1.0)))
+    monkeypatch.setattr(training, "_broadcast_from_last_stage", lambda losses, keys: losses)
+    args = parse_args([*JOB, "--train-iters", "5", "--manual-gc", "--manual-gc-interval", "2", "--log-interval", "100"])
+    optimizer = types.SimpleNamespace(param_groups=[{"lr": 1.0}], get_loss_scale=lambda: types.SimpleNamespace(
+        item=lambda: 1.0))
+    metrics = types.SimpleNamespace(step=lambda loss: None, record=lambda *a, **k: None)
+    training._train(args, None, [], optimizer, None, None, None, training.State(), metrics, 1, None)
+    assert events == ["disable", "collect2", "step", "step", "collect2", "step", "step", "collect2", "step"]
+    assert gc.isenabled()  # the real collector was not touched
+
+
+def test_num_workers_reach_the_loader(megatron_cpu):
+    from megatron_glue.training import training
+    from megatron_glue.capture.models import init_single_process
+
+    init_single_process()
+    seen = []
+    chunk = types.SimpleNamespace(pre_process=True, post_process=True)
+    training._iterators(parse_args([*JOB, "--num-workers", "3"]), lambda ds, **kw: seen.append(kw["num_workers"]),
+                        ("train", None, None), (0, 0), [chunk])
+    assert seen == [3]
+
+
+def test_log_throughput_is_megatron_lms_model_flops():
+    """Megatron-LM's count for a GPT with MHA and ffn = 4h: 72·B·s·L·h²·(1 + s/(12h) + V/(12·L·h)) (the attention
+    matrix counted half, as causal), here through the job's own args."""
+    from megatron_glue.training.gpt import set_vocabulary
+    from megatron_glue.training.log import iteration_line, num_floating_point_operations
+
+    args = parse_args([*JOB, "--log-throughput"])
+    set_vocabulary(args)
+    B, s, L, h, V = 8, 32, 2, 64, args.padded_vocab_size
+    assert num_floating_point_operations(args, B) == pytest.approx(72 * B * s * L * h * h * (
+        1 + s / (12 * h) + V / (12 * L * h)), rel=1e-12)
+    line = iteration_line(iteration=1, train_iters=5, consumed_samples=8, elapsed_ms=100.0, learning_rate=1e-3,
+                          global_batch_size=8, losses={}, loss_scale=1.0, grad_norm=None, skipped=0, nan=0,
+                          tokens_per_sec=1.0, peak_mb=1.0, tflops_per_device=12.34)
+    assert " elapsed time per iteration (ms): 100.0 | throughput per GPU (TFLOP/s/GPU): 12.3 |" in line
+
+
+def test_exit_on_missing_checkpoint(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = pretrain(tmp_path / "run", "--train-iters", "2", "--load", str(empty), "--exit-on-missing-checkpoint")
+    assert run.returncode == 1, run.output[-3000:]
+    assert f"pretrain_gpt: error: --load {empty}: no checkpoint there (latest_checkpointed_iteration.txt missing), " \
+           "and --exit-on-missing-checkpoint says to stop rather than start from random weights" in run.output
+
+
+# -- mapped onto the backend ----------------------------------------------------------------------------------------
+
+def test_coc_switches_map_onto_the_overlap_scheduler_and_mc2():
+    assert parse_args([*JOB, "--use-ascend-coc", "--coc-fused-kernel"]).npu_compile_options == {}  # both on already
+    assert error([*JOB, "--use-ascend-coc", "--npu-compile-options", '{"overlap": false}']) == (
+        "pretrain_gpt: error: --use-ascend-coc is the backend's overlap scheduler (npu_compile option overlap), but "
+        "--npu-compile-options gives overlap=false; drop one of them")
+    assert error([*JOB, "--coc-fused-kernel", "--npu-compile-options", '{"mc2": "off"}']) == (
+        "pretrain_gpt: error: --coc-fused-kernel is the backend's MC2 ops (npu_compile option mc2), but "
+        "--npu-compile-options gives mc2='off'; drop one of them")
+
+
+# -- accepted, no effect here ---------------------------------------------------------------------------------------
+
+def test_no_effect_flags_parse_and_change_nothing_the_job_builds():
+    given = ["--use-mcore-models", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+             "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--shape-order", "BNSD",
+             "--tokenizer-padding-side", "left", "--loss-compute-mode", "default", "--model-type-hf", "llama2",
+             "--tokenizer-not-use-fast", "--attention-mask-type", "causal"]
+    args = parse_args([*JOB, *given])
+    plain = parse_args(JOB)
+    from megatron_glue.training import training
+
+    where = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
+    for a in (args, plain):
+        a.padded_vocab_size = 512
+
+    def fields(config):  # the init methods are partials, equal in what they do, not as objects
+        return {k: v for k, v in vars(config).items() if "init_method" not in k}
+
+    assert fields(training.transformer_config(args, where)) == fields(training.transformer_config(plain, where))
+    assert args.npu_compile_options == plain.npu_compile_options
+    assert error([*JOB, "--loss-compute-mode", "chunk"]) == PROG + (
+        "--loss-compute-mode chunk: MindSpeed-LLM's chunked cross-entropy is not implemented here; the backend fuses "
+        "the output layer with the loss (vocab_parallel_cross_entropy) instead")
+
+
+# -- refused, all at once, and --help -------------------------------------------------------------------------------
+
+def test_every_refused_and_unknown_flag_at_once():
+    argv = [*JOB, "--num-experts", "8", "--moe-grouped-gemm", "--no-such-flag", "3", "--stage", "sft",
+            "--context-parallel-size", "2", "--lora-r", "8", "--no-such-switch"]
+    with pytest.raises(DialectError) as info:
+        parse_args(argv)
+    assert info.value.message == "\n".join([
+        PROG + "7 flags of this command line are refused or unknown:",
+        "  --num-experts: MoE (mixture of experts) is not implemented here; train a dense model",
+        "  --moe-grouped-gemm: MoE (mixture of experts) is not implemented here; train a dense model (without "
+        "--num-experts this flag configures nothing, and is accepted)",
+        "  --stage: instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) is not implemented "
+        "here; pretrain on a .bin/.idx prefix written by `npu-compile preprocess`",
+        "  --lora-r: LoRA is not implemented here; fine-tune all weights (--finetune)",
+        "  --context-parallel-size 2: context parallelism is not implemented here; use --context-parallel-size 1 "
+        "with TP/PP/DP",
+        "  --no-such-flag: unrecognized (not a flag of Megatron-LM, MindSpeed or MindSpeed-LLM that this job knows)",
+        "  --no-such-switch: unrecognized (not a flag of Megatron-LM, MindSpeed or MindSpeed-LLM that this job "
+        "knows)"])
+
+
+def test_moe_settings_of_a_dense_model_configure_nothing():
+    """MindSpeed-LLM's Qwen3 1.7B script passes --norm-topk-prob without experts: no MoE router reads it."""
+    assert parse_args([*JOB, "--norm-topk-prob", "--moe-router-topk", "8"])
+    assert error([*JOB, "--num-experts", "8", "--moe-router-topk", "8"]) == "\n".join([
+        PROG + "2 flags of this command line are refused or unknown:",
+        "  --num-experts: MoE (mixture of experts) is not implemented here; train a dense model",
+        "  --moe-router-topk: MoE (mixture of experts) is not implemented here; train a dense model (without "
+        "--num-experts this flag configures nothing, and is accepted)"])
+
+
+def test_a_bad_value_is_reported_with_the_refusals():
+    message = error([*JOB, "--num-experts", "8", "--normalization", "Norm"])
+    assert message == "\n".join([
+        PROG + "2 flags of this command line are refused or unknown:",
+        "  --num-experts: MoE (mixture of experts) is not implemented here; train a dense model",
+        "  argument --normalization: invalid choice: 'Norm' (choose from 'LayerNorm', 'RMSNorm')"])
+
+
+def test_help_lists_refused_and_no_effect_flags_with_their_reasons():
+    text = build_parser().format_help()
+    refused = text.split("refused: not implemented here (each with the feature and what to do instead):")[1]
+    no_effect = text.split("accepted, no effect here (each with the reason):")[1].split("refused:")[0]
+
+    def flat(t):  # argparse wraps lines, at spaces and after hyphens
+        return "".join(t.split())
+
+    for flag, (_, reason) in REFUSED.items():
+        assert re.search(rf"^  {re.escape(flag)}( VALUE)?( VALUE| \[VALUE \.\.\.\])?(\s|$)", refused, re.M), flag
+        assert flat(reason) in flat(refused), flag
+    for flag, (_, reason) in NO_EFFECT.items():
+        assert re.search(rf"^  {re.escape(flag)}\b", no_effect, re.M) and flat(reason) in flat(no_effect), flag
+
+
+def test_refused_flags_take_their_values():
+    """A refused flag's values are its own (never read as flags of their own, or as unknown)."""
+    assert error([*JOB, "--lora-target-modules", "linear_qkv", "linear_proj", "--noop-layers", "0,3"]) == "\n".join([
+        PROG + "2 flags of this command line are refused or unknown:",
+        "  --lora-target-modules: LoRA is not implemented here; fine-tune all weights (--finetune)",
+        "  --noop-layers: uneven pipeline stages are not implemented here; give a --num-layers divisible by "
+        "--pipeline-model-parallel-size"])
+
+
+# -- real MindSpeed-LLM launch lines, scaled down to 2 processes ----------------------------------------------------
+
+def test_llama2_13b_script_passes():
+    args = parse_args(scale_down(script("llama2/pretrain_llama2_13b_ptd.sh")), world_size=2)
+    assert (args.tensor_model_parallel_size, args.sequence_parallel, args.tokenizer_type, args.ckpt_format) == (
+        2, True, "PretrainedFromHF", "torch")
+    assert (args.enable_hf2mg_convert, args.model_type_hf, args.load) == (True, "llama2", "ckpt")
+    assert (args.position_embedding_type, args.normalization, args.swiglu, args.untie_embeddings_and_output_weights,
+            args.add_bias_linear, args.attention_softmax_in_fp32) == ("rope", "RMSNorm", True, True, False, True)
+
+
+def test_qwen25_7b_script_passes():
+    args = parse_args(scale_down(script("qwen25/pretrain_qwen25_7b_32k_ptd.sh")), world_size=2)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 1)
+    assert (args.add_qkv_bias, args.num_query_groups, args.rotary_base, args.padded_vocab_size,
+            args.log_throughput, args.norm_epsilon) == (True, 2, 1000000, 512, True, 1e-6)
+
+
+def test_llama3_8b_script_passes():
+    args = parse_args(scale_down(script("llama3/pretrain_llama3_8b_ptd.sh")), world_size=2)
+    assert (args.position_embedding_type, args.rotary_base, args.make_vocab_size_divisible_by,
+            args.num_query_groups, args.tokenizer_name_or_path) == ("rope", 500000, 16032, 2, "tokenizer")
+
+
+def test_qwen3_8b_script_is_refused_for_what_is_missing():
+    """Qwen3's q/k norms, spec and HF family are all here; MindSpeed's --reuse-fp32-param is what is missing."""
+    from megatron_glue.convert.at_start import refusal
+
+    flags = scale_down(script("qwen3/pretrain_qwen3_8b_4K_ptd.sh"))
+    assert error(flags, world_size=2) == PROG + (
+        "--reuse-fp32-param: MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
+        "implemented here; shard the master weights over DP with --use-distributed-optimizer")
+    args = parse_args([f for f in flags if f != "--reuse-fp32-param"], world_size=2, refusals=(refusal,))
+    assert (args.qk_layernorm, args.model_type_hf, args.padded_vocab_size) == (True, "qwen3", 512)
+
+
+def test_a_moe_fine_tuning_script_names_every_missing_feature_at_once():
+    message = error(scale_down(script("qwen3_moe/tune_qwen3_30b_a3b_4K_full_ptd.sh")), world_size=2)
+    lines = message.splitlines()
+    assert lines[0] == PROG + f"{len(lines) - 1} flags of this command line are refused or unknown:"
+    assert "unrecognized" not in message
+    assert sum("MoE (mixture of experts)" in line for line in lines) == 12
+    assert sum("instruction / fine-tuning data" in line for line in lines) == 5  # 4 flags and the handler
