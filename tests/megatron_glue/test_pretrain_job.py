@@ -175,7 +175,7 @@ def test_mindspeed_switches_name_fusions():
     assert _parse_error([*TINY, "--train-iters", "5", "--npu-compile-options", '{"budget": 0.5}']) == (
         "pretrain_gpt: error: --npu-compile-options: unknown npu_compile option(s) 'budget'; valid options are "
         "target, graph_mode, fusions, memory_budget, device_memory, resident_memory, activation_copies, overlap, "
-        "mc2, dump_dir, verify, fast_gelu, cache")
+        "mc2, dump_dir, verify, fast_gelu, cache, torchair_check")
 
 
 def test_use_ascend_mc2_is_mc2_on_and_needs_sequence_parallel_at_tp_above_1():
