@@ -115,6 +115,8 @@ def _run_converter(args, cache: str) -> str | None:
                "--target-tensor-parallel-size", str(args.tensor_model_parallel_size),
                "--target-pipeline-parallel-size", str(args.pipeline_model_parallel_size),
                "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by)]
+    if getattr(args, "num_layer_list", None):  # the job's uneven stages: the legacy files follow them
+        command += ["--num-layer-list", ",".join(map(str, args.num_layer_list))]
     name = converter_name(args.model_type_hf)
     if name:
         command += ["--model-type-hf", name]

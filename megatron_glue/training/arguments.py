@@ -46,8 +46,8 @@ ROPE_EXTENSION = ("YaRN / LongRoPE / PLM RoPE scaling is not implemented here; L
                   "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)")
 RECOMPUTE = ("it is not implemented here; Megatron's --recompute-granularity full/selective is, and the compiler "
              "recomputes by its memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'")
-UNEVEN_PP = ("uneven pipeline stages are not implemented here; give a --num-layers divisible by "
-             "--pipeline-model-parallel-size")
+NOOP_LAYERS = ("MindSpeed's no-op (identity) layers are not implemented here; leave them out of --num-layers and "
+               "give each pipeline stage its real layers with --num-layer-list")
 MG_CONVERT = ("converting to HF at each save is not implemented here; convert a saved checkpoint with `npu-compile "
               "convert --load-model-type mg --save-model-type hf ...`")
 
@@ -134,8 +134,7 @@ REFUSED: dict[str, tuple[int | str, str]] = {
                           "master weights and states"),
     "--o2-gradient": (0, "MindSpeed-LLM's O2 (bf16 gradients) is not implemented here; --bf16 keeps fp32 master "
                          "weights and states"),
-    "--num-layer-list": (1, UNEVEN_PP),
-    "--noop-layers": (1, UNEVEN_PP),
+    "--noop-layers": (1, NOOP_LAYERS),
     "--schedules-method": (1, "MindSpeed's DualPipeV schedule is not implemented here; Megatron's 1F1B (with "
                               "--num-layers-per-virtual-pipeline-stage, interleaved) is"),
     "--disable-gloo-group": (0, "running without Megatron's gloo groups is not implemented here"),
@@ -149,8 +148,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--async-save": (0, "asynchronous checkpoint saves are not implemented here"),
     "--use-checkpoint-args": (0, "architecture flags from the checkpoint are not implemented here; give them on the "
                                  "command line"),
-    "--tensorboard-dir": (1, "TensorBoard logging is not implemented here; use the metrics JSONL (--metrics-file) and "
-                             "the loss-curve PNG"),
     "--wandb-project": (1, "W&B logging is not implemented here; use the metrics JSONL (--metrics-file) and the "
                            "loss-curve PNG"),
     "--fp8-format": (1, "fp8 is not implemented here"),
@@ -420,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-layer-list", default=None, metavar="N,N,...",
+                   help="MindSpeed-LLM's uneven pipeline stages: the transformer layers of each stage, comma-separated "
+                        "(one per stage, summing to --num-layers; not with virtual stages). Built with megatron-core's "
+                        "own uneven stages: num_layers_in_first/last_pipeline_stage where the stages between are "
+                        "equal, else (megatron-core 0.16) pipeline_model_parallel_layout")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo", "hccl"], default="nccl",
                    help="nccl: the machine's accelerator backend, as torch_npu makes it mean (hccl on an Ascend NPU, "
@@ -482,6 +484,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --manual-gc: collect every this many iterations (0: not between iterations)")
     g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
                    help="with --manual-gc: no collection around evaluations")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write Megatron-LM's TensorBoard scalars (its tag names: lm loss, learning-rate, grad-norm, "
+                        "loss-scale, batch-size, ...) here, from the last rank")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="write them every this many iterations")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="events the writer queues before it flushes to disk")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="also iteration-time (s) and, with --log-throughput, throughput (TFLOP/s per device) at "
+                        "each --log-interval")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="the allocator's memory figures (Megatron-LM's mem-* tags) on an accelerator; on the CPU, "
+                        "which has no caching allocator, the peak resident set as mem-max-allocated-bytes")
     g.add_argument("--metrics-file", default=None, help="metrics JSONL (default <save>/metrics.jsonl)")
     g.add_argument("--no-progress-bar", action="store_true")
 
@@ -743,8 +760,11 @@ def validate(args: argparse.Namespace) -> None:
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM turns it off at TP=1 too
 
-    if args.num_layers % pp:
-        fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.num_layer_list is not None:
+        args.num_layer_list = num_layer_list(args, fail)
+    elif args.num_layers % pp:
+        fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; give one "
+             "that is, or each stage's layers with --num-layer-list")
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // pp
@@ -759,6 +779,14 @@ def validate(args: argparse.Namespace) -> None:
                  f"multiple of --pipeline-model-parallel-size {pp}")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         fail("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.tensorboard_dir is not None:
+        if args.tensorboard_log_interval < 1:
+            fail(f"--tensorboard-log-interval {args.tensorboard_log_interval} must be >= 1")
+        try:
+            import torch.utils.tensorboard  # noqa: F401  (SummaryWriter needs the tensorboard package)
+        except ImportError as e:
+            fail(f"--tensorboard-dir needs the tensorboard package ({e}); install this project's 'megatron' extra "
+                 "(pip install 'npu_compile[megatron]') or `pip install tensorboard`")
     validate_recompute(args, fail)
 
     if args.split is None:
@@ -837,6 +865,39 @@ def validate(args: argparse.Namespace) -> None:
                  "'{\"target\": \"npu-sim\"}'")
 
 
+def num_layer_list(args: argparse.Namespace, fail) -> list[int]:
+    """MindSpeed-LLM's --num-layer-list "a,b,...": the layers of each pipeline stage (its checks:
+    mindspeed_llm/features_manager/pipeline_parallel/num_layer_list.py `validate_args`), as a list, or fail. Which
+    lists megatron-core can build: `uneven_stages`."""
+    text, pp = args.num_layer_list, args.pipeline_model_parallel_size
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        fail(f"--num-layer-list {text!r}: expected comma-separated layer counts, one per pipeline stage, e.g. 3,5")
+    if pp < 2:
+        fail(f"--num-layer-list {text} needs --pipeline-model-parallel-size > 1 (got {pp}): it splits the layers "
+             "over pipeline stages")
+    if len(counts) != pp or min(counts) < 1 or sum(counts) != args.num_layers:
+        fail(f"--num-layer-list {text}: needs {pp} stages (--pipeline-model-parallel-size) of at least one layer "
+             f"summing to --num-layers {args.num_layers}")
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        fail(f"--num-layer-list {text} and --num-layers-per-virtual-pipeline-stage are exclusive (as in "
+             "MindSpeed-LLM): uneven stages are not split into virtual stages; drop one of them")
+    from megatron_glue.training.versions import uneven_stages
+
+    try:
+        uneven_stages(counts)
+    except ValueError as e:
+        fail(f"--num-layer-list {text}: {e}")
+    return counts
+
+
+def stage_layer_counts(args: argparse.Namespace) -> list[int]:
+    """The transformer layers of each pipeline stage: --num-layer-list, or the even split."""
+    pp = args.pipeline_model_parallel_size
+    return list(args.num_layer_list) if args.num_layer_list else [args.num_layers // pp] * pp
+
+
 def validate_recompute(args: argparse.Namespace, fail) -> None:
     """Megatron-LM's recompute rules (megatron/training/arguments.py validate_args and TransformerConfig's
     __post_init__, core_v0.16.1; docs/recompute.md cites the lines), each broken one a one-line error.
@@ -845,7 +906,7 @@ def validate_recompute(args: argparse.Namespace, fail) -> None:
         args.recompute_granularity = "selective"
     del args.recompute_activations
     granularity, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    per_stage = min(stage_layer_counts(args))
     per_chunk = per_stage // (args.virtual_pipeline_model_parallel_size or 1)
     if granularity is None:
         if method is not None or n is not None:
@@ -881,10 +942,12 @@ def validate_recompute(args: argparse.Namespace, fail) -> None:
         fail(f"--recompute-granularity full in the compiled job needs --hidden-dropout 0 and --attention-dropout 0 "
              f"(got {args.hidden_dropout} and {args.attention_dropout}): the recomputed layer's graph draws its "
              "dropout masks in another order than the forward's; set both to 0, or run --no-npu-compile")
-    if method == "uniform" and per_chunk % n:
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    uneven = sorted({c // vpp for c in stage_layer_counts(args) if (c // vpp) % n})
+    if method == "uniform" and uneven:
         # Megatron's uniform loop steps over chunks of n layers and would index past the last layer
         fail(f"--recompute-method uniform checkpoints chunks of --recompute-num-layers {n} layers, which must "
-             f"divide the {per_chunk} layers of each model chunk; use a divisor of {per_chunk}")
+             f"divide the {uneven[0]} layers of each model chunk; use a divisor of {uneven[0]}")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:

@@ -326,6 +326,13 @@ def _vocabulary_refusal(args, saved: int, where: str) -> str:
             "where the model's embedding is larger than the tokenizer")
 
 
+def _stages(num_layer_list, num_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage: a --num-layer-list (a list, or MindSpeed-LLM's string "3,5"), or the even split."""
+    if isinstance(num_layer_list, str):
+        num_layer_list = [int(n) for n in num_layer_list.split(",")]
+    return list(num_layer_list) if num_layer_list else [num_layers // pp] * pp
+
+
 def _legacy_layout_refusal(folder: str, saved: tuple | None = None) -> str:
     """A --ckpt-format torch checkpoint holds one file per (TP, PP) rank of the layout it was saved at."""
     import re
@@ -397,11 +404,13 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
     if args.ckpt_format == "torch" and saved_layout != (tp, pp):  # before the architecture: its padding is TP's
         raise CheckpointError(_legacy_layout_refusal(folder, saved_layout))
     check_architecture(args, saved_args, folder, reshards=args.ckpt_format == "torch_dist")
-    layer_list = saved_args.get("num_layer_list")  # a legacy checkpoint's files follow its stages
-    if args.ckpt_format == "torch" and layer_list and len(set(layer_list)) > 1:
-        raise CheckpointError(f"{folder} was converted for an uneven pipeline (--num-layer-list "
-                              f"{','.join(map(str, layer_list))}), which this job does not build; convert without "
-                              "--num-layer-list")
+    if args.ckpt_format == "torch":  # a legacy checkpoint's files follow its stages: the job's must be the same
+        saved_stages = _stages(saved_args.get("num_layer_list"), args.num_layers, pp)
+        stages = _stages(getattr(args, "num_layer_list", None), args.num_layers, pp)
+        if saved_stages != stages:
+            raise CheckpointError(f"{folder} holds pipeline stages of {','.join(map(str, saved_stages))} layers, this "
+                                  f"job builds {','.join(map(str, stages))}; give --num-layer-list "
+                                  f"{','.join(map(str, saved_stages))}, or convert for this job's stages")
     same_layout = saved_layout == (tp, pp)
     with_optim = not (finetune or args.no_load_optim)
     with_rng = not (finetune or args.no_load_rng)

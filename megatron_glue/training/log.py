@@ -79,6 +79,101 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     return batch_size * seq * (mlp + attention + logits)
 
 
+class TensorBoard:
+    """Megatron-LM's TensorBoard scalars, under its tag names (megatron/training/training.py `training_log` and
+    `evaluate_and_print_results`, core_v0.16.1), written with torch.utils.tensorboard's SummaryWriter by the last
+    rank, as Megatron-LM's writer is (megatron/training/global_vars.py `_set_tensorboard_writer`). Every rank holds
+    the values (the losses are broadcast from the last pipeline stage), so the last rank writes them all.
+
+    Each --tensorboard-log-interval: learning-rate, batch-size, the losses (this iteration's, as Megatron-LM
+    writes them), loss-scale (unless --no-log-loss-scale-to-tensorboard), grad-norm, world-size
+    (--log-world-size-to-tensorboard), the memory figures (--log-memory-to-tensorboard), each also "<tag> vs
+    samples" over the consumed samples. Each --log-interval: iteration-time (seconds, --log-timers-to-tensorboard)
+    and throughput (TFLOP/s per device, with --log-throughput too). Each evaluation: "<loss> validation" (and
+    "... ppl" with --log-validation-ppl-to-tensorboard)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.writer = None
+        last = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+        if args is not None and getattr(args, "tensorboard_dir", None) and last:
+            from torch.utils.tensorboard import SummaryWriter
+
+            print("> setting tensorboard ...", flush=True)
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+
+    def _both(self, tag: str, value: float, iteration: int, samples: int) -> None:
+        self.writer.add_scalar(tag, value, iteration)
+        self.writer.add_scalar(f"{tag} vs samples", value, samples)
+
+    def train(self, iteration: int, samples: int, *, learning_rate: float, batch_size: int,
+              losses: dict[str, float], loss_scale: float, grad_norm: float | None, device: torch.device) -> None:
+        args = self.args
+        if self.writer is None or iteration % args.tensorboard_log_interval:
+            return
+        self._both("learning-rate", learning_rate, iteration, samples)
+        self._both("batch-size", batch_size, iteration, samples)
+        for key, value in losses.items():
+            self._both(key, value, iteration, samples)
+        if args.log_loss_scale_to_tensorboard:
+            self._both("loss-scale", loss_scale, iteration, samples)
+        if args.log_world_size_to_tensorboard:
+            self._both("world-size", args.world_size, iteration, samples)
+        if grad_norm is not None:
+            self._both("grad-norm", grad_norm, iteration, samples)
+        if args.log_memory_to_tensorboard:
+            for tag, value in memory_figures(device).items():
+                self.writer.add_scalar(tag, value, iteration)
+
+    def timing(self, iteration: int, seconds_per_iteration: float, tflops_per_device: float | None) -> None:
+        """At each --log-interval, as Megatron-LM's training_log writes them."""
+        if self.writer is None or not self.args.log_timers_to_tensorboard:
+            return
+        self.writer.add_scalar("iteration-time", seconds_per_iteration, iteration)
+        if tflops_per_device is not None:
+            self.writer.add_scalar("throughput", tflops_per_device, iteration)
+
+    def validation(self, iteration: int, samples: int, losses: dict[str, float]) -> None:
+        """Megatron-LM writes the validation and the test set's losses under the same tags."""
+        if self.writer is None:
+            return
+        for key, value in losses.items():
+            self._both(f"{key} validation", value, iteration, samples)
+            if self.args.log_validation_ppl_to_tensorboard:
+                self._both(f"{key} validation ppl", math.exp(min(20.0, value)), iteration, samples)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def memory_figures(device: torch.device) -> dict[str, float]:
+    """--log-memory-to-tensorboard: the allocator's statistics under Megatron-LM's tags on an accelerator
+    (torch.cuda / torch.npu memory_stats); on the CPU, which has no caching allocator, the process's peak resident
+    set as mem-max-allocated-bytes alone."""
+    if device.type in ("cuda", "npu"):
+        stats = getattr(torch, device.type).memory_stats(device)
+        return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
+                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+                "mem-allocated-count": stats["allocation.all.current"]}
+    return {"mem-max-allocated-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def arguments_lines(args, title: str = "arguments") -> str:
+    """Megatron-LM's start-of-job arguments dump (megatron/training/arguments.py `_print_args`, core_v0.16.1):
+    every argument, dotted to a column, sorted case-blind, between two rules."""
+    rows = sorted((f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()),
+                  key=str.lower)
+    return "\n".join([f"------------------------ {title} ------------------------", *rows,
+                      f"-------------------- end of {title} ---------------------"])
+
+
+def parameters_line(tp_rank: int, pp_rank: int, count: int) -> str:
+    """Megatron-LM's parameter count per model-parallel rank (megatron/training/training.py `get_model`)."""
+    return f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): {count}"
+
+
 def validation_lines(prefix: str, losses: dict[str, float]) -> str:
     line = f" validation loss at {prefix} | "
     for key, value in losses.items():
@@ -91,8 +186,10 @@ def validation_lines(prefix: str, losses: dict[str, float]) -> str:
 class Metrics:
     """Rank 0's record of the run: one JSON object per logged event, and the loss curve drawn from it."""
 
-    def __init__(self, path: str | None, show_progress: bool, total: int, start: int):
+    def __init__(self, path: str | None, show_progress: bool, total: int, start: int,
+                 tensorboard: "TensorBoard | None" = None):
         self.path = path if is_rank0() else None
+        self.tensorboard = tensorboard if tensorboard is not None else TensorBoard(None)
         self.rows: list[dict] = []
         self._bar = None
         if self.path:
@@ -123,6 +220,7 @@ class Metrics:
         """Close the bar; draw the loss curve next to the JSONL (read back whole: a resumed run has both parts)."""
         if self._bar is not None:
             self._bar.close()
+        self.tensorboard.close()
         if not self.path or not os.path.exists(self.path):
             return None
         with open(self.path) as f:

@@ -10,6 +10,7 @@ Nothing here is a hand-written training loop over a model: one iteration is mega
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
 import os
@@ -23,8 +24,9 @@ import torch.distributed as dist
 
 from megatron_glue.capture import quiet_megatron
 from megatron_glue.training import checkpointing, device as glue_device, versions
-from megatron_glue.training.log import (Metrics, iteration_line, num_floating_point_operations, peak_memory_mb,
-                                        print_rank0, validation_lines)
+from megatron_glue.training.log import (Metrics, TensorBoard, arguments_lines, iteration_line,
+                                        num_floating_point_operations, parameters_line, peak_memory_mb, print_rank0,
+                                        validation_lines)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -117,6 +119,7 @@ def transformer_config(args, where):
         batch_p2p_comm=not interleaved, batch_p2p_sync=False, overlap_p2p_comm=False,
         deallocate_pipeline_outputs=pipelined,
         **recompute_fields(args),
+        **(versions.uneven_stages(args.num_layer_list) if getattr(args, "num_layer_list", None) else {}),
     )
     fields.update(versions.transformer_config_extras())
     with quiet_megatron():
@@ -243,11 +246,21 @@ def build_model(args, where, model_provider):
         # finds them and skips the step. The loss itself is still checked (train_step).
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not dynamic_fp16,
         bucket_size=args.ddp_bucket_size)
+    _print_parameters(chunks)
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                       disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     for c in chunks:
         c.broadcast_params()  # DP replicas start equal (Megatron-LM does this after wrapping)
     return chunks, config
+
+
+def _print_parameters(chunks) -> None:
+    """Megatron-LM's get_model: the parameter count of this model-parallel rank, printed by its DP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_rank() == 0:
+        print(parameters_line(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                              sum(p.nelement() for c in chunks for p in c.parameters())), flush=True)
 
 
 def build_optimizer(args, chunks, config):
@@ -401,6 +414,8 @@ def _count_graphs() -> dict:
 def pretrain(args, model_provider, forward_step, datasets_provider, build_loader):
     """Megatron-LM's pretrain(): set up, load, train with periodic evaluation and saves, evaluate, exit."""
     where = initialize(args)
+    # Megatron-LM's validate_args ends with the arguments dump (its tokenizer is not among its args)
+    print_rank0(arguments_lines(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "tokenizer"})))
     if args.load and getattr(args, "exit_on_missing_checkpoint", False) and checkpointing.read_tracker(args.load) is None:
         raise checkpointing.CheckpointError(
             f"--load {args.load}: no checkpoint there ({checkpointing.TRACKER} missing), and "
@@ -418,7 +433,7 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
 
     metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
     metrics = Metrics(metrics_path, show_progress=not args.no_progress_bar, total=args.train_iters,
-                      start=state.iteration)
+                      start=state.iteration, tensorboard=TensorBoard(args))
     tokens_per_iteration = args.global_batch_size * args.seq_length
     if not args.skip_train:
         _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it, state, metrics,
@@ -455,6 +470,8 @@ def _evaluate_and_print(args, forward_step, data_iterator, chunks, state, metric
     prefix = f"iteration {state.iteration}" + (f" {suffix}" if suffix else "")
     print_rank0(validation_lines(prefix, losses))
     metrics.record("validation" if split == 1 else "test", iteration=state.iteration, **losses)
+    if not args.skip_train:  # Megatron-LM: write_to_tensorboard=not args.skip_train
+        metrics.tensorboard.validation(state.iteration, state.consumed_train_samples, losses)
 
 
 @dataclass
@@ -505,9 +522,15 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
         norm = None if grad_norm is None else float(grad_norm)
         metrics.record("train", iteration=state.iteration, lr=lr, loss_scale=scale, skipped=bool(skipped),
                        grad_norm=norm, **losses)
+        metrics.tensorboard.train(state.iteration, state.consumed_train_samples, learning_rate=lr,
+                                  batch_size=args.global_batch_size, losses=losses, loss_scale=scale,
+                                  grad_norm=norm, device=where.device)
         if state.iteration % args.log_interval == 0:
             counted = max(1, interval.iterations - interval.skipped)
             elapsed = interval.seconds / interval.iterations
+            tflops = (flops_per_iteration / (elapsed * 1e12 * args.world_size)
+                      if flops_per_iteration is not None else None)
+            metrics.tensorboard.timing(state.iteration, elapsed, tflops)
             print_rank0(iteration_line(
                 iteration=state.iteration, train_iters=args.train_iters,
                 consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, learning_rate=lr,
@@ -515,8 +538,7 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
                 losses={k: v / counted for k, v in interval.loss_sums.items()}, loss_scale=scale, grad_norm=norm,
                 skipped=interval.skipped, nan=interval.nan, tokens_per_sec=tokens_per_it / elapsed,
                 peak_mb=peak_memory_mb(where.device),
-                tflops_per_device=(flops_per_iteration / (elapsed * 1e12 * args.world_size)
-                                   if flops_per_iteration is not None else None)))
+                tflops_per_device=tflops))
             interval = _Interval()
         if args.eval_interval and state.iteration % args.eval_interval == 0 and args.eval_iters > 0 \
                 and state.iteration < args.train_iters:

@@ -96,3 +96,32 @@ def model_chunks(chunks: list):
             yield i, model
     finally:
         ps.set_virtual_pipeline_model_parallel_rank(before)
+
+
+def uneven_stages(counts: list[int]) -> dict:
+    """TransformerConfig fields that build pipeline stages of `counts` transformer layers (MindSpeed-LLM's
+    --num-layer-list) with megatron-core's own uneven stages; ValueError naming why where the installed line cannot.
+
+    Both lines: `num_layers_in_first_pipeline_stage` / `num_layers_in_last_pipeline_stage`, the stages between them
+    equal (transformer_block.py `get_num_layers_to_build`; at PP=2 only the first is given: with both, 0.12.1's
+    TransformerConfig divides the rest by zero stages). 0.16 also takes any list as `pipeline_model_parallel_layout`
+    (the embedding on the first stage, the loss on the last)."""
+    pp = len(counts)
+    if len(set(counts)) == 1:
+        return {}
+    if len(set(counts[1:])) == 1:
+        return {"num_layers_in_first_pipeline_stage": counts[0]}
+    if len(set(counts[:-1])) == 1:
+        return {"num_layers_in_last_pipeline_stage": counts[-1]}
+    if pp > 2 and len(set(counts[1:-1])) == 1:
+        return {"num_layers_in_first_pipeline_stage": counts[0], "num_layers_in_last_pipeline_stage": counts[-1]}
+    if megatron_core_in(">=0.16"):
+        layout = [["decoder"] * n for n in counts]
+        layout[0].insert(0, "embedding")
+        layout[-1].append("loss")
+        return {"pipeline_model_parallel_layout": layout}
+    from importlib.metadata import version
+
+    raise ValueError(f"megatron-core {version('megatron-core')} builds uneven stages only as a first and a last "
+                     "stage of their own sizes with equal stages between (num_layers_in_first/last_pipeline_stage); "
+                     "give such a list, or run on megatron-core 0.16, whose pipeline_model_parallel_layout takes any")
