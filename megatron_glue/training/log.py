@@ -92,8 +92,8 @@ class TensorBoard:
     and throughput (TFLOP/s per device, with --log-throughput too). Each evaluation: "<loss> validation" (and
     "... ppl" with --log-validation-ppl-to-tensorboard)."""
 
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, args, device: torch.device | None = None):
+        self.args, self.device = args, device
         self.writer = None
         last = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
         if args is not None and getattr(args, "tensorboard_dir", None) and last:
@@ -107,7 +107,7 @@ class TensorBoard:
         self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
     def train(self, iteration: int, samples: int, *, learning_rate: float, batch_size: int,
-              losses: dict[str, float], loss_scale: float, grad_norm: float | None, device: torch.device) -> None:
+              losses: dict[str, float], loss_scale: float, grad_norm: float | None) -> None:
         args = self.args
         if self.writer is None or iteration % args.tensorboard_log_interval:
             return
@@ -122,7 +122,7 @@ class TensorBoard:
         if grad_norm is not None:
             self._both("grad-norm", grad_norm, iteration, samples)
         if args.log_memory_to_tensorboard:
-            for tag, value in memory_figures(device).items():
+            for tag, value in memory_figures(self.device).items():
                 self.writer.add_scalar(tag, value, iteration)
 
     def timing(self, iteration: int, seconds_per_iteration: float, tflops_per_device: float | None) -> None:

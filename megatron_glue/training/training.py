@@ -433,7 +433,7 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
 
     metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
     metrics = Metrics(metrics_path, show_progress=not args.no_progress_bar, total=args.train_iters,
-                      start=state.iteration, tensorboard=TensorBoard(args))
+                      start=state.iteration, tensorboard=TensorBoard(args, where.device))
     tokens_per_iteration = args.global_batch_size * args.seq_length
     if not args.skip_train:
         _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it, state, metrics,
@@ -524,7 +524,7 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
                        grad_norm=norm, **losses)
         metrics.tensorboard.train(state.iteration, state.consumed_train_samples, learning_rate=lr,
                                   batch_size=args.global_batch_size, losses=losses, loss_scale=scale,
-                                  grad_norm=norm, device=where.device)
+                                  grad_norm=norm)
         if state.iteration % args.log_interval == 0:
             counted = max(1, interval.iterations - interval.skipped)
             elapsed = interval.seconds / interval.iterations

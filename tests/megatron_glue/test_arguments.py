@@ -201,7 +201,9 @@ def test_manual_gc_disables_and_collects_as_megatron_lm(monkeypatch):
     args = parse_args([*JOB, "--train-iters", "5", "--manual-gc", "--manual-gc-interval", "2", "--log-interval", "100"])
     optimizer = types.SimpleNamespace(param_groups=[{"lr": 1.0}], get_loss_scale=lambda: types.SimpleNamespace(
         item=lambda: 1.0))
-    metrics = types.SimpleNamespace(step=lambda loss: None, record=lambda *a, **k: None)
+    from megatron_glue.training.log import TensorBoard
+
+    metrics = types.SimpleNamespace(step=lambda loss: None, record=lambda *a, **k: None, tensorboard=TensorBoard(None))
     training._train(args, None, [], optimizer, None, None, None, training.State(), metrics, 1, None)
     assert events == ["disable", "collect2", "step", "step", "collect2", "step", "step", "collect2", "step"]
     assert gc.isenabled()  # the real collector was not touched
@@ -234,6 +236,93 @@ def test_log_throughput_is_megatron_lms_model_flops():
                           global_batch_size=8, losses={}, loss_scale=1.0, grad_norm=None, skipped=0, nan=0,
                           tokens_per_sec=1.0, peak_mb=1.0, tflops_per_device=12.34)
     assert " elapsed time per iteration (ms): 100.0 | throughput per GPU (TFLOP/s/GPU): 12.3 |" in line
+
+
+def test_log_throughput_by_hand_for_a_gqa_swiglu_model():
+    """Megatron-LM's num_floating_point_operations (core_v0.16.1 training.py) worked by hand for h=64, 4 heads of 16
+    in 2 query groups, SwiGLU ffn 128, 2 layers, s=32, padded vocabulary 512, batch 8. Per token and layer,
+    3 (fwd, wgrad, dgrad) x 2 (FMA): attention h(q + 2kv) + qs + qh = 64·128 + 64·32 + 64·64 = 14336 -> 86016;
+    MLP 3·h·ffn = 24576 -> 147456; logits h·V = 32768 -> 196608. 256 tokens x (2 x 233472 + 196608)."""
+    from megatron_glue.training.log import num_floating_point_operations
+
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "16",
+                       "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "128",
+                       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "8",
+                       "--mock-data", "--vocab-size", "500",
+                       "--train-iters", "1", "--lr", "1e-3"])
+    args.padded_vocab_size = 512
+    assert num_floating_point_operations(args, 8) == 256 * (2 * (86016 + 147456) + 196608) == 169869312
+
+
+@pytest.mark.megatron_lines
+def test_num_layer_list_is_megatron_cores_uneven_stages():
+    """MindSpeed-LLM's --num-layer-list on megatron-core's own uneven stages: a first (or last) stage of its own
+    size with equal stages between; any list through 0.16's pipeline_model_parallel_layout."""
+    from megatron_glue.training.versions import uneven_stages
+
+    args = parse_args([*TINY, "--train-iters", "5", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                       "--num-layer-list", "1,3"], world_size=2)
+    assert args.num_layer_list == [1, 3]
+    assert uneven_stages([1, 3]) == {"num_layers_in_first_pipeline_stage": 1}
+    assert uneven_stages([2, 2]) == {}
+    assert uneven_stages([3, 2, 2]) == {"num_layers_in_first_pipeline_stage": 3}
+    assert uneven_stages([2, 2, 3]) == {"num_layers_in_last_pipeline_stage": 3}
+    assert uneven_stages([1, 3, 3, 2]) == {"num_layers_in_first_pipeline_stage": 1,
+                                           "num_layers_in_last_pipeline_stage": 2}
+    assert uneven_stages([1, 2, 3]) == {"num_layers_in_first_pipeline_stage": 1,
+                                        "num_layers_in_last_pipeline_stage": 3}
+    from megatron_glue.capture.adaptations import megatron_core_in
+
+    if megatron_core_in(">=0.16"):
+        assert uneven_stages([1, 2, 3, 1]) == {"pipeline_model_parallel_layout": [
+            ["embedding", "decoder"], ["decoder", "decoder"], ["decoder", "decoder", "decoder"], ["decoder", "loss"]]}
+    else:
+        with pytest.raises(ValueError) as info:
+            uneven_stages([1, 2, 3, 1])
+        assert str(info.value) == (
+            "megatron-core 0.12.1 builds uneven stages only as a first and a last stage of their own sizes with equal "
+            "stages between (num_layers_in_first/last_pipeline_stage); give such a list, or run on megatron-core 0.16, "
+            "whose pipeline_model_parallel_layout takes any")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-layer-list", "1;3"], "--num-layer-list '1;3': expected comma-separated layer counts, one per pipeline "
+                                  "stage, e.g. 3,5"),
+    (["--num-layer-list", "1,2"], "--num-layer-list 1,2: needs 2 stages (--pipeline-model-parallel-size) of at least "
+                                  "one layer summing to --num-layers 4"),
+    (["--num-layer-list", "0,4"], "--num-layer-list 0,4: needs 2 stages (--pipeline-model-parallel-size) of at least "
+                                  "one layer summing to --num-layers 4"),
+    (["--num-layer-list", "1,1,2"], "--num-layer-list 1,1,2: needs 2 stages (--pipeline-model-parallel-size) of at "
+                                    "least one layer summing to --num-layers 4"),
+    (["--num-layer-list", "1,3", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layer-list 1,3 and --num-layers-per-virtual-pipeline-stage are exclusive (as in MindSpeed-LLM): uneven "
+     "stages are not split into virtual stages; drop one of them"),
+    (["--num-layer-list", "1,3", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "2"],
+     "--recompute-method uniform checkpoints chunks of --recompute-num-layers 2 layers, which must divide the 1 "
+     "layers of each model chunk; use a divisor of 1"),
+])
+def test_num_layer_list_refusals(flags, message):
+    job = [*TINY, "--train-iters", "5", "--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+    assert error([*job, *flags], world_size=2) == "pretrain_gpt: error: " + message
+    assert error([*TINY, "--train-iters", "5", "--num-layers", "4", "--num-layer-list", "4"]) == (
+        "pretrain_gpt: error: --num-layer-list 4 needs --pipeline-model-parallel-size > 1 (got 1): it splits the "
+        "layers over pipeline stages")
+    assert error([*job, "--num-layers", "3"], world_size=2) == (
+        "pretrain_gpt: error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2; give one that is, "
+        "or each stage's layers with --num-layer-list")
+
+
+def test_tensorboard_flags():
+    args = parse_args(JOB)
+    assert (args.tensorboard_dir, args.tensorboard_log_interval, args.tensorboard_queue_size,
+            args.log_loss_scale_to_tensorboard, args.log_timers_to_tensorboard) == (None, 1, 1000, True, False)
+    args = parse_args([*JOB, "--tensorboard-dir", "tb", "--tensorboard-log-interval", "5",
+                       "--no-log-loss-scale-to-tensorboard", "--log-validation-ppl-to-tensorboard"])
+    assert (args.tensorboard_dir, args.tensorboard_log_interval, args.log_loss_scale_to_tensorboard,
+            args.log_validation_ppl_to_tensorboard) == ("tb", 5, False, True)
+    assert error([*JOB, "--tensorboard-dir", "tb", "--tensorboard-log-interval", "0"]) == (
+        "pretrain_gpt: error: --tensorboard-log-interval 0 must be >= 1")
 
 
 def test_exit_on_missing_checkpoint(tmp_path):
@@ -342,8 +431,8 @@ def test_refused_flags_take_their_values():
     assert error([*JOB, "--lora-target-modules", "linear_qkv", "linear_proj", "--noop-layers", "0,3"]) == "\n".join([
         PROG + "2 flags of this command line are refused or unknown:",
         "  --lora-target-modules: LoRA is not implemented here; fine-tune all weights (--finetune)",
-        "  --noop-layers: uneven pipeline stages are not implemented here; give a --num-layers divisible by "
-        "--pipeline-model-parallel-size"])
+        "  --noop-layers: MindSpeed's no-op (identity) layers are not implemented here; leave them out of "
+        "--num-layers and give each pipeline stage its real layers with --num-layer-list"])
 
 
 # -- real MindSpeed-LLM launch lines, scaled down to 2 processes ----------------------------------------------------
