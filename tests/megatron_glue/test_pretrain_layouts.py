@@ -20,6 +20,8 @@ LAYOUTS = {
     "pp2_interleaved": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 4),
     "dp2_distopt_overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 2),
     "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2),
+    # MindSpeed-LLM's uneven stages (megatron-core's num_layers_in_first_pipeline_stage)
+    "pp2_uneven": (2, ["--pipeline-model-parallel-size", "2", "--num-layer-list", "1,3"], 4),
 }
 ITERS = ["--train-iters", "5"]
 
@@ -83,7 +85,7 @@ def test_one_process_compiled_equals_eager(one_process):
 # megatron_lines: the layouts whose code differs between megatron-core lines (megatron_glue/training/versions.py:
 # the virtual pipeline stage, the distributed optimizer's state), run on 0.12.1 too.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.megatron_lines] if n in (
-    "pp2_interleaved", "dp2_distopt_overlap") else []) for n in LAYOUTS])
+    "pp2_interleaved", "dp2_distopt_overlap", "pp2_uneven") else []) for n in LAYOUTS])
 def test_layout(name, start, one_process, tmp_path):
     nproc, flags, layers = LAYOUTS[name]
     common = [*ITERS, *_layers(layers), "--load", str(start(layers)), "--finetune", *flags]
