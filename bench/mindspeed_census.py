@@ -110,14 +110,17 @@ def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
     flags = {a: argv[i + 1] if _values(argv, i) == 1 else None for i, a in enumerate(argv) if a.startswith("--")}
     tp = int(flags.get("--tensor-model-parallel-size") or 1)
     pp = int(flags.get("--pipeline-model-parallel-size") or 1)
-    if "--num-layers-per-virtual-pipeline-stage" in flags or (pp > 1 and tp == 1):
+    if "--num-layer-list" in flags or "--num-layers-per-virtual-pipeline-stage" in flags or (pp > 1 and tp == 1):
         tp, pp = 1, nproc
     elif tp > 1:
         tp, pp = nproc, 1
     else:
         tp, pp = 1, 1
     sizes = dict(SIZES, **{"--tensor-model-parallel-size": str(tp), "--pipeline-model-parallel-size": str(pp),
-                           "--num-query-groups": "2", "--lr-warmup-iters": "2"})
+                           "--num-query-groups": "2", "--lr-warmup-iters": "2",
+                           # uneven stages stay uneven: the first stage one layer, the rest even
+                           "--num-layer-list": ",".join(["1", *[str((int(SIZES["--num-layers"]) - 1) // (pp - 1))]
+                                                                  * (pp - 1)]) if pp > 1 else "4"})
     out = []
     i = 0
     while i < len(argv):

@@ -158,15 +158,14 @@ def test_a_tp1_legacy_checkpoint_loads_into_the_job_here(ckpts, tmp_path):
 @pytest.mark.training
 def test_tp2_pp2_legacy_checkpoints_load_into_the_job_at_that_layout(ckpts):
     """One launch of 4 gloo processes: each family's logits from the job's load_checkpoint (--ckpt-format torch)
-    against transformers', and the uneven checkpoint refused with the job's message."""
+    against transformers', and the uneven checkpoint refused by a job of even stages, naming both."""
     names = FAMILIES + ("uneven",)
     runs = [(ckpts[n][1], H.read_config(ckpts[n][0]), H.tokens()) for n in names]
     results = dict(zip(names, H.megatron_outcomes(runs, tp=2, pp=2, ckpt_format="torch")))
     errors = {n: (results[n] - ckpts[n][2]).abs().max().item() for n in FAMILIES}
     assert max(errors.values()) <= 1e-5, errors
-    assert results["uneven"] == (f"{ckpts['uneven'][1]}/release was converted for an uneven pipeline "
-                                 "(--num-layer-list 1,3), which this job does not build; convert without "
-                                 "--num-layer-list")
+    assert results["uneven"] == (f"{ckpts['uneven'][1]}/release holds pipeline stages of 1,3 layers, this job "
+                                 "builds 2,2; give --num-layer-list 1,3, or convert for this job's stages")
 
 
 def test_a_legacy_checkpoint_at_another_layout_is_refused_naming_both(ckpts):
