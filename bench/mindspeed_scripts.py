@@ -59,6 +59,7 @@ class Result:
     resumed_at: int | None = None
     hf_start: bool = False
     tensorboard_tags: list[str] = field(default_factory=list)
+    layout: str = ""
 
 
 def _set(argv: list[str], values: dict[str, str]) -> list[str]:
@@ -75,18 +76,25 @@ def _flag(argv: list[str], name: str) -> str | None:
 
 
 def prepare(folder: Path) -> None:
-    """data/corpus_text_document (.bin/.idx) and tokenizer/ (an HF tokenizer folder) in `folder`."""
-    from transformers import GPT2TokenizerFast
+    """data/corpus_text_document (.bin/.idx) and tokenizer/ (an HF tokenizer folder) in `folder`: a byte-level
+    BPE of VOCAB tokens trained on the project's own text, saved as transformers' PreTrainedTokenizerFast, and the
+    text tokenized by it (`npu-compile preprocess`'s PretrainedFromHF, with the end-of-document token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
-    from megatron_glue.data.demo_data import EOD_TOKEN, corpus_documents, train_bpe
+    from megatron_glue.data.demo_data import EOD_TOKEN, corpus_documents
     from megatron_glue.data.preprocess import preprocess
 
     if (folder / "data" / "corpus_text_document.idx").exists():
         return
     texts = [d["text"] for d in corpus_documents()]
-    vocab, merges = train_bpe(texts, str(folder / "bpe"), vocab_size=VOCAB)
-    GPT2TokenizerFast(vocab_file=vocab, merges_file=merges, eos_token=EOD_TOKEN, bos_token=EOD_TOKEN,
-                      unk_token=EOD_TOKEN).save_pretrained(folder / "tokenizer")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=VOCAB, min_frequency=2, special_tokens=[EOD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOD_TOKEN).save_pretrained(folder / "tokenizer")
     (folder / "data").mkdir(exist_ok=True)
     corpus = folder / "data" / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -95,8 +103,9 @@ def prepare(folder: Path) -> None:
                    tokenizer_name_or_path=str(folder / "tokenizer"), append_eod=True, log=quiet)
 
 
-def save_hf_llama(argv: list[str], folder: Path) -> None:
-    """A random-init transformers Llama of the scaled-down script's architecture, saved where --load points."""
+def save_hf_llama(argv: list[str], root: Path) -> None:
+    """A random-init transformers Llama of the scaled-down script's architecture, saved where --load points (the
+    script's paths are relative to `root`, where it runs)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -104,6 +113,7 @@ def save_hf_llama(argv: list[str], folder: Path) -> None:
     from megatron_glue.training.gpt import set_vocabulary
 
     args = parse_args(argv, world_size=2)
+    args.tokenizer_name_or_path = str(root / args.tokenizer_name_or_path)
     set_vocabulary(args)
     config = LlamaConfig(
         vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
@@ -113,7 +123,7 @@ def save_hf_llama(argv: list[str], folder: Path) -> None:
         rope_theta=float(args.rotary_base), tie_word_embeddings=not args.untie_embeddings_and_output_weights,
         attention_bias=False, mlp_bias=False)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    LlamaForCausalLM(config).save_pretrained(root / args.load)
 
 
 def _env() -> dict:
@@ -153,9 +163,12 @@ def run_script(name: str, flags: list[str], start: str, folder: Path, iterations
     changed = ["sizes", "paths", "--lr/--min-lr"]
     if start == "hf":
         argv = _set(argv, {"--load": "hf"})
-        save_hf_llama(argv, folder / "hf")
+        save_hf_llama(argv, folder)
     argv += [*ADDED, "--metrics-file", "metrics.jsonl"]
-    result = Result(name, "", changed + ["+--tensorboard-dir"], hf_start=start == "hf")
+    result = Result(name, "", changed + ["+--tensorboard-dir"], hf_start=start == "hf",
+                    layout=f"TP {_flag(argv, '--tensor-model-parallel-size') or 1}, "
+                           f"PP {_flag(argv, '--pipeline-model-parallel-size') or 1}"
+                           + (f", stages {_flag(argv, '--num-layer-list')}" if "--num-layer-list" in argv else ""))
     if start == "resume":
         half = iterations // 2
         first = launch(folder, [*argv, "--exit-interval", str(half)], timeout)
@@ -188,18 +201,18 @@ def report(results: list[Result], source: str) -> str:
         "`pretrain_gpt.py` (see the bench's docstring for what else changes: paths, the learning rate, an added "
         "`--tensorboard-dir`).",
         "",
-        "| script | flags dropped (and why) | changed | loss first → last | resumed? | HF start? | TensorBoard tags | "
-        "Megatron-LM log lines |",
-        "|---|---|---|---|---|---|---|---|",
+        "| script | layout (2 processes) | flags dropped (and why) | changed | loss first → last | resumed? | "
+        "HF start? | TensorBoard tags | Megatron-LM log lines |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.returncode or not r.losses:
             tail = r.output.strip().splitlines()[-1:] or ["no output"]
-            lines.append(f"| {r.script} | – | {', '.join(r.changed)} | **failed** (exit {r.returncode}): "
-                         f"`{tail[0][:200]}` | | | | |")
+            lines.append(f"| {r.script} | {r.layout} | – | {', '.join(r.changed)} | **failed** (exit "
+                         f"{r.returncode}): `{tail[0][:200]}` | | | | |")
             continue
         lines.append(
-            f"| {r.script} | none | {', '.join(r.changed)} | {r.losses[0]:.4f} → {r.losses[-1]:.4f} "
+            f"| {r.script} | {r.layout} | none | {', '.join(r.changed)} | {r.losses[0]:.4f} → {r.losses[-1]:.4f} "
             f"({len(r.losses)} iterations) | "
             f"{'yes, at iteration ' + str(r.resumed_at) if check_resumed(r) else 'no'} | "
             f"{'yes (`--enable-hf2mg-convert --model-type-hf llama2`)' if r.hf_start else 'no'} | "

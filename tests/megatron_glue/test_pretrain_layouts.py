@@ -6,6 +6,7 @@ differently (Megatron-LM's seed + 100 x stage), so only loaded weights are the s
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -95,6 +96,12 @@ def test_layout(name, start, one_process, tmp_path):
     eager = pretrain(tmp_path / "eager", *common, "--no-npu-compile", nproc=nproc).check()
 
     assert len(compiled.losses) == 5
+    if name == "pp2_uneven":  # the stages are 1 and 3 layers (the numerics alone would not show an even split)
+        layer = 4 * 64 * 64 + 4 * 64 + 2 * 4 * 64 * 64 + 4 * 64 + 64 + 4 * 64  # TINY's layer: h=64, ffn 4h
+        embedding = 512 * 64  # the padded vocabulary's rows (the last stage holds the tied output copy)
+        for run in (compiled, eager):
+            assert sorted(re.findall(r"model parallel rank \(0, (\d)\): (\d+)", run.output)) == [
+                ("0", str(embedding + 32 * 64 + layer)), ("1", str(3 * layer + 2 * 64 + embedding))]
     assert_same_training(compiled, eager, f"{name}: compiled vs --no-npu-compile")
     assert_same_training(eager, one_process(layers, False), f"{name} vs one process (eager)")
     assert_same_training(compiled, one_process(layers, True), f"{name} vs one process (compiled)")
