@@ -199,3 +199,26 @@ def test_torch_format_with_distributed_optimizer_resumes_bitwise(tmp_path):
     assert (f"pretrain_gpt: error: {ckpt}/iter_0000003 was saved with --use-distributed-optimizer, this job runs "
             "without it: the optimizer state is in the other's form; run with --use-distributed-optimizer, or load "
             "the weights alone with --no-load-optim") in other.output
+
+
+def test_uneven_stages_resume_in_the_legacy_layout(tmp_path):
+    """--num-layer-list 1,3 at PP=2 with --ckpt-format torch: each stage's file holds its own layers
+    (mp_rank_00_000: one, mp_rank_00_001: three), resumed bit for bit; a job of other stages is refused at the
+    load, naming both (eager, 2 processes)."""
+    common = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layer-list", "1,3", "--train-iters",
+              "4", "--save-interval", "2", "--ckpt-format", "torch", "--no-npu-compile"]
+    whole = pretrain(tmp_path / "whole", *common, "--save", str(tmp_path / "whole" / "ckpt"), nproc=2).check()
+    ckpt = tmp_path / "parts" / "ckpt"
+    pretrain(tmp_path / "parts", *common, "--save", str(ckpt), "--exit-interval", "2", nproc=2).check()
+    layers = {stage: {k.split(".")[2] for k in torch.load(ckpt / "iter_0000002" / f"mp_rank_00_00{stage}" /
+                                                             "model_optim_rng.pt", weights_only=False)["model"]
+                      if k.startswith("decoder.layers.")} for stage in (0, 1)}
+    assert layers == {0: {"0"}, 1: {"0", "1", "2"}}
+    second = pretrain(tmp_path / "parts", *common, "--save", str(ckpt), "--load", str(ckpt), nproc=2).check()
+    assert _train_rows(second) == _train_rows(whole)  # the metrics file holds both launches' rows
+
+    even = [*common[:4], *common[6:]]  # the same job at stages 2,2
+    other = pretrain(tmp_path / "even", *even, "--load", str(ckpt), nproc=2)
+    assert other.returncode != 0
+    assert (f"pretrain_gpt: error: {ckpt}/iter_0000004 holds pipeline stages of 1,3 layers, this job builds 2,2; "
+            "give --num-layer-list 1,3, or convert for this job's stages") in other.output
