@@ -325,6 +325,16 @@ def test_tensorboard_flags():
         "pretrain_gpt: error: --tensorboard-log-interval 0 must be >= 1")
 
 
+def test_tensorboard_dir_without_the_tensorboard_package_is_refused(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # what `import` meets without the package
+    message = error([*JOB, "--tensorboard-dir", "tb"])
+    assert message.startswith("pretrain_gpt: error: --tensorboard-dir needs the tensorboard package (")
+    assert message.endswith("); install this project's 'megatron' extra (pip install 'npu_compile[megatron]') or "
+                            "`pip install tensorboard`")
+
+
 def test_exit_on_missing_checkpoint(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
