@@ -102,10 +102,21 @@ def placement(args) -> Placement:
 
 
 def init(args) -> Placement:
-    """Process group up, this rank's device current, adaptations applied."""
+    """Installation checked, process group up, this rank's device current, the HCCL environment set, the process
+    bound to its cores, adaptations applied."""
     from megatron_glue.capture import adapt, adaptations
+    from megatron_glue.training import affinity, doctor, hccl
 
-    where = placement(args)
+    stop = doctor.check_at_start(args.distributed_backend)
+    if stop:
+        raise ArgumentError(stop)
+    where = placement(args)  # the process-group timeout reads the user's HCCL_CONNECT_TIMEOUT before the job's
+    if where.backend == "hccl":
+        for line in hccl.apply(args):
+            if where.rank == 0:
+                print(line, flush=True)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or where.world_size)
+    print(affinity.bind(where.local_rank, local_world, where.device.type, enabled=args.bind_cores), flush=True)
     if where.backend == "hccl":
         import torch_npu  # noqa: F401
         from torch_npu.contrib import transfer_to_npu  # noqa: F401  (cuda -> npu, torch_npu's own means)
