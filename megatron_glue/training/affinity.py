@@ -166,4 +166,5 @@ def bind(local_rank: int, local_world_size: int, device_type: str, *, enabled: b
     if chosen.cores is None:
         return f" rank {rank}: CPU affinity not set: {chosen.why}"
     os.sched_setaffinity(0, chosen.cores)
-    return f" rank {rank}: bound to cores {format_cpulist(chosen.cores)} ({chosen.why})"
+    # read back: what the kernel applied
+    return f" rank {rank}: bound to cores {format_cpulist(os.sched_getaffinity(0))} ({chosen.why})"
