@@ -14,6 +14,10 @@ Ascend's variable for building links), when set, bounds it instead, so a rank th
 within the time the user set for HCCL, on any backend. Within it, a rank that is gone (its process exited, or
 its heartbeat stopped for $NPU_COMPILE_RANK_WATCHDOG_S seconds, default 60; 0: off) ends the others with
 "rank R (pid P) is gone: ..." (`megatron_glue.capture.distributed.watch_ranks`).
+
+Before that, `init` runs `npu-compile doctor`'s check (`doctor.check_at_start`: one line and stop on a combination
+known not to work), sets the HCCL variables the job owns on hccl (`hccl.apply`, after the timeout above has read the
+user's own) and binds the process to its cores (`affinity.bind`, `--no-bind-cores`); docs/operating.md.
 """
 
 from __future__ import annotations
