@@ -105,22 +105,33 @@ def placement(args) -> Placement:
                      process_group_timeout(args), watchdog)
 
 
+def prepare_process(args, where: Placement) -> list[str]:
+    """The HCCL variables the job owns (hccl only; rank 0 logs them) and this process's cores (every rank logs its
+    own line). Returns the log lines."""
+    from megatron_glue.training import affinity, hccl
+
+    lines = []
+    if where.backend == "hccl":
+        applied = hccl.apply(args)
+        if where.rank == 0:
+            lines += applied
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or where.world_size)
+    lines.append(affinity.bind(where.local_rank, local_world, where.device.type, enabled=args.bind_cores))
+    return lines
+
+
 def init(args) -> Placement:
     """Installation checked, process group up, this rank's device current, the HCCL environment set, the process
     bound to its cores, adaptations applied."""
     from megatron_glue.capture import adapt, adaptations
-    from megatron_glue.training import affinity, doctor, hccl
+    from megatron_glue.training import doctor
 
     stop = doctor.check_at_start(args.distributed_backend)
     if stop:
         raise ArgumentError(stop)
     where = placement(args)  # the process-group timeout reads the user's HCCL_CONNECT_TIMEOUT before the job's
-    if where.backend == "hccl":
-        for line in hccl.apply(args):
-            if where.rank == 0:
-                print(line, flush=True)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or where.world_size)
-    print(affinity.bind(where.local_rank, local_world, where.device.type, enabled=args.bind_cores), flush=True)
+    for line in prepare_process(args, where):
+        print(line, flush=True)
     if where.backend == "hccl":
         import torch_npu  # noqa: F401
         from torch_npu.contrib import transfer_to_npu  # noqa: F401  (cuda -> npu, torch_npu's own means)

@@ -275,6 +275,36 @@ def _check_environment(inst: Installation) -> list[Finding]:
     return out
 
 
+# Asked of torch_npu in a child process (an import that fails or hangs without CANN stays there): the names are
+# torch_npu's own (2.13.0 wheel, torch_npu/npu/__init__.py:492 device_count, :535 get_device_name).
+_ASK_TORCH_NPU = ("import torch_npu\n"
+                  "n = torch_npu.npu.device_count()\n"
+                  "print(n, torch_npu.npu.get_device_name(0) if n else '-')\n")
+
+
+def ask_torch_npu(python: str = sys.executable, environ=None, timeout: float = 120) -> Finding:
+    """What torch_npu itself sees: its device count and the first device's name, or why it cannot say."""
+    import subprocess
+
+    env = dict(os.environ if environ is None else environ)
+    try:
+        done = subprocess.run([python, "-c", _ASK_TORCH_NPU], capture_output=True, text=True, timeout=timeout,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        return Finding("torch_npu sees", "FAIL", f"import torch_npu did not finish in {timeout:.0f} s", npu_stack=True)
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        last = errors[-1] if errors else f"exit status {done.returncode}"
+        return Finding("torch_npu sees", "FAIL", f"torch_npu cannot be imported ({last}): source "
+                                                 "/usr/local/Ascend/ascend-toolkit/set_env.sh, or install the CANN "
+                                                 "release its table names", npu_stack=True)
+    count, _, name = done.stdout.strip().splitlines()[-1].partition(" ")
+    if count == "0":
+        return Finding("torch_npu sees", "warn", "no NPU (torch_npu.npu.device_count() is 0): check the driver "
+                                                 "(npu-smi info) and ASCEND_RT_VISIBLE_DEVICES", npu_stack=True)
+    return Finding("torch_npu sees", "ok", f"{count} NPU(s), {name}")
+
+
 def diagnose(inst: Installation) -> list[Finding]:
     return (_check_python(inst) + _check_torch(inst) + _check_npu_stack(inst) + _check_torchair(inst)
             + _check_megatron(inst) + _check_devices(inst) + _check_environment(inst))
@@ -293,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="npu-compile doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--sysfs-root", default="/", help="where sysfs is mounted (default /)")
     args = parser.parse_args(argv)
-    findings = diagnose(probe(sysfs_root=args.sysfs_root))
+    inst = probe(sysfs_root=args.sysfs_root)
+    findings = diagnose(inst)
+    if inst.torch_npu is not None and inst.cann is not None:
+        findings.append(ask_torch_npu())
     for finding in findings:
         print(finding.line())
     failed = [f for f in findings if f.status == "FAIL"]

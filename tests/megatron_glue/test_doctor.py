@@ -147,3 +147,24 @@ def test_the_job_stops_at_start(monkeypatch, tmp_path, capsys):
     assert err == ("pretrain_gpt: error: megatron-core 0.11.0 is older than the lines the job speaks (0.12 on, tested:"
                    " 0.12.1 and 0.16.1): pip install megatron-core==0.16.1 (npu-compile doctor shows the whole "
                    "installation)\n")
+
+
+def _fake_torch_npu(root: Path, body: str) -> dict:
+    pkg = root / "torch_npu"
+    (pkg / "npu").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(body)
+    (pkg / "npu" / "__init__.py").write_text("def device_count():\n    return 8\n\n"
+                                             "def get_device_name(i):\n    return 'Ascend910B2'\n")
+    return {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+
+
+def test_what_torch_npu_sees(tmp_path):
+    found = doctor.ask_torch_npu(environ=_fake_torch_npu(tmp_path / "a", "from . import npu\n"))
+    assert (found.status, found.text) == ("ok", "8 NPU(s), Ascend910B2")
+    # without CANN torch_npu fails at import on libhccl.so: that line, and what to do
+    broken = _fake_torch_npu(tmp_path / "b", "raise OSError('libhccl.so: cannot open shared object file: No such file"
+                                             " or directory')\n")
+    found = doctor.ask_torch_npu(environ=broken)
+    assert found.line() == ("FAIL  torch_npu sees        torch_npu cannot be imported (OSError: libhccl.so: cannot open "
+                            "shared object file: No such file or directory): source "
+                            "/usr/local/Ascend/ascend-toolkit/set_env.sh, or install the CANN release its table names")

@@ -66,3 +66,30 @@ def test_two_rank_job_binds_disjoint_cores(tmp_path):
     cores = [set(parse_cpulist(bound[r])) for r in ("0", "1")]
     assert cores[0] and cores[1] and not cores[0] & cores[1]
     assert cores[0] | cores[1] <= os.sched_getaffinity(0)
+
+
+@pytest.mark.any_megatron_line
+def test_the_job_sets_them_on_hccl_only(monkeypatch):
+    import datetime
+    import types
+
+    import torch
+
+    from megatron_glue.training.device import Placement, prepare_process
+
+    for name in ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", *hccl.REPORTED):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "7200")
+    monkeypatch.setenv("RANK", "0")
+    args = _args("--distributed-timeout-minutes", "30")
+    where = Placement("gloo", torch.device("cpu"), 0, 1, 0, datetime.timedelta(minutes=30))
+    lines = prepare_process(args, where)
+    assert "HCCL_CONNECT_TIMEOUT" not in os.environ and len(lines) == 1 and lines[0].startswith(" rank 0: ")
+    # an NPU placement on a machine without NPUs: the variables set, the affinity left alone with the reason
+    # torch.device("npu") needs torch_npu; the placement's device is read for its type only
+    where = Placement("hccl", types.SimpleNamespace(type="npu", index=0), 0, 1, 0, datetime.timedelta(minutes=30))
+    lines = prepare_process(args, where)
+    assert (os.environ["HCCL_CONNECT_TIMEOUT"], os.environ["HCCL_EXEC_TIMEOUT"]) == ("1800", "7200")
+    assert lines[:2] == [" HCCL_CONNECT_TIMEOUT=1800: set by the job (link set-up timeout, s; [120, 7200], default 120)",
+                         " HCCL_EXEC_TIMEOUT=7200: the user's, kept (the job would set 1800)"]
+    assert lines[2].startswith(" rank 0: CPU affinity not set: 0 Ascend NPUs found under ")
