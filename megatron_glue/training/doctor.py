@@ -158,17 +158,23 @@ def _check_npu_stack(inst: Installation) -> list[Finding]:
                                                 "install CANN, then pip install 'npu_compile[npu]' (torch-npu==2.13.0)"))
     else:
         out.append(Finding("torch_npu", "ok", f"{inst.torch_npu} (built for {inst.torch_npu_requires_torch or '?'})"))
-    where = inst.environ.get("ASCEND_HOME_PATH") and "$ASCEND_HOME_PATH" or DEFAULT_ASCEND_HOME
+    home = inst.environ.get("ASCEND_HOME_PATH")
+    where = f"ASCEND_HOME_PATH={home} does not exist" if home else f"ASCEND_HOME_PATH unset, {DEFAULT_ASCEND_HOME} absent"
     if inst.cann_home is None:
         if inst.torch_npu is not None:
             needed = compatibility.cann_for(inst.torch_npu)
             out.append(Finding("CANN", "FAIL", f"torch_npu {inst.torch_npu} is installed but no CANN toolkit is "
-                                               f"(ASCEND_HOME_PATH unset, {DEFAULT_ASCEND_HOME} absent): install "
-                                               f"CANN{' ' + needed if needed else ''} and source "
+                                               f"({where}): install CANN{' ' + needed if needed else ''} and source "
                                                "/usr/local/Ascend/ascend-toolkit/set_env.sh", npu_stack=True))
         else:
-            out.append(Finding("CANN", "info", f"no toolkit ({where} absent)"))
+            out.append(Finding("CANN", "info", f"no toolkit ({where})"))
         return out
+    if inst.torch_npu is not None and home and not inst.environ.get("ASCEND_OPP_PATH"):
+        # torch_npu stops at import when ASCEND_HOME_PATH is set without ASCEND_OPP_PATH (2.13.0 wheel,
+        # torch_npu/_init/registry/registry_manager.py:28-32)
+        out.append(Finding("ASCEND_OPP_PATH", "FAIL", "ASCEND_HOME_PATH is set but ASCEND_OPP_PATH is not, and "
+                                                      "torch_npu stops at import without it: source "
+                                                      f"{Path(home).parent / 'set_env.sh'}", npu_stack=True))
     if inst.cann is None:
         out.append(Finding("CANN", "warn", f"toolkit at {inst.cann_home} has no ascend_*_install.info with a "
                                            "version= line: its version cannot be checked", npu_stack=True))

@@ -46,6 +46,7 @@ def _install(tmp_path, *, torch="2.13.0", torch_npu=None, npu_pin=None, megatron
     environ = {}
     if cann:
         environ["ASCEND_HOME_PATH"] = str(_cann(tmp_path, cann))
+        environ["ASCEND_OPP_PATH"] = environ["ASCEND_HOME_PATH"] + "/opp"  # as set_env.sh sets both
     (tmp_path / "sys").mkdir()  # an empty sysfs: no devices
     return dict(environ=environ, paths=[str(site)], sysfs_root=str(tmp_path),
                 default_ascend_home=str(tmp_path / "absent"))
@@ -168,3 +169,16 @@ def test_what_torch_npu_sees(tmp_path):
     assert found.line() == ("FAIL  torch_npu sees        torch_npu cannot be imported (OSError: libhccl.so: cannot open "
                             "shared object file: No such file or directory): source "
                             "/usr/local/Ascend/ascend-toolkit/set_env.sh, or install the CANN release its table names")
+
+
+def test_a_half_sourced_cann_environment(tmp_path):
+    kw = _install(tmp_path, torch="2.9.0", torch_npu="2.9.0.post6", npu_pin="2.9.0", cann="9.1.0")
+    del kw["environ"]["ASCEND_OPP_PATH"]
+    found = _findings(**kw)["ASCEND_OPP_PATH"]
+    home = Path(kw["environ"]["ASCEND_HOME_PATH"])
+    assert found.text == ("ASCEND_HOME_PATH is set but ASCEND_OPP_PATH is not, and torch_npu stops at import without "
+                          f"it: source {home.parent / 'set_env.sh'}")
+    kw["environ"]["ASCEND_HOME_PATH"] = str(tmp_path / "gone")
+    assert _findings(**kw)["CANN"].text.startswith(
+        f"torch_npu 2.9.0.post6 is installed but no CANN toolkit is (ASCEND_HOME_PATH={tmp_path / 'gone'} does not "
+        "exist): install CANN 9.1.0")
