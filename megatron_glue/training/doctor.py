@@ -69,12 +69,18 @@ class Installation:
     environ: dict = field(default_factory=dict)
 
 
-def _distribution(name: str, paths):
-    want = re.sub(r"[-_.]+", "-", name).lower()
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _distributions(names, paths) -> dict:
+    """{name: distribution} for those of `names` installed (the first found on the path, as import finds it)."""
+    want, found = {_normalized(n): n for n in names}, {}
     for dist in (metadata.distributions(path=paths) if paths is not None else metadata.distributions()):
-        if re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower() == want:
-            return dist
-    return None
+        name = want.get(_normalized(dist.metadata["Name"] or ""))
+        if name is not None and name not in found:
+            found[name] = dist
+    return found
 
 
 def read_cann_version(home: str) -> tuple[str | None, str | None]:
@@ -99,15 +105,13 @@ def probe(environ=None, paths=None, sysfs_root: str = "/", default_ascend_home: 
     so that fake installations test it."""
     environ = dict(os.environ if environ is None else environ)
     inst = Installation(python=platform.python_version(), environ=environ)
-    for name, attr in (("torch", "torch"), ("torch_npu", "torch_npu"), ("megatron-core", "megatron_core"),
-                       ("torchair", "torchair")):
-        dist = _distribution(name, paths)
-        if dist is not None:
-            setattr(inst, attr, dist.version)
-            if name == "torch_npu":
-                pins = [r for r in (dist.requires or []) if re.match(r"torch\s*[=<>~!]", r)]
-                inst.torch_npu_requires_torch = pins[0].replace(" ", "") if pins else None
-                inst.torch_npu_torchair = any(str(f).startswith("torch_npu/dynamo/torchair/") for f in dist.files or [])
+    attrs = {"torch": "torch", "torch_npu": "torch_npu", "megatron-core": "megatron_core", "torchair": "torchair"}
+    for name, dist in _distributions(attrs, paths).items():
+        setattr(inst, attrs[name], dist.version)
+        if name == "torch_npu":
+            pins = [r for r in (dist.requires or []) if re.match(r"torch\s*[=<>~!]", r)]
+            inst.torch_npu_requires_torch = pins[0].replace(" ", "") if pins else None
+            inst.torch_npu_torchair = any(str(f).startswith("torch_npu/dynamo/torchair/") for f in dist.files or [])
     home = environ.get("ASCEND_HOME_PATH") or default_ascend_home
     if Path(home).is_dir():
         inst.cann_home = home

@@ -182,3 +182,29 @@ def test_a_half_sourced_cann_environment(tmp_path):
     assert _findings(**kw)["CANN"].text.startswith(
         f"torch_npu 2.9.0.post6 is installed but no CANN toolkit is (ASCEND_HOME_PATH={tmp_path / 'gone'} does not "
         "exist): install CANN 9.1.0")
+
+
+def test_the_real_torch_npu_wheel_metadata(tmp_path):
+    """torch_npu 2.13.0's own dist-info (read from the pinned wheel, not installed): its version, its pin of torch
+    and the torchair it bundles, as the doctor reads them."""
+    import zipfile
+
+    from lowering.wheel import wheel_path
+
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel_path()) as whl:
+        for name in whl.namelist():
+            if name.startswith("torch_npu-2.13.0.dist-info/"):
+                whl.extract(name, site)
+    _dist(site, "torch", "2.12.0")
+    _dist(site, "megatron-core", "0.16.1")
+    inst = doctor.probe(environ={}, paths=[str(site)], sysfs_root=str(tmp_path),
+                        default_ascend_home=str(tmp_path / "absent"))
+    assert (inst.torch_npu, inst.torch_npu_requires_torch, inst.torch_npu_torchair) == ("2.13.0", "torch==2.13.0.*",
+                                                                                      True)
+    found = {f.what: f for f in doctor.diagnose(inst)}
+    assert found["torch"].text == ("torch_npu 2.13.0 is built for torch==2.13.0.*, but torch 2.12.0 is installed: "
+                                   "pip install 'torch==2.13.0.*'")
+    assert found["CANN"].text == ("torch_npu 2.13.0 is installed but no CANN toolkit is (ASCEND_HOME_PATH unset, "
+                                  "/usr/local/Ascend/ascend-toolkit/latest absent): install CANN and source "
+                                  "/usr/local/Ascend/ascend-toolkit/set_env.sh")
