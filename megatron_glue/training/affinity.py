@@ -14,11 +14,11 @@ local ranks whose devices sit on that node, in local-rank order, so two ranks ne
 without devices (the CPU job), the allowed cores split the same way among all local ranks. The process is bound
 before any data-loader worker or torch_npu thread exists, so the workers (forked from it) inherit the binding.
 
-torch_npu has a binder of its own, `CPU_AFFINITY_CONF` (Ascend/pytorch
+torch_npu has a binder of its own, `CPU_AFFINITY_CONF` (Ascend/pytorch at 9e73e70,
 torch_npu/csrc/core/npu/NPUAffinityController.cpp; MindSpeed-LLM's scripts set `CPU_AFFINITY_CONF=1`). When a user
 sets it, torch_npu binds and this module leaves the process alone (and says so): the two binders would meet in
 torch_npu's conflict check, which skips its binding when the thread's mask lacks a core it expects
-(`checkThreadAffinityConflict`, NPUAffinityController.cpp:318-337). The job does not set it itself: its mode 1
+(`checkThreadAffinityConflict`, NPUAffinityController.cpp:322-342). The job does not set it itself: its mode 1
 without `npu_affine:1` splits the cores by device index, not by NUMA node (`getNPUDefaultCores`, :97-106).
 A topology that cannot be read (no sysfs, a device without a NUMA node, fewer cores than ranks) leaves the affinity
 as it was and says why.

@@ -116,7 +116,8 @@ def prepare_process(args, where: Placement) -> list[str]:
         if where.rank == 0:
             lines += applied
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or where.world_size)
-    lines.append(affinity.bind(where.local_rank, local_world, where.device.type, enabled=args.bind_cores))
+    lines.append(affinity.bind(where.local_rank, local_world, where.device.type,
+                               enabled=getattr(args, "bind_cores", True)))
     return lines
 
 

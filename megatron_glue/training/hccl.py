@@ -1,7 +1,7 @@
 """The HCCL environment the job owns: set from its flags before the process group exists, the user's own value kept.
 
 HCCL reads these from the environment when a communicator is built (torch_npu reads HCCL_CONNECT_TIMEOUT and
-HCCL_EXEC_TIMEOUT through `OptionsManager`, Ascend/pytorch torch_npu/csrc/core/npu/register/OptionsManager.cpp:
+HCCL_EXEC_TIMEOUT through `OptionsManager`, Ascend/pytorch at 9e73e70, torch_npu/csrc/core/npu/register/OptionsManager.cpp:
 170-190), so they are set in `device.init`, before `init_process_group`, on the hccl backend only. Each with its
 source (the CANN documentation pages; ranges and defaults as they state them):
 
