@@ -113,9 +113,11 @@ def cann_key(version: str) -> tuple:
 
 
 def cann_for(torch_npu_version: str) -> str | None:
-    """The CANN release the published table pairs with this torch_npu package version; None when not listed."""
+    """The CANN release the published table pairs with this torch_npu package version (a local build label,
+    "+git...", ignored); None when not listed."""
+    version = torch_npu_version.split("+")[0]
     for npu, _torch, cann in TORCH_NPU_RELEASES:
-        if npu == torch_npu_version:
+        if npu == version:
             return cann
     return None
 

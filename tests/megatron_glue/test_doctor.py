@@ -124,7 +124,8 @@ def test_cann_versions_order():
 def test_every_published_cann_parses():
     for npu, torch, cann in compatibility.TORCH_NPU_RELEASES:
         compatibility.cann_key(cann)
-    assert compatibility.cann_for("2.12.0") == "9.1.0"
+    assert compatibility.cann_for("2.12.0") == compatibility.cann_for("2.12.0+git1a2b3c") == "9.1.0"
+    assert compatibility.cann_for("2.13.0") is None
 
 
 def test_doctor_on_this_machine(capsys):
