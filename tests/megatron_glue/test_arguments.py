@@ -202,7 +202,10 @@ def test_manual_gc_disables_and_collects_as_megatron_lm(monkeypatch):
     optimizer = types.SimpleNamespace(param_groups=[{"lr": 1.0}], get_loss_scale=lambda: types.SimpleNamespace(
         item=lambda: 1.0))
     metrics = types.SimpleNamespace(step=lambda loss: None, record=lambda *a, **k: None)
-    training._train(args, None, [], optimizer, None, None, None, training.State(), metrics, 1, None)
+    import torch
+
+    where = types.SimpleNamespace(device=torch.device("cpu"))  # the job's monitor reads the device's memory
+    training._train(args, None, [], optimizer, None, None, None, training.State(), metrics, 1, where)
     assert events == ["disable", "collect2", "step", "step", "collect2", "step", "step", "collect2", "step"]
     assert gc.isenabled()  # the real collector was not touched
 
