@@ -10,10 +10,11 @@ COMMANDS = {
     "preprocess": "tokenize a jsonl/json/parquet corpus into megatron-core's .bin/.idx (Megatron-LM's and "
                   "MindSpeed-LLM's preprocess_data.py)",
     "convert": "HuggingFace <-> Megatron checkpoints (MindSpeed-LLM's convert_ckpt_v2.py flags), TP/PP, streamed",
+    "doctor": "what is installed (Python, torch, torch_npu, CANN, megatron-core, devices, HCCL) and whether it fits",
 }
 # Where each command's main(argv) lives; imported only when run, so `import npu_compile` never imports Megatron.
 _ENTRY = {"demo": "npu_compile.demo", "preprocess": "megatron_glue.data.preprocess",
-          "convert": "megatron_glue.convert"}
+          "convert": "megatron_glue.convert", "doctor": "megatron_glue.training.doctor"}
 
 
 def main(argv: list[str] | None = None) -> int:

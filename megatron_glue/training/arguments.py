@@ -435,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ddp-bucket-size", type=int, default=None)
     g.add_argument("--local-rank", "--local_rank", type=int, default=None,
                    help="this process's device index, set by older launchers (torchrun sets $LOCAL_RANK)")
+    g.add_argument("--no-bind-cores", action="store_false", dest="bind_cores",
+                   help="leave each rank's CPU affinity alone (default: bound to the cores of its device's NUMA "
+                        "node, disjoint per local rank; see docs/operating.md)")
 
     g = p.add_argument_group("validation")
     g.add_argument("--eval-iters", type=int, default=100)

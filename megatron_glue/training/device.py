@@ -14,6 +14,10 @@ Ascend's variable for building links), when set, bounds it instead, so a rank th
 within the time the user set for HCCL, on any backend. Within it, a rank that is gone (its process exited, or
 its heartbeat stopped for $NPU_COMPILE_RANK_WATCHDOG_S seconds, default 60; 0: off) ends the others with
 "rank R (pid P) is gone: ..." (`megatron_glue.capture.distributed.watch_ranks`).
+
+Before that, `init` runs `npu-compile doctor`'s check (`doctor.check_at_start`: one line and stop on a combination
+known not to work), sets the HCCL variables the job owns on hccl (`hccl.apply`, after the timeout above has read the
+user's own) and binds the process to its cores (`affinity.bind`, `--no-bind-cores`); docs/operating.md.
 """
 
 from __future__ import annotations
@@ -101,11 +105,34 @@ def placement(args) -> Placement:
                      process_group_timeout(args), watchdog)
 
 
-def init(args) -> Placement:
-    """Process group up, this rank's device current, adaptations applied."""
-    from megatron_glue.capture import adapt, adaptations
+def prepare_process(args, where: Placement) -> list[str]:
+    """The HCCL variables the job owns (hccl only; rank 0 logs them) and this process's cores (every rank logs its
+    own line). Returns the log lines."""
+    from megatron_glue.training import affinity, hccl
 
-    where = placement(args)
+    lines = []
+    if where.backend == "hccl":
+        applied = hccl.apply(args)
+        if where.rank == 0:
+            lines += applied
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or where.world_size)
+    lines.append(affinity.bind(where.local_rank, local_world, where.device.type,
+                               enabled=getattr(args, "bind_cores", True)))
+    return lines
+
+
+def init(args) -> Placement:
+    """Installation checked, process group up, this rank's device current, the HCCL environment set, the process
+    bound to its cores, adaptations applied."""
+    from megatron_glue.capture import adapt, adaptations
+    from megatron_glue.training import doctor
+
+    stop = doctor.check_at_start(args.distributed_backend)
+    if stop:
+        raise ArgumentError(stop)
+    where = placement(args)  # the process-group timeout reads the user's HCCL_CONNECT_TIMEOUT before the job's
+    for line in prepare_process(args, where):
+        print(line, flush=True)
     if where.backend == "hccl":
         import torch_npu  # noqa: F401
         from torch_npu.contrib import transfer_to_npu  # noqa: F401  (cuda -> npu, torch_npu's own means)

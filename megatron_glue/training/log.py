@@ -225,7 +225,9 @@ class Metrics:
             return None
         with open(self.path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        return plot_loss_curve(rows, os.path.join(os.path.dirname(os.path.abspath(self.path)), "loss_curve.png"))
+        folder = os.path.dirname(os.path.abspath(self.path))
+        plot_monitor(rows, os.path.join(folder, "memory.png"))
+        return plot_loss_curve(rows, os.path.join(folder, "loss_curve.png"))
 
 
 def plot_loss_curve(rows: list[dict], out: str) -> str | None:
@@ -247,6 +249,38 @@ def plot_loss_curve(rows: list[dict], out: str) -> str | None:
     ax.set_ylabel("lm loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_monitor(rows: list[dict], out: str) -> str | None:
+    """Memory and utilization per iteration (megatron_glue.training.monitor's fields), beside the loss curve."""
+    train = [r for r in rows if r["kind"] == "train"]
+    memory_keys = [k for k in ("memory allocated (MB)", "memory reserved (MB)", "cpu rss (MB)")
+                   if any(k in r for r in train)]
+    use_keys = [k for k in ("npu utilization (%)", "cpu utilization (%)") if any(k in r for r in train)]
+    if not memory_keys and not use_keys:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem, use) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    for key in memory_keys:
+        mem.plot(*zip(*[(r["iteration"], r[key]) for r in train if key in r]), label=key, lw=1.2)
+    mem.set_ylabel("MB")
+    mem.legend()
+    for key in use_keys:
+        use.plot(*zip(*[(r["iteration"], r[key]) for r in train if key in r]), "o-", label=key, ms=3)
+    use.set_ylabel("%")
+    use.set_xlabel("iteration")
+    if use_keys:
+        use.legend()
+    for ax in (mem, use):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_glue.capture import quiet_megatron
-from megatron_glue.training import checkpointing, device as glue_device, versions
+from megatron_glue.training import checkpointing, device as glue_device, monitor, versions
 from megatron_glue.training.log import (Metrics, TensorBoard, arguments_lines, iteration_line,
                                         num_floating_point_operations, parameters_line, peak_memory_mb, print_rank0,
                                         validation_lines)
@@ -495,6 +495,18 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
         gc.collect()
     flops_per_iteration = (num_floating_point_operations(args, args.global_batch_size)
                            if getattr(args, "log_throughput", False) else None)
+    utilization = monitor.Utilization(where.device)
+    try:
+        _train_loop(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it, state, metrics,
+                    tokens_per_it, where, interval, flops_per_iteration, utilization)
+    finally:
+        utilization.close()
+
+
+def _train_loop(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it, state, metrics, tokens_per_it,
+                where, interval, flops_per_iteration, utilization):
+    # Megatron-LM's report_memory_flag: the memory line at the logged iterations until one after the first
+    report_memory, first = True, state.iteration
     while state.iteration < args.train_iters:
         started = time.perf_counter()
         losses, skipped, grad_norm = train_step(args, forward_step, train_it, chunks, optimizer, scheduler)
@@ -521,7 +533,7 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
         scale = optimizer.get_loss_scale().item()
         norm = None if grad_norm is None else float(grad_norm)
         metrics.record("train", iteration=state.iteration, lr=lr, loss_scale=scale, skipped=bool(skipped),
-                       grad_norm=norm, **losses)
+                       grad_norm=norm, **losses, **monitor.memory_mb(where.device), **utilization.mean())
         metrics.tensorboard.train(state.iteration, state.consumed_train_samples, learning_rate=lr,
                                   batch_size=args.global_batch_size, losses=losses, loss_scale=scale,
                                   grad_norm=norm)
@@ -540,6 +552,13 @@ def _train(args, forward_step, chunks, optimizer, scheduler, train_it, valid_it,
                 peak_mb=peak_memory_mb(where.device),
                 tflops_per_device=tflops))
             interval = _Interval()
+            if report_memory:
+                from megatron.core import parallel_state
+
+                if parallel_state.get_data_parallel_rank() == 0:
+                    print(monitor.report_memory_line(f"(after {state.iteration} iterations)", where.device,
+                                                     dist.get_rank()), flush=True)
+                report_memory = state.iteration <= first + 1
         if args.eval_interval and state.iteration % args.eval_interval == 0 and args.eval_iters > 0 \
                 and state.iteration < args.train_iters:
             _evaluate_and_print(args, forward_step, valid_it, chunks, state, metrics)

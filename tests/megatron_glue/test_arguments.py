@@ -204,7 +204,10 @@ def test_manual_gc_disables_and_collects_as_megatron_lm(monkeypatch):
     from megatron_glue.training.log import TensorBoard
 
     metrics = types.SimpleNamespace(step=lambda loss: None, record=lambda *a, **k: None, tensorboard=TensorBoard(None))
-    training._train(args, None, [], optimizer, None, None, None, training.State(), metrics, 1, None)
+    import torch
+
+    where = types.SimpleNamespace(device=torch.device("cpu"))  # the job's monitor reads the device's memory
+    training._train(args, None, [], optimizer, None, None, None, training.State(), metrics, 1, where)
     assert events == ["disable", "collect2", "step", "step", "collect2", "step", "step", "collect2", "step"]
     assert gc.isenabled()  # the real collector was not touched
 

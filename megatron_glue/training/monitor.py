@@ -1,0 +1,96 @@
+"""What the device is doing while the job trains: its memory, and its utilization sampled in the background.
+
+On an accelerator, the allocator's figures, the four Megatron-LM's `report_memory` prints (allocated, max
+allocated, reserved, max reserved; megatron/training/utils/common_utils.py `report_memory`): on an NPU through
+torch_npu's own functions (`torch.npu.memory_allocated`, `max_memory_allocated`, `memory_reserved`,
+`max_memory_reserved`: torch_npu 2.13.0 wheel, torch_npu/npu/memory.py:451,469,491,507) and utilization through
+`torch.npu.utilization(device)` (torch_npu/npu/__init__.py:626, the device's comprehensive utilization rate, %).
+On a CPU there is no device allocator: the process's resident set (now and at its peak) and the process's CPU
+utilization (CPU time over wall time, % of one core), labelled "cpu" so they are never read as a device's.
+
+The NPU calls are bound to those names and not run here (no NPU); the CPU path is what the tests run.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+
+import torch
+
+MB = 2 ** 20
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_mb(device: torch.device) -> dict[str, float]:
+    """This process's memory figures in MB, named as the log and the metrics JSONL show them."""
+    if device.type in ("npu", "cuda"):
+        mod = torch.npu if device.type == "npu" else torch.cuda
+        return {"memory allocated (MB)": mod.memory_allocated(device) / MB,
+                "memory max allocated (MB)": mod.max_memory_allocated(device) / MB,
+                "memory reserved (MB)": mod.memory_reserved(device) / MB,
+                "memory max reserved (MB)": mod.max_memory_reserved(device) / MB}
+    return {"cpu rss (MB)": _rss_bytes() / MB,
+            "cpu max rss (MB)": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+
+
+def report_memory_line(name: str, device: torch.device, rank: int) -> str:
+    """Megatron-LM's report_memory line; on a CPU the process's resident set, said so."""
+    figures = memory_mb(device)
+    if device.type in ("npu", "cuda"):
+        keys = ("allocated", "max allocated", "reserved", "max reserved")
+        body = "".join(f" | {k}: {figures[f'memory {k} (MB)']:.2f}" for k in keys)
+    else:
+        body = f" | cpu rss: {figures['cpu rss (MB)']:.2f} | cpu max rss: {figures['cpu max rss (MB)']:.2f}"
+    return f"[Rank {rank}] {name} memory (MB){body}"
+
+
+class Utilization:
+    """Samples utilization every `interval_s` seconds in a daemon thread; `mean()` is the mean of the samples since
+    the previous call (None when there were none), named by what was sampled."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.5):
+        self.device = device
+        self.name = "npu utilization (%)" if device.type == "npu" else "cpu utilization (%)"
+        self.interval_s = interval_s
+        self._samples: list[float] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last = (time.perf_counter(), time.process_time())
+        self._thread = None
+        if device.type in ("npu", "cpu"):
+            self._thread = threading.Thread(target=self._run, name="npu_compile-utilization", daemon=True)
+            self._thread.start()
+
+    def _sample(self) -> float:
+        if self.device.type == "npu":
+            return float(torch.npu.utilization(self.device))
+        wall, cpu = time.perf_counter(), time.process_time()
+        last_wall, last_cpu = self._last
+        self._last = (wall, cpu)
+        return 100.0 * (cpu - last_cpu) / max(wall - last_wall, 1e-9)
+
+    def _run(self):
+        while not self._stop.wait(self.interval_s):
+            try:
+                value = self._sample()
+            except Exception:  # a device query that fails stops the sampling, never the job
+                return
+            with self._lock:
+                self._samples.append(value)
+
+    def mean(self) -> dict[str, float]:
+        with self._lock:
+            samples, self._samples = self._samples, []
+        return {self.name: sum(samples) / len(samples)} if samples else {}
+
+    def close(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
