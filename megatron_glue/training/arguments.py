@@ -128,8 +128,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
                             "over DP with --use-distributed-optimizer"),
     "--swap-optimizer-times": (1, "MindSpeed's swap of optimizer state to host memory is not implemented here; "
                                   "shard it over DP with --use-distributed-optimizer"),
-    "--reuse-fp32-param": (0, "MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
-                              "implemented here; shard the master weights over DP with --use-distributed-optimizer"),
     "--o2-optimizer": (0, "MindSpeed-LLM's O2 (bf16 optimizer states) is not implemented here; --bf16 keeps fp32 "
                           "master weights and states"),
     "--o2-gradient": (0, "MindSpeed-LLM's O2 (bf16 gradients) is not implemented here; --bf16 keeps fp32 master "
@@ -415,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--reuse-fp32-param", action="store_true",
+                   help="MindSpeed's: the fp32 master weights share the bf16 weights' memory (each kept as its bf16 "
+                        "rounding, the model weight, plus a 16-bit residual), saving 2 bytes x parameters / DP per "
+                        "rank, with megatron-core's numerics bit for bit; needs --bf16 and "
+                        "--use-distributed-optimizer (docs/mindspeed_dialect.md)")
 
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -759,6 +762,8 @@ def validate(args: argparse.Namespace) -> None:
                  f"multiple of --pipeline-model-parallel-size {pp}")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         fail("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.reuse_fp32_param:
+        validate_reuse_fp32_param(args, fail)
     validate_recompute(args, fail)
 
     if args.split is None:
@@ -885,6 +890,19 @@ def validate_recompute(args: argparse.Namespace, fail) -> None:
         # Megatron's uniform loop steps over chunks of n layers and would index past the last layer
         fail(f"--recompute-method uniform checkpoints chunks of --recompute-num-layers {n} layers, which must "
              f"divide the {per_chunk} layers of each model chunk; use a divisor of {per_chunk}")
+
+
+def validate_reuse_fp32_param(args: argparse.Namespace, fail) -> None:
+    """--reuse-fp32-param (megatron_glue/training/reuse_fp32_param.py): what it is built on, each missing piece a
+    one-line error."""
+    if not args.bf16:  # MindSpeed's dependency_check(args, 'bf16') too
+        fail("--reuse-fp32-param keeps each fp32 master weight as its bf16 weight plus a residual: it needs --bf16")
+    if not args.use_distributed_optimizer:
+        fail("--reuse-fp32-param is implemented here on megatron-core's distributed optimizer: add "
+             "--use-distributed-optimizer")
+    if args.overlap_param_gather:
+        fail("--reuse-fp32-param with --overlap-param-gather is not implemented here: the neighbour's bf16 slot "
+             "holds fp32 bits until the parameter all-gather, which --overlap-param-gather defers; drop one of them")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
