@@ -121,7 +121,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--short-factor": 1, "--long-mscale": 1, "--short-mscale": 1, "--dynamic-factor": 1,
         "--use-glm-rope": 0}.items()},
     # recompute, memory switches, schedules
-    "--recompute-activation-function": (0, "MindSpeed's recompute of the MLP activation: " + RECOMPUTE),
     "--recompute-norm": (0, "MindSpeed's recompute of the norms: " + RECOMPUTE),
     "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory: " + RECOMPUTE),
     "--swap-optimizer": (0, "MindSpeed's swap of optimizer state to host memory is not implemented here; shard it "
@@ -360,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "only the first --recompute-num-layers layers of each pipeline stage")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per checkpointed chunk (uniform), or layers recomputed per pipeline stage (block)")
+    g.add_argument("--recompute-activation-function", action="store_true",
+                   help="MindSpeed's: the MLP activation's output (GeLU / SwiGLU) is not saved for the backward but "
+                        "computed again from its input; in the compiled job the backend's fused activation ops are "
+                        "marked must-recompute in every layer graph (npu_compile option recompute: [\"activation\"]); "
+                        "not with --recompute-granularity selective or --recompute-method uniform (MindSpeed's rules)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -824,7 +828,13 @@ def validate(args: argparse.Namespace) -> None:
     if args.coc_fused_kernel and args.npu_compile_options.get("mc2", "auto") == "off":
         fail("--coc-fused-kernel is the backend's MC2 ops (npu_compile option mc2), but --npu-compile-options gives "
              "mc2='off'; drop one of them")
+    if args.recompute_activation_function:
+        validate_recompute_activation_function(args, fail)
     args.npu_compile_options = compile_options(args.npu_compile_options, mindspeed, args.use_ascend_mc2)
+    if args.recompute_activation_function:  # MindSpeed's switch -> the backend's always-recomputed op kinds
+        kinds = args.npu_compile_options.get("recompute", [])
+        if isinstance(kinds, (list, tuple)):
+            args.npu_compile_options["recompute"] = list(dict.fromkeys([*kinds, "activation"]))
     from npu_compile import config as npu_config
 
     try:  # here, before any model is built or traced (torch.compile checks them only at the first graph)
@@ -890,6 +900,26 @@ def validate_recompute(args: argparse.Namespace, fail) -> None:
         # Megatron's uniform loop steps over chunks of n layers and would index past the last layer
         fail(f"--recompute-method uniform checkpoints chunks of --recompute-num-layers {n} layers, which must "
              f"divide the {per_chunk} layers of each model chunk; use a divisor of {per_chunk}")
+
+
+def validate_recompute_activation_function(args: argparse.Namespace, fail) -> None:
+    """--recompute-activation-function: MindSpeed's own rules (mindspeed/arguments.py validate_args), and what the
+    compiled job needs to recompute the activation (its fused op)."""
+    if args.recompute_granularity == "selective":
+        fail("--recompute-activation-function is not compatible with --recompute-granularity selective (MindSpeed "
+             "refuses the pair too); drop one of them")
+    if args.recompute_method == "uniform":
+        fail("--recompute-activation-function is not compatible with --recompute-method uniform (MindSpeed refuses "
+             "the pair too: every layer is recomputed whole); drop one of them, or use --recompute-method block")
+    if not args.npu_compile:
+        fail("--recompute-activation-function is done by the compiler (the fused activation ops recomputed in "
+             "every layer graph), which --no-npu-compile turns off; in the eager job it is not implemented here: "
+             "drop one of them")
+    rule = "swiglu" if args.swiglu else "bias_gelu"
+    fusions = args.npu_compile_options.get("fusions", "all")
+    if fusions != "all" and not (fusions.get(rule, True) if isinstance(fusions, dict) else rule in fusions):
+        fail(f"--recompute-activation-function recomputes the backend's fused activation op, and "
+             f"--npu-compile-options 'fusions' leaves its rule \"{rule}\" out; add it, or drop the flag")
 
 
 def validate_reuse_fp32_param(args: argparse.Namespace, fail) -> None:
