@@ -122,15 +122,20 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--use-glm-rope": 0}.items()},
     # recompute, memory switches, schedules
     "--recompute-norm": (0, "MindSpeed's recompute of the norms: " + RECOMPUTE),
-    "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory: " + RECOMPUTE),
+    "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory is not implemented here (the "
+                            "compiler's memory plan recomputes, it does not swap); drop it and give "
+                            "--npu-compile-options '{\"memory_budget\": \"auto\"}', or Megatron's "
+                            "--recompute-granularity full"),
     "--swap-optimizer": (0, "MindSpeed's swap of optimizer state to host memory is not implemented here; shard it "
                             "over DP with --use-distributed-optimizer"),
     "--swap-optimizer-times": (1, "MindSpeed's swap of optimizer state to host memory is not implemented here; "
                                   "shard it over DP with --use-distributed-optimizer"),
-    "--o2-optimizer": (0, "MindSpeed-LLM's O2 (bf16 optimizer states) is not implemented here; --bf16 keeps fp32 "
-                          "master weights and states"),
-    "--o2-gradient": (0, "MindSpeed-LLM's O2 (bf16 gradients) is not implemented here; --bf16 keeps fp32 master "
-                         "weights and states"),
+    "--o2-optimizer": (0, "MindSpeed-LLM's O2 (bf16 Adam moments) is not implemented here: megatron-core's form of "
+                          "it (--use-precision-aware-optimizer) needs Transformer Engine's FusedAdam, which is "
+                          "CUDA-only; --reuse-fp32-param and --use-distributed-optimizer cut optimizer memory instead"),
+    "--o2-gradient": (0, "MindSpeed-LLM's O2 (bf16 main gradients) is not implemented here: megatron-core's form of "
+                         "it (--use-precision-aware-optimizer) needs Transformer Engine's FusedAdam, which is "
+                         "CUDA-only; --reuse-fp32-param and --use-distributed-optimizer cut optimizer memory instead"),
     "--num-layer-list": (1, UNEVEN_PP),
     "--noop-layers": (1, UNEVEN_PP),
     "--schedules-method": (1, "MindSpeed's DualPipeV schedule is not implemented here; Megatron's 1F1B (with "
@@ -930,9 +935,6 @@ def validate_reuse_fp32_param(args: argparse.Namespace, fail) -> None:
     if not args.use_distributed_optimizer:
         fail("--reuse-fp32-param is implemented here on megatron-core's distributed optimizer: add "
              "--use-distributed-optimizer")
-    if args.overlap_param_gather:
-        fail("--reuse-fp32-param with --overlap-param-gather is not implemented here: the neighbour's bf16 slot "
-             "holds fp32 bits until the parameter all-gather, which --overlap-param-gather defers; drop one of them")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:

@@ -210,6 +210,12 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
     dist.barrier()
     with_optim, with_rng = not args.no_save_optim, not args.no_save_rng
     consumed = (consumed_train, consumed_valid)
+    if getattr(args, "overlap_param_gather", False):
+        # the step's parameter all-gather is deferred into the next forward: gather now, as Megatron-LM's save does
+        # (disable_forward_pre_hook(param_sync=True), megatron/training/training.py), or the weights other DP ranks
+        # updated would be saved as they were before the step
+        for chunk in chunks:
+            chunk.start_param_sync(force_sync=True)
     with reuse_fp32_param.master_weights_materialized(optimizer if with_optim else None):
         if args.ckpt_format == "torch_dist":
             state = _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed, loading=False,
