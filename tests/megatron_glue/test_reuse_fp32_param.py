@@ -124,11 +124,12 @@ def _rows(run):
 @pytest.mark.training
 def test_job_is_bitwise_the_job_without_it(tmp_path):
     """Eager (the optimizer is the same under compiled layers: checked by hand, bit for bit too), 2 processes (DP
-    2), bf16 with the distributed optimizer, 4 iterations, saved in the torch format: losses and grad norms equal,
-    and the saved model weights, fp32 master weights and Adam moments equal bit for bit; the rank holds 2 bytes
+    2), bf16 with the distributed optimizer and the overlaps of MindSpeed-LLM's scripts, 4 iterations, saved in
+    the torch format: losses and grad norms equal, and the saved model weights (the save finishes the deferred
+    parameter all-gather first), fp32 master weights and Adam moments equal bit for bit; the rank holds 2 bytes
     less per master weight of its shard (its fp32 copies freed, residuals added)."""
-    common = ["--bf16", "--use-distributed-optimizer", "--train-iters", "4", "--save-interval", "4",
-              "--ckpt-format", "torch", "--no-npu-compile"]
+    common = ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+              "--train-iters", "4", "--save-interval", "4", "--ckpt-format", "torch", "--no-npu-compile"]
     plain = pretrain(tmp_path / "plain", *common, "--save", str(tmp_path / "plain" / "ckpt"), nproc=2).check()
     reused = pretrain(tmp_path / "reused", *common, "--reuse-fp32-param", "--save", str(tmp_path / "reused" / "ckpt"),
                       nproc=2).check()
