@@ -193,12 +193,13 @@ class _Compilation:
     def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
         o = self.opts
         if o.memory_budget != "auto":
-            with recompute.policy(joint, o.memory_budget):
+            with recompute.policy(joint, o.memory_budget, always=o.recompute):
                 return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         cap = o.device_memory if o.device_memory is not None else load_profile().memory_bytes
         fw, bw, chosen, tried = recompute.partition_to_fit(
             joint, joint_inputs, min_cut_rematerialization_partition, device_memory=cap,
-            resident=o.resident_memory, copies=o.activation_copies, graph_id=self.report.graph_id, **kwargs)
+            resident=o.resident_memory, copies=o.activation_copies, graph_id=self.report.graph_id,
+            always=o.recompute, **kwargs)
         self.record.budget(chosen, tried, cap)
         return fw, bw
 

@@ -65,6 +65,9 @@ class Options:
     device_memory: int | None = None  # bytes; "auto"'s cap (None: the device profile's memory_bytes)
     resident_memory: int = 0  # bytes the job holds besides this graph's activations: params, grads, optimizer
     activation_copies: int = 1  # forwards of this graph whose saved activations are alive at once
+    # ops whose outputs the backward always recomputes, whatever the budget: "activation" (the MLP's GeLU / SwiGLU,
+    # MindSpeed's --recompute-activation-function)
+    recompute: tuple[str, ...] = ()
     overlap: bool = True  # comm/compute overlap scheduling
     # npu targets: a matmul and its collective as one MC2 op: "auto" where the cost model finds it faster than the
     # overlap scheduler, "on" at every site torch_npu takes, "off" nowhere
@@ -148,6 +151,20 @@ def _check_budget(value: Any) -> float | str:
     return float(value)
 
 
+RECOMPUTE_KINDS = ("activation",)
+
+
+def _check_recompute(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise OptionError(f"npu_compile option 'recompute' got {value!r}; it takes a list of op kinds from "
+                          f"{', '.join(map(repr, RECOMPUTE_KINDS))}")
+    unknown = [v for v in value if v not in RECOMPUTE_KINDS]
+    if unknown:
+        raise OptionError(f"npu_compile option 'recompute' names unknown op kind(s) {', '.join(map(repr, unknown))}; "
+                          f"known kinds are {', '.join(map(repr, RECOMPUTE_KINDS))}")
+    return tuple(dict.fromkeys(value))
+
+
 def _check_bytes(key: str, least: int, none_ok: bool = False) -> Any:
     def check(value: Any) -> int | None:
         if value is None and none_ok:
@@ -173,7 +190,7 @@ def _field_check(field: dataclasses.Field) -> Any:
     custom = {"fusions": _check_fusions, "memory_budget": _check_budget, "dump_dir": _check_dump_dir,
               "device_memory": _check_bytes("device_memory", 1, none_ok=True),
               "resident_memory": _check_bytes("resident_memory", 0),
-              "activation_copies": _check_bytes("activation_copies", 1)}
+              "activation_copies": _check_bytes("activation_copies", 1), "recompute": _check_recompute}
     if field.name in custom:
         return custom[field.name]
     kind = {"TargetName": TargetName, "GraphMode": GraphMode, "MC2Mode": MC2Mode, "bool": bool}[field.type]

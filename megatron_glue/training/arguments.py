@@ -121,19 +121,21 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--short-factor": 1, "--long-mscale": 1, "--short-mscale": 1, "--dynamic-factor": 1,
         "--use-glm-rope": 0}.items()},
     # recompute, memory switches, schedules
-    "--recompute-activation-function": (0, "MindSpeed's recompute of the MLP activation: " + RECOMPUTE),
     "--recompute-norm": (0, "MindSpeed's recompute of the norms: " + RECOMPUTE),
-    "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory: " + RECOMPUTE),
+    "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory is not implemented here (the "
+                            "compiler's memory plan recomputes, it does not swap); drop it and give "
+                            "--npu-compile-options '{\"memory_budget\": \"auto\"}', or Megatron's "
+                            "--recompute-granularity full"),
     "--swap-optimizer": (0, "MindSpeed's swap of optimizer state to host memory is not implemented here; shard it "
                             "over DP with --use-distributed-optimizer"),
     "--swap-optimizer-times": (1, "MindSpeed's swap of optimizer state to host memory is not implemented here; "
                                   "shard it over DP with --use-distributed-optimizer"),
-    "--reuse-fp32-param": (0, "MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
-                              "implemented here; shard the master weights over DP with --use-distributed-optimizer"),
-    "--o2-optimizer": (0, "MindSpeed-LLM's O2 (bf16 optimizer states) is not implemented here; --bf16 keeps fp32 "
-                          "master weights and states"),
-    "--o2-gradient": (0, "MindSpeed-LLM's O2 (bf16 gradients) is not implemented here; --bf16 keeps fp32 master "
-                         "weights and states"),
+    "--o2-optimizer": (0, "MindSpeed-LLM's O2 (bf16 Adam moments) is not implemented here: megatron-core's form of "
+                          "it (--use-precision-aware-optimizer) needs Transformer Engine's FusedAdam, which is "
+                          "CUDA-only; --reuse-fp32-param and --use-distributed-optimizer cut optimizer memory instead"),
+    "--o2-gradient": (0, "MindSpeed-LLM's O2 (bf16 main gradients) is not implemented here: megatron-core's form of "
+                         "it (--use-precision-aware-optimizer) needs Transformer Engine's FusedAdam, which is "
+                         "CUDA-only; --reuse-fp32-param and --use-distributed-optimizer cut optimizer memory instead"),
     "--noop-layers": (1, NOOP_LAYERS),
     "--schedules-method": (1, "MindSpeed's DualPipeV schedule is not implemented here; Megatron's 1F1B (with "
                               "--num-layers-per-virtual-pipeline-stage, interleaved) is"),
@@ -359,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "only the first --recompute-num-layers layers of each pipeline stage")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per checkpointed chunk (uniform), or layers recomputed per pipeline stage (block)")
+    g.add_argument("--recompute-activation-function", action="store_true",
+                   help="MindSpeed's: the MLP activation's output (GeLU / SwiGLU) is not saved for the backward but "
+                        "computed again from its input; in the compiled job the backend's fused activation ops are "
+                        "marked must-recompute in every layer graph (npu_compile option recompute: [\"activation\"]); "
+                        "not with --recompute-granularity selective or --recompute-method uniform (MindSpeed's rules)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -412,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--reuse-fp32-param", action="store_true",
+                   help="MindSpeed's: the fp32 master weights share the bf16 weights' memory (each kept as its bf16 "
+                        "rounding, the model weight, plus a 16-bit residual), saving 2 bytes x parameters / DP per "
+                        "rank, with megatron-core's numerics bit for bit; needs --bf16 and "
+                        "--use-distributed-optimizer (docs/mindspeed_dialect.md)")
 
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -790,6 +802,8 @@ def validate(args: argparse.Namespace) -> None:
         except ImportError as e:
             fail(f"--tensorboard-dir needs the tensorboard package ({e}); install this project's 'megatron' extra "
                  "(pip install 'npu_compile[megatron]') or `pip install tensorboard`")
+    if args.reuse_fp32_param:
+        validate_reuse_fp32_param(args, fail)
     validate_recompute(args, fail)
 
     if args.split is None:
@@ -850,7 +864,13 @@ def validate(args: argparse.Namespace) -> None:
     if args.coc_fused_kernel and args.npu_compile_options.get("mc2", "auto") == "off":
         fail("--coc-fused-kernel is the backend's MC2 ops (npu_compile option mc2), but --npu-compile-options gives "
              "mc2='off'; drop one of them")
+    if args.recompute_activation_function:
+        validate_recompute_activation_function(args, fail)
     args.npu_compile_options = compile_options(args.npu_compile_options, mindspeed, args.use_ascend_mc2)
+    if args.recompute_activation_function:  # MindSpeed's switch -> the backend's always-recomputed op kinds
+        kinds = args.npu_compile_options.get("recompute", [])
+        if isinstance(kinds, (list, tuple)):
+            args.npu_compile_options["recompute"] = list(dict.fromkeys([*kinds, "activation"]))
     from npu_compile import config as npu_config
 
     try:  # here, before any model is built or traced (torch.compile checks them only at the first graph)
@@ -951,6 +971,36 @@ def validate_recompute(args: argparse.Namespace, fail) -> None:
         # Megatron's uniform loop steps over chunks of n layers and would index past the last layer
         fail(f"--recompute-method uniform checkpoints chunks of --recompute-num-layers {n} layers, which must "
              f"divide the {uneven[0]} layers of each model chunk; use a divisor of {uneven[0]}")
+
+
+def validate_recompute_activation_function(args: argparse.Namespace, fail) -> None:
+    """--recompute-activation-function: MindSpeed's own rules (mindspeed/arguments.py validate_args), and what the
+    compiled job needs to recompute the activation (its fused op)."""
+    if args.recompute_granularity == "selective":
+        fail("--recompute-activation-function is not compatible with --recompute-granularity selective (MindSpeed "
+             "refuses the pair too); drop one of them")
+    if args.recompute_method == "uniform":
+        fail("--recompute-activation-function is not compatible with --recompute-method uniform (MindSpeed refuses "
+             "the pair too: every layer is recomputed whole); drop one of them, or use --recompute-method block")
+    if not args.npu_compile:
+        fail("--recompute-activation-function is done by the compiler (the fused activation ops recomputed in "
+             "every layer graph), which --no-npu-compile turns off; in the eager job it is not implemented here: "
+             "drop one of them")
+    rule = "swiglu" if args.swiglu else "bias_gelu"
+    fusions = args.npu_compile_options.get("fusions", "all")
+    if fusions != "all" and not (fusions.get(rule, True) if isinstance(fusions, dict) else rule in fusions):
+        fail(f"--recompute-activation-function recomputes the backend's fused activation op, and "
+             f"--npu-compile-options 'fusions' leaves its rule \"{rule}\" out; add it, or drop the flag")
+
+
+def validate_reuse_fp32_param(args: argparse.Namespace, fail) -> None:
+    """--reuse-fp32-param (megatron_glue/training/reuse_fp32_param.py): what it is built on, each missing piece a
+    one-line error."""
+    if not args.bf16:  # MindSpeed's dependency_check(args, 'bf16') too
+        fail("--reuse-fp32-param keeps each fp32 master weight as its bf16 weight plus a residual: it needs --bf16")
+    if not args.use_distributed_optimizer:
+        fail("--reuse-fp32-param is implemented here on megatron-core's distributed optimizer: add "
+             "--use-distributed-optimizer")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:

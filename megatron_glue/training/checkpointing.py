@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_glue.training import versions
+from megatron_glue.training import reuse_fp32_param, versions
 from megatron_glue.training.log import print_rank0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -210,12 +210,19 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
     dist.barrier()
     with_optim, with_rng = not args.no_save_optim, not args.no_save_rng
     consumed = (consumed_train, consumed_valid)
-    if args.ckpt_format == "torch_dist":
-        state = _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed, loading=False,
-                                    with_optim=with_optim, with_rng=with_rng)
-        dist_checkpointing.save(state, partial, **versions.checkpoint_save_kwargs(DISTOPT_METADATA))
-    else:
-        _save_torch(args, partial, chunks, optimizer, scheduler, iteration, consumed, with_optim, with_rng)
+    if getattr(args, "overlap_param_gather", False):
+        # the step's parameter all-gather is deferred into the next forward: gather now, as Megatron-LM's save does
+        # (disable_forward_pre_hook(param_sync=True), megatron/training/training.py), or the weights other DP ranks
+        # updated would be saved as they were before the step
+        for chunk in chunks:
+            chunk.start_param_sync(force_sync=True)
+    with reuse_fp32_param.master_weights_materialized(optimizer if with_optim else None):
+        if args.ckpt_format == "torch_dist":
+            state = _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed, loading=False,
+                                        with_optim=with_optim, with_rng=with_rng)
+            dist_checkpointing.save(state, partial, **versions.checkpoint_save_kwargs(DISTOPT_METADATA))
+        else:
+            _save_torch(args, partial, chunks, optimizer, scheduler, iteration, consumed, with_optim, with_rng)
     dist.barrier()  # every rank's part is on disk before the folder gets its name and the tracker moves
     if rank == 0:
         replaced = None
@@ -424,25 +431,27 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
     if with_optim and args.ckpt_format == "torch":
         _check_legacy_optimizer(args, saved_args, folder, path)
 
-    if args.ckpt_format == "torch_dist":
-        template = _sharded_state_dict(args, chunks, optimizer, scheduler, 0, (0, 0), loading=True,
-                                       with_optim=with_optim, with_rng=with_rng)
-        try:
-            state = dist_checkpointing.load(template, folder)
-        except KeyError as e:
-            if with_optim and "optimizer" in str(e):
-                raise CheckpointError(f"{folder} has no optimizer state for this model (saved before the first "
-                                      f"step, or by a converter); load with --no-load-optim or --finetune ({e})")
-            raise
-    else:
-        state = common
-    for i, chunk in versions.model_chunks(chunks):
-        chunk.load_state_dict(state[_model_key(chunks, i)], strict=True)
-    if with_optim:
-        optimizer.load_state_dict(state["optimizer"])
-        if distributed_optim:  # after load_state_dict, as Megatron-LM: it allocates the state this fills
-            optimizer.load_parameter_state(_distrib_optim_file(path))
-        scheduler.load_state_dict(state["opt_param_scheduler"])
+    # the master weights as the optimizer reads and writes them (--reuse-fp32-param keeps them split)
+    with reuse_fp32_param.master_weights_materialized(optimizer if with_optim else None):
+        if args.ckpt_format == "torch_dist":
+            template = _sharded_state_dict(args, chunks, optimizer, scheduler, 0, (0, 0), loading=True,
+                                           with_optim=with_optim, with_rng=with_rng)
+            try:
+                state = dist_checkpointing.load(template, folder)
+            except KeyError as e:
+                if with_optim and "optimizer" in str(e):
+                    raise CheckpointError(f"{folder} has no optimizer state for this model (saved before the first "
+                                          f"step, or by a converter); load with --no-load-optim or --finetune ({e})")
+                raise
+        else:
+            state = common
+        for i, chunk in versions.model_chunks(chunks):
+            chunk.load_state_dict(state[_model_key(chunks, i)], strict=True)
+        if with_optim:
+            optimizer.load_state_dict(state["optimizer"])
+            if distributed_optim:  # after load_state_dict, as Megatron-LM: it allocates the state this fills
+                optimizer.load_parameter_state(_distrib_optim_file(path))
+            scheduler.load_state_dict(state["opt_param_scheduler"])
     if with_rng:
         rng = state["rng_state"]
         _set_rng_state(rng[0] if isinstance(rng, list) else rng)

@@ -279,6 +279,12 @@ def build_optimizer(args, chunks, config):
            if "overlap_param_gather" in OptimizerConfig.__dataclass_fields__ else {}))
     with quiet_megatron():
         optimizer = get_megatron_optimizer(opt_config, chunks)
+    if args.reuse_fp32_param:  # MindSpeed's: the fp32 master weights kept as bf16 weights + 16-bit residuals
+        from megatron_glue.training import reuse_fp32_param
+
+        for reused in reuse_fp32_param.enable(optimizer):
+            print_rank0(f" --reuse-fp32-param: parameter and optimizer bytes on rank 0 {reused.bytes_before} -> "
+                        f"{reused.bytes_after} (fp32 master weights in the bf16 parameter buffer)")
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,

@@ -46,6 +46,8 @@ _ops = torch.ops.npu_compile
 CHEAP_FUSED = ("rms_norm", "add_rms_norm", "add_layer_norm", "bias_gelu", "swiglu", "rotary", "bias_dropout_add")
 # Fused ops whose outputs are always saved.
 SAVED_FUSED = ("fused_attention",)
+# Option ``recompute``: op kinds whose outputs the backward always recomputes (MUST_RECOMPUTE), at any budget.
+ALWAYS_RECOMPUTED = {"activation": ("bias_gelu", "swiglu")}
 
 
 def _packets(names: tuple[str, ...]) -> OrderedSet:
@@ -107,6 +109,18 @@ def mark_saved(graph: torch.fx.Graph) -> int:
     return marked
 
 
+def mark_recomputed(graph: torch.fx.Graph, kinds: tuple[str, ...]) -> int:
+    """MUST_RECOMPUTE on the outputs of the ops of ``kinds`` (option ``recompute``): the forward does not save them
+    and the backward computes them again from their inputs; returns how many ops."""
+    ops = _packets(tuple(name for kind in kinds for name in ALWAYS_RECOMPUTED[kind]))
+    marked = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in ops:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            marked += 1
+    return marked
+
+
 def _op_types() -> partitioners.OpTypes:
     base = partitioners.get_default_op_list()
     cheap = _packets(CHEAP_FUSED)
@@ -119,10 +133,13 @@ def _op_types() -> partitioners.OpTypes:
 
 
 @contextlib.contextmanager
-def policy(joint: torch.fx.GraphModule, memory_budget: float, profile: DeviceProfile | None = None) -> Iterator[None]:
+def policy(joint: torch.fx.GraphModule, memory_budget: float, profile: DeviceProfile | None = None,
+           always: tuple[str, ...] = ()) -> Iterator[None]:
     """Within this context, ``min_cut_rematerialization_partition(joint, ...)`` partitions under
-    ``memory_budget`` with the cost model and the fused-op policy above."""
+    ``memory_budget`` with the cost model and the fused-op policy above; the ops of the kinds in ``always``
+    (option ``recompute``) are recomputed whatever the budget."""
     mark_saved(joint.graph)
+    mark_recomputed(joint.graph, always)
     op_types = _op_types()
     # At exactly 0 torch's min-cut saves the graph inputs only, ignoring MUST_SAVE (random values, attention),
     # so a dropout seed would be redrawn in the backward; the smallest positive budget saves just those.
@@ -210,7 +227,7 @@ def plan(fw: torch.fx.Graph, bw: torch.fx.Graph, budget: float, resident: int, c
 
 
 def partition_to_fit(joint: torch.fx.GraphModule, joint_inputs, partition, *, device_memory: int, resident: int,
-                     copies: int, graph_id: str, **kwargs):
+                     copies: int, graph_id: str, always: tuple[str, ...] = (), **kwargs):
     """``partition`` (the min-cut) of ``joint`` under the largest budget of :data:`LADDER` whose planned peak fits
     ``device_memory``: the budgets are tried from 1.0 down, each on a copy of the joint graph, and the first that
     fits is taken. (The peak is not monotone in the budget: at the lowest budgets the backward recomputes so
@@ -219,7 +236,7 @@ def partition_to_fit(joint: torch.fx.GraphModule, joint_inputs, partition, *, de
     tried: list[Plan] = []
     for budget in LADDER:
         trial = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
-        with policy(trial, budget):
+        with policy(trial, budget, always=always):
             fw, bw = partition(trial, joint_inputs, **kwargs)
         tried.append(plan(fw.graph, bw.graph, budget, resident, copies))
         if tried[-1].peak <= device_memory:

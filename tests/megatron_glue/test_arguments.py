@@ -177,15 +177,18 @@ def test_enable_hf2mg_convert_needs_load_and_a_family_the_converter_has():
 
 
 def test_mindspeed_memory_switches_are_refused_naming_the_feature():
-    assert error([*JOB, "--recompute-activation-function", "--swap-attention", "--reuse-fp32-param"]) == "\n".join([
+    """--reuse-fp32-param and --recompute-activation-function are implemented (test_reuse_fp32_param.py,
+    test_recompute_activation_function.py); the swaps and O2 are refused, each naming what to do instead."""
+    assert error([*JOB, "--swap-attention", "--swap-optimizer", "--o2-optimizer"]) == "\n".join([
         PROG + "3 flags of this command line are refused or unknown:",
-        *(f"  {flag}: MindSpeed's {what}: it is not implemented here; Megatron's --recompute-granularity "
-          "full/selective is, and the compiler recomputes by its memory plan: --npu-compile-options "
-          "'{\"memory_budget\": \"auto\"}'"
-          for flag, what in (("--recompute-activation-function", "recompute of the MLP activation"),
-                             ("--swap-attention", "swap of attention activations to host memory"))),
-        "  --reuse-fp32-param: MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
-        "implemented here; shard the master weights over DP with --use-distributed-optimizer"])
+        "  --swap-attention: MindSpeed's swap of attention activations to host memory is not implemented here (the "
+        "compiler's memory plan recomputes, it does not swap); drop it and give --npu-compile-options "
+        "'{\"memory_budget\": \"auto\"}', or Megatron's --recompute-granularity full",
+        "  --swap-optimizer: MindSpeed's swap of optimizer state to host memory is not implemented here; shard it "
+        "over DP with --use-distributed-optimizer",
+        "  --o2-optimizer: MindSpeed-LLM's O2 (bf16 Adam moments) is not implemented here: megatron-core's form of it "
+        "(--use-precision-aware-optimizer) needs Transformer Engine's FusedAdam, which is CUDA-only; "
+        "--reuse-fp32-param and --use-distributed-optimizer cut optimizer memory instead"])
 
 
 def test_manual_gc_disables_and_collects_as_megatron_lm(monkeypatch):
@@ -472,16 +475,13 @@ def test_llama3_8b_script_passes():
             args.num_query_groups, args.tokenizer_name_or_path) == ("rope", 500000, 16032, 2, "tokenizer")
 
 
-def test_qwen3_8b_script_is_refused_for_what_is_missing():
-    """Qwen3's q/k norms, spec and HF family are all here; MindSpeed's --reuse-fp32-param is what is missing."""
+def test_qwen3_8b_script_passes():
+    """Qwen3's q/k norms, spec and HF family, and MindSpeed's --reuse-fp32-param (at 2 processes: TP 2, DP 1)."""
     from megatron_glue.convert.at_start import refusal
 
-    flags = scale_down(script("qwen3/pretrain_qwen3_8b_4K_ptd.sh"))
-    assert error(flags, world_size=2) == PROG + (
-        "--reuse-fp32-param: MindSpeed's reuse of the fp32 master weights' memory for the bf16 weights is not "
-        "implemented here; shard the master weights over DP with --use-distributed-optimizer")
-    args = parse_args([f for f in flags if f != "--reuse-fp32-param"], world_size=2, refusals=(refusal,))
+    args = parse_args(scale_down(script("qwen3/pretrain_qwen3_8b_4K_ptd.sh")), world_size=2, refusals=(refusal,))
     assert (args.qk_layernorm, args.model_type_hf, args.padded_vocab_size) == (True, "qwen3", 512)
+    assert args.reuse_fp32_param and args.bf16 and args.use_distributed_optimizer
 
 
 def test_a_moe_fine_tuning_script_names_every_missing_feature_at_once():

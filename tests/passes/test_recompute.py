@@ -109,3 +109,44 @@ def test_the_knapsack_is_weighed_by_the_cost_model(monkeypatch):
     from npu_compile.device import cost
 
     assert real(recompute.CostModelRuntime(), mm) == cost.node_us(mm)
+
+
+def _compiled(options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block())
+    x = torch.randn(2, 96, 64, requires_grad=True)
+    with collect() as reports:
+        out = torch.compile(model, backend="ascend", options={"cache": False, **options})(x)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+    torch._dynamo.reset()
+    return [out.detach(), x.grad, *(p.grad for p in model.parameters())], reports[0]
+
+
+def test_option_recompute_activation_forces_it_where_the_min_cut_would_save_it(monkeypatch, eager, rel_error):
+    """Option recompute ["activation"] (MindSpeed's --recompute-activation-function) marks the fused activation
+    MUST_RECOMPUTE. The min-cut recomputes it anyway while it counts as a cheap fused op (above); with bias_gelu
+    taken off that list, the min-cut saves its output, and the option still has it recomputed: fewer saved bytes,
+    the same results."""
+    monkeypatch.setattr(recompute, "CHEAP_FUSED", tuple(n for n in recompute.CHEAP_FUSED if n != "bias_gelu"))
+    saving, saving_report = _compiled({})
+    forced, forced_report = _compiled({"recompute": ["activation"]})
+    assert "npu_compile.bias_gelu" not in saving_report.memory["recompute_ops"]
+    assert forced_report.memory["recompute_ops"].get("npu_compile.bias_gelu") == 2
+    # the two [2, 96, 256] fp32 GeLU outputs no longer saved
+    assert saving_report.memory["saved_activation_bytes"] - forced_report.memory["saved_activation_bytes"] == (
+        2 * 2 * 96 * 256 * 4)
+    for got in (saving, forced):
+        errors = {i: rel_error(g, e) for i, (g, e) in enumerate(zip(got, eager))}
+        assert max(errors.values()) <= 1e-6, errors
+    for g, s in zip(forced, saving):  # recomputing the same op on the same input: bit for bit
+        torch.testing.assert_close(g, s, rtol=0, atol=0)
+
+
+def test_option_recompute_names_its_kinds():
+    from npu_compile import config
+
+    with pytest.raises(config.OptionError) as info:
+        config.validate({"recompute": ["activation", "norm"]})
+    assert str(info.value) == ("npu_compile option 'recompute' names unknown op kind(s) 'norm'; known kinds are "
+                               "'activation'")
+    assert config.validate({"recompute": ["activation"]}).recompute == ("activation",)
