@@ -432,6 +432,7 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
         _check_legacy_optimizer(args, saved_args, folder, path)
 
     # the master weights as the optimizer reads and writes them (--reuse-fp32-param keeps them split)
+    reload_masters = not with_optim and (args.bf16 or args.fp16)
     with reuse_fp32_param.master_weights_materialized(optimizer if with_optim else None):
         if args.ckpt_format == "torch_dist":
             template = _sharded_state_dict(args, chunks, optimizer, scheduler, 0, (0, 0), loading=True,
@@ -452,6 +453,12 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
             if distributed_optim:  # after load_state_dict, as Megatron-LM: it allocates the state this fills
                 optimizer.load_parameter_state(_distrib_optim_file(path))
             scheduler.load_state_dict(state["opt_param_scheduler"])
+        elif reload_masters and optimizer is not None:
+            # the fp32 master weights were copied from the model at the optimizer's construction, before this load:
+            # copy the loaded weights into them, or the first step writes the initial weights back (Megatron-LM's
+            # load_checkpoint does the same when it loads no optimizer state; --reuse-fp32-param's reload takes the
+            # loaded bf16 weights with zero residuals)
+            optimizer.reload_model_params()
     if with_rng:
         rng = state["rng_state"]
         _set_rng_state(rng[0] if isinstance(rng, list) else rng)

@@ -216,3 +216,19 @@ def test_uneven_stages_resume_in_the_legacy_layout(tmp_path):
     assert layers == {0: {"0"}, 1: {"0", "1", "2"}}
     second = pretrain(tmp_path / "parts", *common, "--save", str(ckpt), "--load", str(ckpt), nproc=2).check()
     assert _train_rows(second) == _train_rows(whole)  # the metrics file holds both launches' rows
+
+
+@pytest.mark.parametrize("reuse", [[], ["--use-distributed-optimizer", "--reuse-fp32-param"]], ids=["plain", "reuse"])
+def test_bf16_weights_loaded_without_the_optimizer_reach_the_master_weights(reuse, tmp_path):
+    """--bf16 keeps fp32 master weights in the optimizer, made from the model when the optimizer is built, before
+    the load: a load without optimizer state (--finetune, --no-load-optim, HF weights at start) copies the loaded
+    weights into them, as Megatron-LM does. With --lr 0 the step leaves the masters as they are, so the validation
+    loss after one step is the saved model's, bit for bit (without the copy: the random initial weights'). The
+    same path serves --no-load-optim."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--bf16", "--eval-iters", "1", *reuse]
+    saved = pretrain(tmp_path / "a", *common, "--train-iters", "3", "--eval-interval", "3", "--save", str(ckpt)).check()
+    loaded = pretrain(tmp_path / "b", *common, "--train-iters", "1", "--eval-interval", "1", "--lr", "0",
+                      "--min-lr", "0", "--load", str(ckpt), "--finetune").check()
+    assert "successfully loaded checkpoint" in loaded.output
+    assert loaded.rows("validation")[0]["lm loss"] == saved.rows("validation")[-1]["lm loss"]
