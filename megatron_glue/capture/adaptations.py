@@ -713,12 +713,15 @@ del _linear, _name
 
 @registry.wraps(
     "packed_documents", "megatron.core.transformer.dot_product_attention.DotProductAttention.forward", "compile",
-    reason="the local DotProductAttention refuses packed_seq_params (transformer/dot_product_attention.py:153; "
-    "0.12.1: transformer/dot_product_attention.py:109) and takes packed documents only as Megatron's dense "
+    reason="the local DotProductAttention refuses packed_seq_params (transformer/dot_product_attention.py:153) "
+    "and takes packed documents only as Megatron's dense "
     "[b, 1, s, s] reset mask; given the documents' lengths in a PackedSeqParams of qkv_format 'sbhd' (the "
     "compiled job with --reset-attention-mask: megatron_glue.training.gpt.packed_documents), it builds that mask "
     "from them in the graph (npu_compile.document_mask), where the varlen_attention rule takes mask and "
-    "attention together to the lengths; every other call is the original's",
+    "attention together to the lengths; every other call is the original's. From 0.13 only: 0.12 takes any "
+    "packed_seq_params for THD (0.12.1: transformer/attention.py:576-595 squeezes the batch dim and applies RoPE "
+    "per sequence), so there the job passes Megatron's dense mask (megatron_glue.training.gpt.passes_lengths)",
+    megatron_versions=">=0.13",
 )
 def _packed_documents(forward):
     @functools.wraps(forward)

@@ -126,9 +126,18 @@ def packed_documents(batch: dict, eod: int) -> dict:
                                                           max_seqlen_q=s, max_seqlen_kv=s)}
 
 
+def passes_lengths(args) -> bool:
+    """Whether the job gives the layers its documents' lengths rather than Megatron's dense mask: compiled, with
+    --reset-attention-mask, on megatron-core 0.13 or later (0.12 takes any PackedSeqParams for THD: see the
+    adaptation packed_documents; there the compiled job keeps the dense mask, attention fused over it)."""
+    from megatron_glue.capture.adaptations import megatron_core_in
+
+    return bool(args.reset_attention_mask and args.npu_compile and megatron_core_in(">=0.13"))
+
+
 def loader_for(args, build_loader):
-    """build_loader, its batches given their documents' lengths where the compiled job packs documents."""
-    if not (args.reset_attention_mask and args.npu_compile):
+    """build_loader, its batches given their documents' lengths where the job passes them (passes_lengths)."""
+    if not passes_lengths(args):
         return build_loader
     eod = args.tokenizer.eod
 
@@ -150,8 +159,8 @@ def datasets_provider(args):
                           mock=args.mock_data, reset_position_ids=args.reset_position_ids,
                           reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
                           # Megatron's dense [1, s, s] document mask for the eager job; compiled, the documents'
-                          # lengths instead (packed_documents), and no s x s mask anywhere
-                          create_attention_mask=args.reset_attention_mask and not args.npu_compile)
+                          # lengths instead (passes_lengths), and no s x s mask anywhere
+                          create_attention_mask=args.reset_attention_mask and not passes_lengths(args))
 
 
 def main(argv: list[str] | None = None, before_start=None, refusals=()) -> int:

@@ -6,6 +6,7 @@ calls the rule leaves dense say why."""
 import pytest
 import torch
 
+from megatron_glue.capture.adaptations import megatron_core_in
 from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 from npu_compile.debug.report import collect
 from npu_compile.ops.varlen_attention import cu_seqlens_from_eod
@@ -53,6 +54,8 @@ def train(model, packed: bool):
     return history
 
 
+@pytest.mark.skipif(not megatron_core_in(">=0.13"), reason="megatron-core 0.12 takes any PackedSeqParams for THD; "
+                    "the job passes the dense mask there (megatron_glue.training.gpt.passes_lengths)")
 @pytest.mark.parametrize("make_config", ["gpt", "llama_gqa"])
 def test_packed_documents_train_compiled_as_megatron_eager(make_config, megatron_cpu, rel_error):
     from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config
