@@ -113,15 +113,18 @@ def packed_documents(batch: dict, eod: int) -> dict:
     """A batch whose rows pack documents, for the compiled job with --reset-attention-mask: the documents'
     lengths as megatron-core's PackedSeqParams (qkv_format "sbhd": the tensors keep their layout), cut as
     Megatron-LM cuts them (after each end-of-document token), padded to one length so that the number of
-    documents never changes the compiled graph (npu_compile.ops.varlen_attention). The attention then builds no
-    s x s mask (docs/packed_sequences.md)."""
+    documents never changes the compiled graph (npu_compile.ops.varlen_attention): b·s entries, at most the
+    device's 1024 (a batch of more documents than that, possible only in rows of more than 1024 tokens, gets b·s:
+    one more graph, on the reference kernel). The attention then builds no s x s mask (docs/packed_sequences.md)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from npu_compile.ops.varlen_attention import cu_seqlens_from_eod
+    from npu_compile.ops.varlen_attention import DEVICE_MAX_DOCUMENTS, cu_seqlens_from_eod
 
     tokens = batch["tokens"]
     b, s = tokens.shape
-    cu = cu_seqlens_from_eod(tokens, eod, pad_to=b * s)
+    documents = cu_seqlens_from_eod(tokens, eod).numel()
+    cu = cu_seqlens_from_eod(tokens, eod, pad_to=b * s if documents > DEVICE_MAX_DOCUMENTS
+                             else min(b * s, DEVICE_MAX_DOCUMENTS))
     return {**batch, "packed_seq_params": PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                           max_seqlen_q=s, max_seqlen_kv=s)}
 

@@ -40,6 +40,10 @@ from npu_compile.ops.common import acc_dtype
 from npu_compile.ops.layout import layout_shape, to_bnsd
 
 VARLEN_LAYOUTS = ("sbnd", "bsnd")
+# The most entries npu_fusion_attention takes in actual_seq_qlen in varlen (torch_npu/_op_plugin_docs.py,
+# npu_fusion_attention constraints: "varlen场景下长度最大支持1K"): padding cu_seqlens to this length, not beyond,
+# keeps a call the device can take.
+DEVICE_MAX_DOCUMENTS = 1024
 
 
 def _check(query, key, value, cu_seqlens, layout):

@@ -60,8 +60,14 @@ def test_the_compiled_jobs_batches_carry_the_documents_as_megatron_cuts_them():
     batch = packed_documents({"tokens": tokens}, eod=9)
     params = batch["packed_seq_params"]
     assert params.qkv_format == "sbhd" and params.max_seqlen_q == 8
-    assert params.cu_seqlens_q is params.cu_seqlens_kv and params.cu_seqlens_q.shape == (16,)
+    assert params.cu_seqlens_q is params.cu_seqlens_kv and params.cu_seqlens_q.shape == (16,)  # b·s entries
     assert params.cu_seqlens_q.tolist() == [2, 4, 5, 8, 16] + [16] * 11
+    # rows of more than 1024 tokens: the device's 1024 entries, unless the batch holds more documents
+    long = torch.ones(1, 4096, dtype=torch.int64)
+    long[0, 99::100] = 9
+    assert packed_documents({"tokens": long}, eod=9)["packed_seq_params"].cu_seqlens_q.shape == (1024,)
+    long[0, ::2] = 9
+    assert packed_documents({"tokens": long}, eod=9)["packed_seq_params"].cu_seqlens_q.shape == (4096,)
     mask = torch.ops.npu_compile.document_mask(params.cu_seqlens_q, 2, 8)
     for row in range(2):
         megatron, _, _ = _get_ltor_masks_and_position_ids(tokens[row], 9, False, True, False, True)

@@ -70,6 +70,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_or
 from npu_compile.config import Options
 from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, dtype_problem, fused, npu_op, op_name
 from npu_compile.ops.layout import bnsd_shape
+from npu_compile.ops.varlen_attention import DEVICE_MAX_DOCUMENTS
 
 aten = torch.ops.aten
 
@@ -353,7 +354,7 @@ def emit_attention_backward(em: Emitter, c: Call, opts: Options) -> Outputs:
 
 # ---- varlen_attention: packed documents → input_layout "TND" ------------------------------------------------
 
-VARLEN_MAX_DOCUMENTS = 1024  # DOCS, npu_fusion_attention constraints: the length of actual_seq_qlen in varlen
+VARLEN_MAX_DOCUMENTS = DEVICE_MAX_DOCUMENTS  # DOCS, npu_fusion_attention constraints: actual_seq_qlen's length
 VARLEN_MAX_TOKENS = 1 << 20  # DOCS, same: T (B·S) in 1..1M in varlen
 _VARLEN_WHY = ("varlen_attention → npu_fusion_attention_v3 / _grad_v3 in TND: their actual_seq_qlen / "
                "actual_seq_kvlen are tensors (npu_fusion_attention's are int lists, a host read each step); "
