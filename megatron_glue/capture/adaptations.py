@@ -709,3 +709,33 @@ for _linear in ("ColumnParallelLinear", "RowParallelLinear"):
         megatron_versions="<0.14", adds=True,
     )(_LinearImplByWeight(_name))
 del _linear, _name
+
+
+@registry.wraps(
+    "packed_documents", "megatron.core.transformer.dot_product_attention.DotProductAttention.forward", "compile",
+    reason="the local DotProductAttention refuses packed_seq_params (transformer/dot_product_attention.py:153) "
+    "and takes packed documents only as Megatron's dense "
+    "[b, 1, s, s] reset mask; given the documents' lengths in a PackedSeqParams of qkv_format 'sbhd' (the "
+    "compiled job with --reset-attention-mask: megatron_glue.training.gpt.packed_documents), it builds that mask "
+    "from them in the graph (npu_compile.document_mask), where the varlen_attention rule takes mask and "
+    "attention together to the lengths; every other call is the original's. From 0.13 only: 0.12 takes any "
+    "packed_seq_params for THD (0.12.1: transformer/attention.py:576-595 squeezes the batch dim and applies RoPE "
+    "per sequence), so there the job passes Megatron's dense mask (megatron_glue.training.gpt.passes_lengths)",
+    megatron_versions=">=0.13",
+)
+def _packed_documents(forward):
+    @functools.wraps(forward)
+    def packed_forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                       packed_seq_params=None):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "sbhd":
+            import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile.document_mask)
+
+            if attention_mask is not None:
+                raise ValueError("packed documents come either as lengths (packed_seq_params) or as a mask, not both")
+            attention_mask = torch.ops.npu_compile.document_mask(packed_seq_params.cu_seqlens_q, query.size(1),
+                                                                 query.size(0))
+            packed_seq_params = None
+        return forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                       attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+    return packed_forward

@@ -34,11 +34,15 @@ with quiet_megatron():
 
 def build_datasets(*, data_path: list[str] | None, split: str, seq_length: int, seed: int, tokenizer,
                    num_samples: tuple[int, int, int], data_cache_path: str | None, mock: bool,
-                   create_attention_mask: bool = True,
+                   create_attention_mask: bool = True, reset_position_ids: bool = False,
+                   reset_attention_mask: bool = False, eod_mask_loss: bool = False,
                    is_built_on_rank: Callable[[], bool] | None = None) -> tuple[Any, Any, Any]:
     """(train, valid, test), each None where `split` gives it nothing (or where `is_built_on_rank()` is False).
 
     `tokenizer` needs `vocab_size` and `eod` (megatron_glue.data.tokenizer's have everything megatron-core reads).
+    `reset_position_ids`, `reset_attention_mask`, `eod_mask_loss`: Megatron-LM's flags of those names, given to
+    megatron-core's GPTDatasetConfig (documents end at the tokenizer's eod; the dense mask only where
+    `create_attention_mask`).
     `is_built_on_rank` defaults to every rank; Megatron-LM builds on TP rank 0 of the first/last PP stages only.
     """
     if mock and data_path:
@@ -65,9 +69,9 @@ def build_datasets(*, data_path: list[str] | None, split: str, seq_length: int, 
             split=split,
             path_to_cache=data_cache_path,
             tokenizer=_for_megatron(tokenizer),
-            reset_position_ids=False,
-            reset_attention_mask=False,
-            eod_mask_loss=False,
+            reset_position_ids=reset_position_ids,
+            reset_attention_mask=reset_attention_mask,
+            eod_mask_loss=eod_mask_loss,
             create_attention_mask=create_attention_mask,
         )
         if blend is not None:

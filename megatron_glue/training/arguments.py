@@ -31,8 +31,9 @@ MOE_SETTING = MOE + " (without --num-experts this flag configures nothing, and i
 CP = "context parallelism is not implemented here; use --context-parallel-size 1 with TP/PP/DP"
 INSTRUCTION = ("instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) is not implemented here; "
                "pretrain on a .bin/.idx prefix written by `npu-compile preprocess`")
-PACKED = ("packed sequences (per-document attention masks and position ids) are not implemented here; train on "
-          "unpacked pretraining data")
+PACKED = ("MindSpeed-LLM's packed instruction data (--pack / --neat-pack samples, a general attention mask) is not "
+          "implemented here; pretraining rows pack documents already: --reset-attention-mask, --reset-position-ids "
+          "and --eod-mask-loss are (Megatron-LM's meanings)")
 DPO = "preference training (DPO) is not implemented here"
 MLA = "multi-latent attention (MLA) is not implemented here; use a model with standard (GQA) attention"
 MTP = "multi-token prediction (MTP) is not implemented here; drop the MTP flags"
@@ -76,8 +77,7 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--no-pad-to-seq-lengths": 0, "--variable-seq-lengths": 0, "--enable-thinking": 1, "--padded-samples": 0,
         "--pad-to-multiple-of": 1}.items()},
     **{flag: (nargs, PACKED) for flag, nargs in {
-        "--reset-attention-mask": 0, "--reset-position-ids": 0, "--eod-mask-loss": 0, "--pack": 0,
-        "--neat-pack": 0}.items()},
+        "--pack": 0, "--neat-pack": 0}.items()},
     "--is-pairwise-dataset": (0, DPO),
     # attention and layer variants of other families
     **{flag: (nargs, MLA) for flag, nargs in {
@@ -470,6 +470,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MindSpeed-LLM: the nodes share no file system. On one node (all this job's processes on one "
                         "machine) it changes nothing; across nodes it is refused (the dataset index would be built "
                         "by rank 0 only)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="position ids restart after each end-of-document token (megatron-core's GPTDataset)")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="each token attends within its own document only (documents end at end-of-document "
+                        "tokens); compiled, the attention takes the documents' lengths (varlen_attention, "
+                        "npu_fusion_attention TND) and no s x s mask: docs/packed_sequences.md")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss on end-of-document tokens (megatron-core's GPTDataset)")
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
@@ -719,6 +727,9 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
              f"--pipeline-model-parallel-size {pp}; use sizes whose product divides {world}")
     args.data_parallel_size = world // (tp * pp)
+    if getattr(args, "reset_attention_mask", False) and pp > 2:
+        fail(f"--reset-attention-mask at --pipeline-model-parallel-size {pp}: the stages between the first and the "
+             "last read no batch, so their layers would not see the documents; use at most 2 pipeline stages")
 
     if args.micro_batch_size is None:
         fail("--micro-batch-size is required")

@@ -102,9 +102,53 @@ def forward_step(data_iterator, model):
         return model(None, None, None), partial(loss_func, None)
     tokens, labels = batch["tokens"], batch["labels"]
     position_ids, loss_mask = batch["position_ids"], batch["loss_mask"]
-    # attention_mask None: the layers' own causal mask (attn_mask_type causal), the same on every stage
-    output = model(tokens, position_ids, None, labels=labels)
+    # attention_mask None: the layers' own causal mask (attn_mask_type causal), the same on every stage; with
+    # --reset-attention-mask the documents' mask (eager) or their lengths (compiled: packed_documents)
+    output = model(tokens, position_ids, batch.get("attention_mask"), labels=labels,
+                   packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(loss_func, loss_mask)
+
+
+def packed_documents(batch: dict, eod: int) -> dict:
+    """A batch whose rows pack documents, for the compiled job with --reset-attention-mask: the documents'
+    lengths as megatron-core's PackedSeqParams (qkv_format "sbhd": the tensors keep their layout), cut as
+    Megatron-LM cuts them (after each end-of-document token), padded to one length so that the number of
+    documents never changes the compiled graph (npu_compile.ops.varlen_attention): b·s entries, at most the
+    device's 1024 (a batch of more documents than that, possible only in rows of more than 1024 tokens, gets b·s:
+    one more graph, on the reference kernel). The attention then builds no s x s mask (docs/packed_sequences.md)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from npu_compile.ops.varlen_attention import DEVICE_MAX_DOCUMENTS, cu_seqlens_from_eod
+
+    tokens = batch["tokens"]
+    b, s = tokens.shape
+    documents = cu_seqlens_from_eod(tokens, eod).numel()
+    cu = cu_seqlens_from_eod(tokens, eod, pad_to=b * s if documents > DEVICE_MAX_DOCUMENTS
+                             else min(b * s, DEVICE_MAX_DOCUMENTS))
+    return {**batch, "packed_seq_params": PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                          max_seqlen_q=s, max_seqlen_kv=s)}
+
+
+def passes_lengths(args) -> bool:
+    """Whether the job gives the layers its documents' lengths rather than Megatron's dense mask: compiled, with
+    --reset-attention-mask, on megatron-core 0.13 or later (0.12 takes any PackedSeqParams for THD: see the
+    adaptation packed_documents; there the compiled job keeps the dense mask, attention fused over it)."""
+    from megatron_glue.capture.adaptations import megatron_core_in
+
+    return bool(args.reset_attention_mask and args.npu_compile and megatron_core_in(">=0.13"))
+
+
+def loader_for(args, build_loader):
+    """build_loader, its batches given their documents' lengths where the job passes them (passes_lengths)."""
+    if not passes_lengths(args):
+        return build_loader
+    eod = args.tokenizer.eod
+
+    def build(dataset, **kwargs):
+        batches = build_loader(dataset, **kwargs)
+        return None if batches is None else (packed_documents(batch, eod) for batch in batches)
+
+    return build
 
 
 def datasets_provider(args):
@@ -115,7 +159,11 @@ def datasets_provider(args):
     num_samples = (args.train_iters * gbs, eval_runs * args.eval_iters * gbs, args.eval_iters * gbs)
     return build_datasets(data_path=args.data_path, split=args.split, seq_length=args.seq_length, seed=args.seed,
                           tokenizer=args.tokenizer, num_samples=num_samples, data_cache_path=args.data_cache_path,
-                          mock=args.mock_data, create_attention_mask=False)
+                          mock=args.mock_data, reset_position_ids=args.reset_position_ids,
+                          reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+                          # Megatron's dense [1, s, s] document mask for the eager job; compiled, the documents'
+                          # lengths instead (passes_lengths), and no s x s mask anywhere
+                          create_attention_mask=args.reset_attention_mask and not passes_lengths(args))
 
 
 def main(argv: list[str] | None = None, before_start=None, refusals=()) -> int:
@@ -133,7 +181,7 @@ def main(argv: list[str] | None = None, before_start=None, refusals=()) -> int:
             before_start(args)
         set_vocabulary(args)
         with quiet_megatron():
-            training.pretrain(args, model_provider, forward_step, datasets_provider, build_loader)
+            training.pretrain(args, model_provider, forward_step, datasets_provider, loader_for(args, build_loader))
     except ArgumentError as e:
         print(e.message, file=sys.stderr)
         return 2

@@ -22,3 +22,4 @@ __all__ = ["INFERENCE", "RULES", "TRAINING", "Rule", "apply_rules", "decompositi
 # Rule families, in the order their rules apply.
 from npu_compile.passes import attention, norms, activations, rotary, dropout_add  # noqa: E402,F401
 from npu_compile.passes import cross_entropy  # noqa: E402,F401
+from npu_compile.passes import varlen_attention  # noqa: E402,F401  (after attention: it takes what attention fused)

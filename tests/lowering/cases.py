@@ -95,7 +95,21 @@ ATTENTION = ("npu.npu_fusion_attention", "npu.npu_fusion_attention_grad")
 V3 = ("npu.npu_fusion_attention_v3", "npu.npu_fusion_attention_grad_v3")  # the graph-mode versions (aclgraph)
 ACLGRAPH, EAGER = {"graph_mode": "aclgraph"}, {"graph_mode": "eager"}
 LAYER_NORM_GE = ("aten.native_layer_norm", "aten.native_layer_norm_backward")
+def _varlen(layout: str) -> Callable:
+    def fn(q, k, v, cu):
+        return F.varlen_attention(q, k, v, cu, layout=layout, scale=0.3)[0]
+    return fn
+
+
+def _documents() -> torch.Tensor:
+    """Cumulative ends over B·S = 32 tokens: documents of 3, 9 and 4 in row 0, one of 16 in row 1, an empty one
+    (a repeated end), padded with repeats of 32 to a fixed length."""
+    return torch.tensor([3, 12, 12, 16, 32, 32, 32, 32])
+
+
 CASES: dict[str, Case] = {
+    "varlen_attention_sbnd_gqa": Case(_varlen("sbnd"), lambda: [*_qkv("sbnd"), _documents()], V3),
+    "varlen_attention_bsnd_eager": Case(_varlen("bsnd"), lambda: [*_qkv("bsnd", dv=8), _documents()], V3, EAGER),
     "attention_sbnd_causal_gqa": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION),
     "attention_bsnd_mask_megatron_fill": Case(
         _attention("bsnd", fill=-10000.0), lambda: [*_qkv("bsnd"), _mask(B, 1, S, S)], ATTENTION),

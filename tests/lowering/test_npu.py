@@ -208,3 +208,26 @@ def test_npu_target_records_the_plan_in_the_report():
     assert entries == [{"op": "npu.npu_fusion_attention", "reason":
                         "npu: graph_mode 'ge' -> 'aclgraph': torchair's GE converter takes input_layout BSH or BNSD "
                         "only, got 'SBH'"}]
+
+
+def test_varlen_attention_is_tnd_with_the_lengths_tensor_and_runs_op_by_op():
+    """Both halves are npu_fusion_attention_v3 / _grad_v3 in TND, the lengths the graph's own int64 tensor (no
+    host read), causal per document; GE has no converter for the _v3 pair and aclgraph is documented for BNSD
+    only, so target npu plans the graphs op by op and says why."""
+    r = run("varlen_attention_sbnd_gqa")
+    calls = [n for gm in r.graphs for n in gm.graph.nodes if getattr(n.target, "namespace", None) == "npu"]
+    assert sorted(n.target._schema.name for n in calls) == ["npu::npu_fusion_attention_grad_v3",
+                                                           "npu::npu_fusion_attention_v3"]
+    for n in calls:
+        layout = n.args[5] if "grad" in n.target._schema.name else n.args[4]
+        assert layout == "TND"
+        lengths = n.kwargs["actual_seq_qlen"]
+        assert lengths is n.kwargs["actual_seq_kvlen"] and lengths.op == "placeholder"
+        assert lengths.meta["val"].dtype == torch.int64
+        assert n.kwargs["sparse_mode"] == 2 and n.kwargs["softmax_layout"] == "TND"
+        assert not [m for gm in r.graphs for m in gm.graph.nodes
+                    if m.target is torch.ops.aten._local_scalar_dense.default]
+    assert [c.graph_mode for c in r.calls] == ["eager", "eager"]
+    reasons = {why for c in r.calls for _, why in c.reasons}
+    assert any("aclgraph is documented for input_layout BNSD only" in why for why in reasons), reasons
+    assert any("varlen_attention → npu_fusion_attention_v3" in u["reason"] for u in r.report.unfused)

@@ -349,3 +349,55 @@ def test_v3_returns_its_seed_and_offset_and_its_grad_drops_what_the_forward_drop
                                          "npu_fusion_attention_v3 returned$"):
         npu.npu_fusion_attention_grad_v3(q, k, v, g, N, "BNSD", softmax_max=smax, softmax_sum=ssum,
                                          attention_in=out, keep_prob=0.8)
+
+
+# ---- npu_fusion_attention in TND (variable-length documents) ------------------------------------------------
+
+def _dense_documents(q, k, v, ends, scale):
+    """Dense attention over [T, N, D] with one causal block per document (ends: cumulative, trailing zeros cut)."""
+    t = q.shape[0]
+    doc = torch.full((t,), -1)
+    start = 0
+    for i, end in enumerate(ends):
+        if end < start:
+            break
+        doc[start:end] = i
+        start = end
+    pos = torch.arange(t)
+    visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) & (doc[:, None] >= 0)
+    group = q.shape[1] // k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1), v.repeat_interleave(group, 1).transpose(0, 1)
+    s = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~visible, -float("inf"))
+    p = torch.nan_to_num(torch.softmax(s, -1))  # tokens in no document: 0
+    return (p @ vh).transpose(0, 1)
+
+
+@pytest.mark.parametrize("ends", [[3, 7, 7, 12], [5, 9, 0, 0]], ids=["empty_document", "trailing_zeros"])
+def test_tnd_is_causal_attention_per_document(ends):
+    torch.manual_seed(0)
+    t = 12
+    q, k, v = torch.randn(t, N, D), torch.randn(t, NKV, D), torch.randn(t, NKV, D)
+    mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+    cu = torch.tensor(ends)
+    out, softmax_max, softmax_sum, *_ = npu.npu_fusion_attention_v3(
+        q, k, v, N, "TND", atten_mask=mask, scale=0.3, sparse_mode=2, actual_seq_qlen=cu, actual_seq_kvlen=cu,
+        softmax_layout="TND")
+    torch.testing.assert_close(out, _dense_documents(q, k, v, ends, 0.3), rtol=1e-5, atol=1e-5)
+    assert softmax_max.shape == softmax_sum.shape == (t, N, 8)
+    grad_out = torch.randn_like(out)
+    grads = npu.npu_fusion_attention_grad_v3(
+        q, k, v, grad_out, N, "TND", atten_mask=mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
+        attention_in=out, scale_value=0.3, sparse_mode=2, actual_seq_qlen=cu, actual_seq_kvlen=cu,
+        softmax_layout="TND")[:3]
+    want = _grad(lambda a, b, c: _dense_documents(a, b, c, ends, 0.3), (q, k, v), grad_out)
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
+
+
+def test_tnd_refusals():
+    q = torch.randn(8, N, D)
+    k = torch.randn(8, NKV, D)
+    with pytest.raises(ValueError, match="input_layout TND needs actual_seq_qlen"):
+        npu.npu_fusion_attention(q, k, k, N, "TND", softmax_layout="TND")
+    with pytest.raises(NotImplementedError, match="softmax_layout '' in TND"):
+        npu.npu_fusion_attention(q, k, k, N, "TND", actual_seq_qlen=[8], actual_seq_kvlen=[8])

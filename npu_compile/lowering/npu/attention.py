@@ -70,6 +70,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_or
 from npu_compile.config import Options
 from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, dtype_problem, fused, npu_op, op_name
 from npu_compile.ops.layout import bnsd_shape
+from npu_compile.ops.varlen_attention import DEVICE_MAX_DOCUMENTS
 
 aten = torch.ops.aten
 
@@ -351,7 +352,102 @@ def emit_attention_backward(em: Emitter, c: Call, opts: Options) -> Outputs:
             None)
 
 
+# ---- varlen_attention: packed documents → input_layout "TND" ------------------------------------------------
+
+VARLEN_MAX_DOCUMENTS = DEVICE_MAX_DOCUMENTS  # DOCS, npu_fusion_attention constraints: actual_seq_qlen's length
+VARLEN_MAX_TOKENS = 1 << 20  # DOCS, same: T (B·S) in 1..1M in varlen
+_VARLEN_WHY = ("varlen_attention → npu_fusion_attention_v3 / _grad_v3 in TND: their actual_seq_qlen / "
+               "actual_seq_kvlen are tensors (npu_fusion_attention's are int lists, a host read each step); "
+               "aclgraph is documented for BNSD only (torch_npu/_op_plugin_docs.py, npu_fusion_attention_v3), so "
+               "the graph runs op by op")
+
+
+def _varlen_dims(c: Call) -> _Dims:
+    b, nq, s, d = bnsd_shape(c.val("query").shape, c["layout"])
+    _, nkv, _, _ = bnsd_shape(c.val("key").shape, c["layout"])
+    return _Dims(b, nq, s, d, nkv, s, c.val("value").shape[-1])
+
+
+def check_varlen(c: Call) -> str | None:
+    dims = _varlen_dims(c)
+    if problem := dtype_problem("npu_fusion_attention_v3", c.val("query").dtype):
+        return problem
+    if dims.d > 768 or dims.dv > dims.d:
+        return f"npu_fusion_attention_v3 needs head dims Dk >= Dv, Dk <= 768; got Dk={dims.d}, Dv={dims.dv}"
+    if dims.nq > 256:
+        return f"npu_fusion_attention_v3 takes at most 256 query heads, got {dims.nq}"
+    documents = c.val("cu_seqlens").shape[0]
+    if not statically_known_true(documents <= VARLEN_MAX_DOCUMENTS):
+        return (f"npu_fusion_attention_v3 takes at most {VARLEN_MAX_DOCUMENTS} entries of actual_seq_qlen in "
+                f"varlen, got {documents}")
+    if not statically_known_true(dims.b * dims.sq <= VARLEN_MAX_TOKENS):
+        return f"npu_fusion_attention_v3 takes T = B·S up to 1M in varlen, got {dims.b * dims.sq}"
+    return None
+
+
+def _to_tnd(em: Emitter, t: Node, layout: str) -> Node:
+    """[s, b, n, d] or [b, s, n, d] → [b·s, n, d], row after row (the documents' token order)."""
+    if layout == "sbnd":
+        t = em(aten.permute.default, t, [1, 0, 2, 3])
+    t = em(aten.clone.default, t, memory_format=torch.contiguous_format)
+    b, s, n, d = t.meta["val"].shape
+    return em(aten.view.default, t, [b * s, n, d])
+
+
+def _from_tnd(em: Emitter, t: Node, layout: str, like: torch.Tensor) -> Node:
+    b, n, s, _ = bnsd_shape(like.shape, layout)
+    t = em(aten.view.default, t, [b, s, n, like.shape[-1]])
+    if layout == "sbnd":
+        t = em(aten.permute.default, t, [1, 0, 2, 3])
+        t = em(aten.clone.default, t, memory_format=torch.contiguous_format)
+    return t
+
+
+def _varlen_arguments(em: Emitter, c: Call, dims: _Dims) -> dict[str, Any]:
+    """Causal within each document: sparse_mode 2 (leftUpCausal) with the compressed mask, per document, as the
+    causal calls above; with a document's query and key lengths equal (self-attention) 3 would be the same.
+    softmax_layout "TND": statistics [T, N, 8] (META's shape for TND; DOCS, softmax_layout)."""
+    mask = _causal_triangle(em, COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, c.val("query").device)
+    return dict(atten_mask=mask, sparse_mode=2, pre_tockens=MAX_TOKENS, next_tockens=0,
+                actual_seq_qlen=c["cu_seqlens"], actual_seq_kvlen=c["cu_seqlens"], softmax_layout="TND")
+
+
+def emit_varlen(em: Emitter, c: Call, opts: Options) -> Outputs:
+    layout, dims = c["layout"], _varlen_dims(c)
+    scale = _scale(c, dims)
+    q, k, v = (_to_tnd(em, c[n], layout) for n in ("query", "key", "value"))
+    call = em(npu_op("npu_fusion_attention_v3"), q, k, v, dims.nq, "TND", scale=scale,
+              **_varlen_arguments(em, c, dims))
+    out, softmax_max, softmax_sum = em.outputs(call, 3)
+    stats = []
+    for stat in (softmax_max, softmax_sum):  # [T, N, 8] → column 0 → [b, n, s]
+        rows = em(aten.view.default, em(aten.select.int, stat, -1, 0), [dims.b, dims.sq, dims.nq])
+        stats.append(em(aten.clone.default, em(aten.permute.default, rows, [0, 2, 1]),
+                        memory_format=torch.contiguous_format))
+    return (_from_tnd(em, out, layout, c.node.meta["val"][0]), *stats)
+
+
+def emit_varlen_backward(em: Emitter, c: Call, opts: Options) -> Outputs:
+    layout, dims = c["layout"], _varlen_dims(c)
+    scale = _scale(c, dims)
+    q, k, v, dy, out = (_to_tnd(em, c[n], layout) for n in ("query", "key", "value", "grad_out", "out"))
+    stats = []
+    for name in ("softmax_max", "softmax_sum"):  # [b, n, s] → [T, N, 8], the one value in every column
+        rows = em(aten.clone.default, em(aten.permute.default, c[name], [0, 2, 1]),
+                  memory_format=torch.contiguous_format)
+        rows = em(aten.view.default, rows, [dims.b * dims.sq, dims.nq, 1])
+        stats.append(em(aten.expand.default, rows, [dims.b * dims.sq, dims.nq, 8]))
+    call = em(npu_op("npu_fusion_attention_grad_v3"), q, k, v, dy, dims.nq, "TND", softmax_max=stats[0],
+              softmax_sum=stats[1], attention_in=out, scale_value=scale, **_varlen_arguments(em, c, dims))
+    grads = em.outputs(call, 3)
+    return tuple(_from_tnd(em, g, layout, c.val(n)) for g, n in zip(grads, ("query", "key", "value")))
+
+
 ROWS = {
+    fused.varlen_attention.default: Mapping(("npu_fusion_attention_v3",), check_varlen, emit_varlen,
+                                            note=lambda c: _VARLEN_WHY),
+    fused.varlen_attention_backward.default: Mapping(("npu_fusion_attention_grad_v3",), check_varlen,
+                                                     emit_varlen_backward, note=lambda c: _VARLEN_WHY),
     fused.fused_attention.default: Mapping(("npu_fusion_attention",), check_attention, emit_attention),
     fused.fused_attention_backward.default: Mapping(
         ("npu_fusion_attention_grad",), check_attention, emit_attention_backward),

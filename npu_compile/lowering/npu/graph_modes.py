@@ -137,10 +137,18 @@ def _ge_blockers(node: Node) -> list[str]:
     return []
 
 
+_V3_ATTENTION = ("npu::npu_fusion_attention_v3", "npu::npu_fusion_attention_grad_v3")
+
+
 def _capture_blockers(node: Node) -> list[str]:
     target = node.target
     if target is aten._local_scalar_dense.default:
         return ["a host read of the dropout seed cannot be captured"]
+    if getattr(target, "namespace", None) == "npu" and target._schema.name in _V3_ATTENTION:
+        call = dict(zip((a.name for a in target._schema.arguments), node.args)) | dict(node.kwargs)
+        if call.get("input_layout") == "TND":
+            return ["npu_fusion_attention_v3's aclgraph is documented for input_layout BNSD only "
+                    "(torch_npu/_op_plugin_docs.py, npu_fusion_attention_v3), not TND (varlen_attention)"]
     if getattr(target, "namespace", None) == "npu_compile":
         call = Call(node)
         if call.args.get("dropout_p", 0.0) > 0.0 or call.args.get("p", 0.0) > 0.0:

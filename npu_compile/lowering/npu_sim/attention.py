@@ -176,6 +176,10 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                          gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None,
                          seed=0, offset=0):
     unsupported(dropout_mask is None, "an explicit dropout_mask")
+    if input_layout == "TND":
+        return _tnd_forward(query, key, value, head_num, pse, padding_mask, atten_mask, scale, keep_prob,
+                            inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout,
+                            sink, seed, offset)
     a = _Attention(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
                    pre_tockens, next_tockens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, sink)
     s = a.scores()
@@ -202,6 +206,10 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
     """The flash backward from the forward's statistics: P = exp(S − max) / sum, D = rowsum(dO ∘ O)."""
     unsupported(softmax_max is not None and softmax_sum is not None and attention_in is not None,
                  "a grad call without softmax_max, softmax_sum and attention_in (torch_npu's autograd passes all)")
+    if input_layout == "TND":
+        return _tnd_grad(query, key, value, dy, head_num, pse, padding_mask, atten_mask, softmax_max, softmax_sum,
+                         attention_in, scale_value, keep_prob, inner_precise, prefix, actual_seq_qlen,
+                         actual_seq_kvlen, sparse_mode, softmax_layout, sink)
     a = _Attention(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value,
                    keep_prob, pre_tockens, next_tockens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
                    sink)
@@ -259,6 +267,10 @@ def _npu_fusion_attention_fake(query, key, value, head_num, input_layout, pse=No
                                next_tockens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
                                actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
                                softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0):
+    if input_layout == "TND":  # META (npu_fusion_attention_forward): out [T, N, Dv], statistics [T, N, 8]
+        stat = query.new_empty((query.shape[0], head_num, 8), dtype=torch.float32)
+        return (query.new_empty((*query.shape[:2], value.shape[-1])), stat, torch.empty_like(stat),
+                query.new_empty((0,)), seed, offset, 0)
     unsupported(input_layout in _LAYOUTS, f"input_layout {input_layout!r} (emulated: {_LAYOUTS})")
     b, n, sq = _attention_batch_heads_seq(query, head_num, input_layout)
     sk = key.shape[2] if input_layout == "BNSD" else key.shape[0] if input_layout == "SBH" else key.shape[1]
@@ -282,6 +294,8 @@ def _npu_fusion_attention_grad_fake(query, key, value, dy, head_num, input_layou
 
 
 def _numels(query, key, head_num, input_layout) -> int:
+    if input_layout == "TND":
+        return 0  # no dropout in TND here (_tnd_documents)
     b, n, sq = _attention_batch_heads_seq(query, head_num, input_layout)
     sk = key.shape[2] if input_layout == "BNSD" else key.shape[0] if input_layout == "SBH" else key.shape[1]
     return b * n * sq * sk
@@ -333,6 +347,99 @@ def _npu_fusion_attention_v3_fake(query, key, value, head_num, input_layout, *ar
         query, key, value, head_num, input_layout)
     pair = (query.new_empty((1,), dtype=torch.int64), query.new_empty((1,), dtype=torch.int64))
     return (out, softmax_max, softmax_sum, softmax_out, *pair)
+
+
+# ---- TND: variable-length documents -------------------------------------------------------------------------
+# query/key/value [T, N, D]; actual_seq_qlen / actual_seq_kvlen the documents' cumulative ends (a list, or for
+# the _v3 pair an int64 tensor): "lengths 2 2 2 2 2 → 2 4 6 8 10"; a repeated end is an empty document; trailing
+# zeros end the list ("[2, 5, 9, 0, 0]": the last two do not take part) (torch_npu/_op_plugin_docs.py,
+# npu_fusion_attention: actual_seq_qlen, and the constraints). Each document is one attention of its own, run here
+# as the BNSD kernel above on [1, N, len, D] with the call's mask arguments; the causal modes 2 and 3 (with the
+# compressed mask) are the only masks taken, and they coincide where a document's query and key lengths agree.
+# The statistics are [T, N, 8] (META, npu_fusion_attention_forward, TND); softmax_layout "TND" asks for that
+# order (DOCS, softmax_layout), the default "" (NTD in DOCS) is refused here rather than guessed.
+
+
+def _ends(lengths, name: str) -> list[int]:
+    check(lengths is not None, f"input_layout TND needs {name}")
+    values = [int(v) for v in (lengths.tolist() if isinstance(lengths, Tensor) else lengths)]
+    check(1 <= len(values) <= 1024, f"{name} must hold 1 to 1024 entries in varlen, got {len(values)}")
+    return values
+
+
+def _tnd_documents(query, key, value, head_num, pse, padding_mask, atten_mask, keep_prob, prefix, actual_seq_qlen,
+                   actual_seq_kvlen, sparse_mode, softmax_layout, sink):
+    """[(q slice, kv slice)] of the documents that take part (empty ones left out), after the argument checks."""
+    unsupported(pse is None and padding_mask is None and prefix is None and sink is None,
+                "pse, padding_mask, prefix or sink in TND")
+    unsupported(keep_prob == 1.0, "dropout in TND")
+    unsupported(softmax_layout == "TND", f"softmax_layout {softmax_layout!r} in TND (emulated: 'TND')")
+    unsupported(atten_mask is None or sparse_mode in (2, 3),
+                f"sparse_mode {sparse_mode} in TND (emulated: 2 and 3, causal per document, or no mask)")
+    check(query.dim() == key.dim() == value.dim() == 3, "TND takes 3-D query, key, value")
+    check(query.shape[1] == head_num, f"query has {query.shape[1]} heads, head_num is {head_num}")
+    qs, ks = _ends(actual_seq_qlen, "actual_seq_qlen"), _ends(actual_seq_kvlen, "actual_seq_kvlen")
+    check(len(qs) == len(ks), f"actual_seq_qlen and actual_seq_kvlen differ in length: {len(qs)}, {len(ks)}")
+    pieces, q0, k0 = [], 0, 0
+    for i, (q1, k1) in enumerate(zip(qs, ks)):
+        if q1 < q0 or k1 < k0:  # trailing zeros: the documents from here on do not take part
+            check(all(v == 0 for v in qs[i:] + ks[i:]), f"actual_seq_qlen / actual_seq_kvlen must not decrease "
+                  f"(except to trailing zeros): {qs}, {ks}")
+            break
+        check(q1 <= query.shape[0] and k1 <= key.shape[0],
+              f"actual_seq_qlen / actual_seq_kvlen end past T ({query.shape[0]}, {key.shape[0]}): {qs}, {ks}")
+        if q1 > q0:
+            check(k1 > k0, f"a document with {q1 - q0} queries has no keys")
+            pieces.append((slice(q0, q1), slice(k0, k1)))
+        q0, k0 = q1, k1
+    return pieces
+
+
+def _bnsd(t: Tensor, piece: slice) -> Tensor:
+    return t[piece].transpose(0, 1).unsqueeze(0)
+
+
+def _tnd(t: Tensor) -> Tensor:
+    return t.squeeze(0).transpose(0, 1)
+
+
+def _tnd_forward(query, key, value, head_num, pse, padding_mask, atten_mask, scale, keep_prob, inner_precise,
+                 prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink, seed, offset):
+    pieces = _tnd_documents(query, key, value, head_num, pse, padding_mask, atten_mask, keep_prob, prefix,
+                            actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink)
+    out = query.new_zeros((*query.shape[:2], value.shape[-1]))
+    softmax_max = query.new_zeros((query.shape[0], head_num, 8), dtype=torch.float32)
+    softmax_sum = torch.zeros_like(softmax_max)
+    for qp, kp in pieces:
+        o, m, z, *_ = npu_fusion_attention(_bnsd(query, qp), _bnsd(key, kp), _bnsd(value, kp), head_num, "BNSD",
+                                           atten_mask=atten_mask, scale=scale, sparse_mode=sparse_mode,
+                                           inner_precise=inner_precise)
+        out[qp] = _tnd(o)
+        softmax_max[qp] = m.squeeze(0).transpose(0, 1)
+        softmax_sum[qp] = z.squeeze(0).transpose(0, 1)
+    return out, softmax_max, softmax_sum, query.new_empty((0,)), seed, offset, 0
+
+
+def _tnd_grad(query, key, value, dy, head_num, pse, padding_mask, atten_mask, softmax_max, softmax_sum,
+              attention_in, scale_value, keep_prob, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
+              sparse_mode, softmax_layout, sink):
+    pieces = _tnd_documents(query, key, value, head_num, pse, padding_mask, atten_mask, keep_prob, prefix,
+                            actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink)
+    stat_shape = (query.shape[0], head_num, 8)
+    check(tuple(softmax_max.shape) == stat_shape == tuple(softmax_sum.shape),
+          f"softmax_max/softmax_sum must be {stat_shape} in TND, got {tuple(softmax_max.shape)}, "
+          f"{tuple(softmax_sum.shape)}")
+    grads = [torch.zeros(t.shape, dtype=t.dtype) for t in (query, key, value)]
+    for qp, kp in pieces:
+        stats = [t[qp].transpose(0, 1).unsqueeze(0) for t in (softmax_max, softmax_sum)]
+        gq, gk, gv, *_ = npu_fusion_attention_grad(
+            _bnsd(query, qp), _bnsd(key, kp), _bnsd(value, kp), _bnsd(dy, qp), head_num, "BNSD",
+            atten_mask=atten_mask, softmax_max=stats[0], softmax_sum=stats[1], attention_in=_bnsd(attention_in, qp),
+            scale_value=scale_value, sparse_mode=sparse_mode, inner_precise=inner_precise)
+        grads[0][qp] = _tnd(gq)
+        grads[1][kp] = _tnd(gk)
+        grads[2][kp] = _tnd(gv)
+    return (*grads, query.new_empty((0,)), query.new_empty((0,)))
 
 
 KERNELS = {  # op name -> (CPU kernel, fake kernel giving torch_npu's output shapes and dtypes)
