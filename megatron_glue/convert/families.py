@@ -7,8 +7,8 @@ megatron-core's local layer spec (`get_gpt_layer_local_spec`, the spec `pretrain
 relative to `decoder.layers.<i>.`; HF names carry `{i}` for the layer index.
 
 Sources of the mappings: transformers' modeling files (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, GPT2LMHeadModel: names, Conv1D's [in, out] storage, rotate-half RoPE; Qwen3's q_norm / k_norm,
-an RMSNorm over each head's head_dim before RoPE) and megatron-core's layers
+Qwen3ForCausalLM, SeedOssForCausalLM, GPT2LMHeadModel: names, Conv1D's [in, out] storage, rotate-half RoPE;
+Qwen3's q_norm / k_norm, an RMSNorm over each head's head_dim before RoPE) and megatron-core's layers
 (`SelfAttention` reads linear_qkv per query group: [q heads of the group; k; v], attention.py
 `get_query_key_value_tensors`; the GLU fc1 is [gate; up], transformer/mlp.py; `ColumnParallelLinear` splits
 dim 0, `RowParallelLinear` dim 1).
@@ -181,6 +181,22 @@ QWEN3_TENSORS = LLAMA_TENSORS + (
 QWEN3 = Family("qwen3", ("qwen3",), "Qwen3ForCausalLM", LLAMA_CONFIG, LLAMA_FLAGS + ("--qk-layernorm",),
                QWEN3_TENSORS, LLAMA_REFUSE, ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
 
+# -- Seed-OSS: the Llama layout with q/k/v biases (attention_bias) and none on o_proj (attention_out_bias) --------
+# transformers' SeedOssAttention: q/k/v_proj bias=attention_bias, o_proj bias=attention_out_bias; its MLP and
+# norms are Llama's. Its dropouts (attention_dropout, residual_dropout: after o_proj and down_proj, before the
+# residual add, Megatron's --hidden-dropout) are training settings the job takes from its own flags.
+
+SEED_OSS_CONFIG = LLAMA_CONFIG + (("--add-qkv-bias", lambda c: bool(c.get("attention_bias", True))),)
+SEED_OSS_REFUSE = tuple(r for r in LLAMA_REFUSE if "attention_bias" not in r[1]) + (
+    (lambda c: bool(c.get("attention_out_bias")), "attention_out_bias: an o_proj bias without an MLP bias has no "
+                                                 "megatron-core counterpart (--disable-bias-linear drops both)"),
+)
+_DROPOUT = (lambda c: bool(c.get("attention_dropout")) or bool(c.get("residual_dropout")),
+            "attention_dropout / residual_dropout in config.json are training settings: the job's "
+            "--attention-dropout / --hidden-dropout decide them")
+SEED_OSS = Family("seed_oss", ("seed_oss",), "SeedOssForCausalLM", SEED_OSS_CONFIG, LLAMA_FLAGS, LLAMA_TENSORS,
+                  SEED_OSS_REFUSE, ignored_hf=LLAMA.ignored_hf, notes=(_DROPOUT,))
+
 # -- GPT-2 ------------------------------------------------------------------------------------------------------
 
 _G = _layer_tensors("transformer.h", {
@@ -228,11 +244,11 @@ GPT2 = Family(
     ignored_hf=("transformer.h.{i}.attn.bias", "transformer.h.{i}.attn.masked_bias", "lm_head.weight"),
 )
 
-FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gpt2": GPT2}
+FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "seed_oss": SEED_OSS, "gpt2": GPT2}
 # --model-type-hf values (MindSpeed-LLM's names: convert_ckpt_v2.py's and convert_ckpt.py's choices, and the
 # spellings of the models' own names) -> family. MindSpeed-LLM's Magistral is a Mistral-architecture checkpoint.
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "magistral": "mistral", "qwen2": "qwen2",
-               "qwen2.5": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+               "qwen2.5": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3", "seed-oss": "seed_oss", "gpt2": "gpt2"}
 # MindSpeed-LLM's convert_ckpt.py (its 2.x scripts) says `--model-type-hf llama2` for every Llama-layout checkpoint,
 # Qwen 1.5 / 2 / 2.5 included (with --add-qkv-bias): the family is then config.json's, among these.
 LLAMA_LAYOUT = {"llama2": ("llama", "qwen2")}

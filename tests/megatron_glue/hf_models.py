@@ -40,6 +40,11 @@ def hf_config(name: str, **over):
         cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
                              tie_word_embeddings=False, rope_parameters={"rope_type": "default",
                                                                         "rope_theta": 1000000.0})
+    elif name == "seed-oss":  # q/k/v biases, none on o_proj; head_dim 32 (the real one: 128, not 5120 / 80)
+        cfg = tf.SeedOssConfig(**common, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                               attention_bias=True, attention_out_bias=False, attention_dropout=0.0,
+                               residual_dropout=0.0, tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0})
     elif name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -50,7 +55,7 @@ def hf_config(name: str, **over):
     return cfg
 
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "gpt2")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "seed-oss", "gpt2")
 
 
 def save_random_hf(name: str, folder: str, seed: int = 0, **over):
