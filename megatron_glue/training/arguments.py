@@ -258,7 +258,7 @@ POSITION_EMBEDDINGS_REFUSED = {
 TOKENIZERS_REFUSED = {
     name: f"the {name} is not implemented here" for name in (
         "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-        "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "MagistralTokenizer")}
+        "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer")}
 # MindSpeed-LLM's --model-type-hf names spelled differently by the converter (megatron_glue.convert.families)
 HF_MODEL_TYPE_ALIASES = {"qwen25": "qwen2.5"}
 # Raw data MindSpeed-LLM preprocesses at start (mindspeed_llm/tasks/preprocess/data_handler.py `_get_data_format`)
@@ -457,10 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "PretrainedFromHF",
-                                                "NullTokenizer", *TOKENIZERS_REFUSED], default=None,
+                                                "NullTokenizer", "MagistralTokenizer", *TOKENIZERS_REFUSED],
+                   default=None,
                    help="GPT2BPETokenizer, HuggingFaceTokenizer, PretrainedFromHF (MindSpeed-LLM's: "
-                        "HuggingFaceTokenizer read from --tokenizer-name-or-path) or NullTokenizer; the others are "
-                        "refused")
+                        "HuggingFaceTokenizer read from --tokenizer-name-or-path), NullTokenizer or "
+                        "MagistralTokenizer (MindSpeed-LLM's: Mistral's tekken.json as --tokenizer-model); the "
+                        "others are refused")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--tokenizer-name-or-path", default=None,
                    help="PretrainedFromHF's tokenizer: a local directory written by save_pretrained (no hub downloads)")
@@ -783,6 +785,8 @@ def validate(args: argparse.Namespace) -> None:
         fail("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path (a local directory)")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.tokenizer_type == "MagistralTokenizer" and not args.tokenizer_model:
+        fail("--tokenizer-type MagistralTokenizer needs --tokenizer-model (Mistral's tekken.json, or its folder)")
     if args.padded_vocab_size is not None and args.padded_vocab_size < 1:
         fail(f"--padded-vocab-size {args.padded_vocab_size} must be >= 1")
     if args.num_workers < 0:
