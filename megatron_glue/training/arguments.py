@@ -107,8 +107,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     **{flag: (nargs, GEMMA2) for flag, nargs in {
         "--post-norm": 0, "--input-embeds-norm": 0, "--interleave-sliding-window": 1, "--gelu-tanh": 0,
         "--query-pre-attn-scalar": 1, "--output-logit-softcapping": 1}.items()},
-    "--add-rmsnorm-offset": (0, "RMSNorm with a +1 weight offset (Gemma / Qwen3-Next style) is not implemented here"),
-    "--rmsnorm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
     "--init-norm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
     "--add-dense-bias": (0, "a bias on the attention output projection alone is not implemented here; "
                             "--disable-bias-linear off gives every linear its bias"),
@@ -329,6 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--qk-layernorm", action="store_true",
                    help="a norm (--normalization) on each head's query and key before attention (megatron-core's "
                         "q_layernorm / k_layernorm; Qwen3)")
+    g.add_argument("--add-rmsnorm-offset", action="store_true",
+                   help="MindSpeed-LLM's RMSNorm with a unit offset (Gemma / Qwen3-Next): every RMSNorm weight w is "
+                        "stored as gamma - 1 and applied as 1 + w, zero at init (megatron-core's "
+                        "layernorm_zero_centered_gamma)")
+    g.add_argument("--rmsnorm-weight-in-fp32", action="store_true",
+                   help="MindSpeed-LLM's: with --add-rmsnorm-offset, 1 + w is formed in fp32 and the normalized "
+                        "activations are multiplied by it in fp32 under bf16/fp16; without the offset it changes "
+                        "nothing here: torch's RMSNorm, which the local layers use, multiplies by its weight in "
+                        "fp32 already")
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
                    help="bf16/fp16 attention scores masked and soft-maxed in fp32 (megatron-core's "
                         "attention_softmax_in_fp32). Where the backend fuses attention (npu_fusion_attention, "
@@ -785,6 +792,9 @@ def validate(args: argparse.Namespace) -> None:
         fail("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path (a local directory)")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.add_rmsnorm_offset and args.normalization != "RMSNorm":
+        fail(f"--add-rmsnorm-offset needs --normalization RMSNorm (got {args.normalization}); a LayerNorm with a "
+             "unit offset (Megatron-LM's --apply-layernorm-1p) is not implemented here")
     if args.tokenizer_type == "MagistralTokenizer" and not args.tokenizer_model:
         fail("--tokenizer-type MagistralTokenizer needs --tokenizer-model (Mistral's tekken.json, or its folder)")
     if args.padded_vocab_size is not None and args.padded_vocab_size < 1:

@@ -100,6 +100,8 @@ def transformer_config(args, where):
         gated_linear_unit=args.swiglu, activation_func=_activation(args),
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=getattr(args, "qk_layernorm", False),
+        # MindSpeed-LLM's --add-rmsnorm-offset: the "sp" group's zero_centered_rms_norm builds it
+        layernorm_zero_centered_gamma=getattr(args, "add_rmsnorm_offset", False),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -120,7 +122,10 @@ def transformer_config(args, where):
     )
     fields.update(versions.transformer_config_extras())
     with quiet_megatron():
-        return TransformerConfig(**fields)
+        config = TransformerConfig(**fields)
+    # no TransformerConfig field: read by the "sp" group's zero_centered_rms_norm
+    config.rmsnorm_weight_in_fp32 = getattr(args, "rmsnorm_weight_in_fp32", False)
+    return config
 
 
 def recompute_fields(args) -> dict:

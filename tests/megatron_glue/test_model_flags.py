@@ -1,0 +1,147 @@
+"""MindSpeed-LLM's model flags as the job builds them: the model of `parse_args(flags)` against a reference
+(transformers' own module of the family that has the feature, or the same model spelled without the flag),
+compiled with backend="ascend" as the job compiles it against eager, logits and gradients."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+from megatron_glue.capture.adaptations import ZeroCenteredRMSNorm, registry
+
+VOCAB, SEQ = 128, 16
+BASE = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --group-query-attention "
+        "--num-query-groups 2 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 --train-iters 1 "
+        "--skip-train --tokenizer-type NullTokenizer --vocab-size 128 --make-vocab-size-divisible-by 128 "
+        "--position-embedding-type rope --swiglu --disable-bias-linear --normalization RMSNorm --qk-layernorm "
+        "--attention-dropout 0 --hidden-dropout 0").split()
+
+
+@contextlib.contextmanager
+def _sp_group():
+    """The job's "sp" group (the norms) on for the block, taken off after (megatron_cpu applies cpu, compile)."""
+    before = set(registry.applied())
+    registry.apply_groups(("sp",))
+    try:
+        yield
+    finally:
+        registry.revert(*[n for n in registry.applied() if n not in before])
+
+
+def _model(*flags, seed=0):
+    from megatron_glue.training import gpt, training
+    from megatron_glue.training.arguments import parse_args
+
+    args = parse_args([*BASE, *flags], world_size=1)
+    args.padded_vocab_size = VOCAB
+    args.npu_compile_options = {}
+    config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
+    torch.manual_seed(seed)
+    return gpt.model_provider(args, config), args
+
+
+def _norms(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.RMSNorm)}
+
+
+def _run(model, ids):
+    out = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_zero_centered_rms_norm_is_gemmas():
+    """--add-rmsnorm-offset --rmsnorm-weight-in-fp32 in bf16 is transformers' GemmaRMSNorm (and Qwen3-Next's),
+    bit for bit; without --rmsnorm-weight-in-fp32, 1 + w is formed in the weight's dtype."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8, 64).bfloat16(), (torch.randn(64) * 0.1).bfloat16()
+    gemma = GemmaRMSNorm(64, eps=1e-6).bfloat16()
+    ours = torch.nn.RMSNorm(64, eps=1e-6).bfloat16()
+    ours.__class__, ours.weight_in_fp32 = ZeroCenteredRMSNorm, True
+    ours.reset_parameters()
+    assert torch.equal(ours.weight, torch.zeros(64, dtype=torch.bfloat16))  # gamma 1 at init
+    with torch.no_grad():
+        gemma.weight.copy_(w), ours.weight.copy_(w)
+    assert torch.equal(ours(x), gemma(x))
+    ours.weight_in_fp32 = False
+    assert torch.equal(ours(x), torch.nn.functional.rms_norm(x, (64,), 1 + w, 1e-6))
+    assert not torch.equal(ours(x), gemma(x))  # bf16 1 + w rounds
+
+
+@pytest.mark.parametrize("fp32_weight", [False, True])
+def test_add_rmsnorm_offset_model_compiled_equals_eager_and_the_plain_model(megatron_cpu, fresh_dynamo, fp32_weight):
+    """Every RMSNorm of the job's model (input, pre-MLP, q/k, final) stores gamma - 1; the model equals the one
+    without the flag whose norm weights are 1 + w (fp32), and compiled as the job compiles it equals eager."""
+    from megatron_glue.training import training
+
+    flags = ["--add-rmsnorm-offset"] + (["--rmsnorm-weight-in-fp32"] if fp32_weight else [])
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with _sp_group():
+        model, args = _model(*flags)
+        plain, _ = _model()
+        compiled, _ = _model(*flags)
+    norms = _norms(model)
+    assert len(norms) == 2 * 4 + 1 and all(type(m) is ZeroCenteredRMSNorm for m in norms.values())
+    assert all(not m.weight.any() for m in norms.values())
+    assert not any(type(m) is ZeroCenteredRMSNorm for m in plain.modules())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[0] in norms:
+                p.copy_(torch.randn_like(p) * 0.1)
+        plain.load_state_dict({k: v + 1 if k.rsplit(".", 1)[0] in norms else v
+                               for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
+                              strict=False)
+        compiled.load_state_dict(model.state_dict())
+    training.compile_model(compiled, args)
+    out, grads = _run(model, ids)
+    ref, ref_grads = _run(plain, ids)
+    got, got_grads = _run(compiled, ids)
+    assert (out - ref).abs().max().item() < 1e-5
+    assert (got - out).abs().max().item() < 1e-5
+    for name, g in grads.items():
+        assert (ref_grads[name] - g).abs().max().item() < 1e-5, name
+        assert (got_grads[name] - g).abs().max().item() < 1e-5, name
+
+
+def test_add_rmsnorm_offset_needs_rmsnorm():
+    from megatron_glue.training.arguments import ArgumentError, parse_args
+
+    flags = [f for f in BASE if f not in ("RMSNorm", "--qk-layernorm")] + ["--add-rmsnorm-offset"]
+    flags[flags.index("--normalization")] = "--normalization"
+    flags.insert(flags.index("--normalization") + 1, "LayerNorm")
+    with pytest.raises(ArgumentError) as info:
+        parse_args(flags, world_size=1)
+    assert info.value.message.endswith(
+        "--add-rmsnorm-offset needs --normalization RMSNorm (got LayerNorm); a LayerNorm with a unit offset "
+        "(Megatron-LM's --apply-layernorm-1p) is not implemented here")
+
+
+def test_without_the_adaptation_megatron_refuses_the_offset(megatron_cpu):
+    from megatron_glue.capture.testing import adaptations_reverted
+
+    with _sp_group(), adaptations_reverted("zero_centered_rms_norm"), pytest.raises(AssertionError,
+                                                                                     match="zero_centered_gamma"):
+        _model("--add-rmsnorm-offset")
+
+
+def test_a_checkpoint_of_the_other_norm_convention_is_refused():
+    """Weights stored as gamma - 1 loaded as gamma (or the other way) would be off by one: the job refuses it, and
+    so does mg -> hf (no family converted here stores gamma - 1)."""
+    from megatron_glue.convert.core import ConvertError, _check_same_architecture
+    from megatron_glue.training.arguments import parse_args
+    from megatron_glue.training.checkpointing import CheckpointError, check_architecture
+
+    plain = vars(parse_args(BASE, world_size=1))
+    offset = parse_args([*BASE, "--add-rmsnorm-offset"], world_size=1)
+    with pytest.raises(CheckpointError) as info:
+        check_architecture(offset, plain, "ckpt")
+    assert str(info.value) == ("the checkpoint at ckpt was saved with --add-rmsnorm-offset False, this job has True; "
+                               "use the checkpoint's value")
+    with pytest.raises(ConvertError, match="was saved with add_rmsnorm_offset True; the recorded config.json gives "
+                                           "False: it describes another model"):
+        _check_same_architecture(parse_args(BASE, world_size=1), vars(offset), "ckpt", None)
