@@ -28,7 +28,8 @@ from typing import Any
 class DataError(ValueError):
     """Bad input data, vocabulary or tokenizer: the message names the file or flag and what was expected."""
 
-SUPPORTED = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "MagistralTokenizer")  # the ones with files, which preprocess takes
+# the ones with files, which preprocess takes
+SUPPORTED = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "MagistralTokenizer")
 EOD_TOKEN = "<|endoftext|>"  # GPT-2's end-of-document token
 
 

@@ -42,8 +42,9 @@ MHC = "hyper-connections (mHC) are not implemented here"
 LINEAR_ATTENTION = "linear-attention layers (Gated DeltaNet, Mamba, Qwen3-Next's) are not implemented here"
 GEMMA2 = ("Gemma 2's layer (post-norms, logit soft-capping, sliding-window attention, scaled embeddings) is not "
           "implemented here")
-ROPE_EXTENSION = ("YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
-                  "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)")
+ROPE_EXTENSION = ("YaRN / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
+                  "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling), and LongRoPE's "
+                  "(--rope-scaling-type longrope)")
 RECOMPUTE = ("it is not implemented here; Megatron's --recompute-granularity full/selective is, and the compiler "
              "recomputes by its memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'")
 UNEVEN_PP = ("uneven pipeline stages are not implemented here; give a --num-layers divisible by "
@@ -115,9 +116,7 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--fc-type": (1, "MindSpeed-LLM's alternative MLP layouts (--fc-type) are not implemented here"),
     **{flag: (nargs, ROPE_EXTENSION) for flag, nargs in {
         "--beta-fast": 1, "--beta-slow": 1, "--rope-scaling-mscale": 1, "--rope-scaling-mscale-all-dim": 1,
-        "--rope-scaling-original-max-position-embeddings": 1, "--longrope-freqs-type": 1, "--long-factor": 1,
-        "--short-factor": 1, "--long-mscale": 1, "--short-mscale": 1, "--dynamic-factor": 1,
-        "--use-glm-rope": 0}.items()},
+        "--dynamic-factor": 1, "--use-glm-rope": 0}.items()},
     # recompute, memory switches, schedules
     "--recompute-activation-function": (0, "MindSpeed's recompute of the MLP activation: " + RECOMPUTE),
     "--recompute-norm": (0, "MindSpeed's recompute of the norms: " + RECOMPUTE),
@@ -266,6 +265,33 @@ PRETRAIN_HANDLERS = ("GeneralPretrainHandler",)
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+def _floats(text: str) -> list[float]:
+    """MindSpeed-LLM's comma-separated factor lists (--long-factor 1.0,1.02,...)."""
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers") from None
+
+
+def _check_longrope(args, fail) -> None:
+    """LongRoPE's flags together, each factor list one per rotary frequency (MindSpeed-LLM's rotary.py
+    validate_args, and the length its inv_freq division needs)."""
+    if args.rope_scaling_original_max_position_embeddings is None or args.long_factor is None \
+            or args.short_factor is None:
+        fail("--rope-scaling-type longrope needs --rope-scaling-original-max-position-embeddings, --long-factor and "
+             "--short-factor")
+    if (args.long_mscale is None) != (args.short_mscale is None):
+        fail("--long-mscale and --short-mscale go together (LongRoPE's cos/sin scale for long and short sequences)")
+    head = args.kv_channels or args.hidden_size // args.num_attention_heads
+    if args.rotary_percent != 1.0:
+        fail(f"--rope-scaling-type longrope with --rotary-percent {args.rotary_percent:g} is not implemented here "
+             "(LongRoPE's scale applies to the rotated channels only); use --rotary-percent 1")
+    for flag, factors in (("--long-factor", args.long_factor), ("--short-factor", args.short_factor)):
+        if len(factors) != head // 2:
+            fail(f"{flag} has {len(factors)} factors; LongRoPE needs one per rotary frequency: {head // 2} "
+                 f"(kv-channels {head} / 2)")
+
+
 class ArgumentError(SystemExit):
     """A bad command line: one line naming what was wrong and what would be right (exit status 2)."""
 
@@ -311,7 +337,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rope-scaling-type", choices=["llama3", "yarn", "longrope", "plm"], default=None,
                    help="MindSpeed-LLM's RoPE scaling: llama3 is --use-rope-scaling (megatron-core's Llama 3 scaling, "
                         "with its fixed --low-freq-factor 1, --high-freq-factor 4, --original-max-position-embeddings "
-                        "8192); yarn, longrope and plm are refused")
+                        "8192); longrope is Phi-3's LongRoPE (--long-factor, --short-factor, "
+                        "--rope-scaling-original-max-position-embeddings); yarn and plm are refused")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=None,
+                   help="LongRoPE: the pretraining context; --seq-length above it takes --long-factor, else "
+                        "--short-factor")
+    g.add_argument("--long-factor", type=_floats, default=None,
+                   help="LongRoPE: comma-separated divisors of the rotary frequencies, one per frequency (kv-channels "
+                        "/ 2), for sequences longer than the original context")
+    g.add_argument("--short-factor", type=_floats, default=None, help="LongRoPE: the same, for shorter sequences")
+    g.add_argument("--longrope-freqs-type", choices=["mul", "outer"], default="mul",
+                   help="LongRoPE: how MindSpeed-LLM divides the frequencies (outer: 1 / (factor x base^(2i/d)), as "
+                        "transformers' Phi-3; mul: position / factor x the frequency); the same product, rounded "
+                        "in another order")
+    g.add_argument("--long-mscale", type=float, default=None,
+                   help="LongRoPE: the cos/sin scale for long sequences (with --short-mscale; default "
+                        "sqrt(1 + ln(max-position-embeddings / original) / ln(original)))")
+    g.add_argument("--short-mscale", type=float, default=None, help="LongRoPE: the same, for shorter sequences")
     g.add_argument("--low-freq-factor", type=float, default=None, help="with --rope-scaling-type llama3: 1 here")
     g.add_argument("--high-freq-factor", type=float, default=None, help="with --rope-scaling-type llama3: 4 here")
     g.add_argument("--original-max-position-embeddings", type=float, default=None,
@@ -586,7 +628,7 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
         lines.append(refusal(f"--dataloader-type {args.dataloader_type}",
                              f"Megatron-LM's {args.dataloader_type} data loader is not implemented here; use single "
                              "(the default: each sample once, in order)"))
-    if args.rope_scaling_type in ("yarn", "longrope", "plm"):
+    if args.rope_scaling_type in ("yarn", "plm"):
         lines.append(refusal(f"--rope-scaling-type {args.rope_scaling_type}", ROPE_EXTENSION))
     if args.rope_scaling_type == "llama3":
         given = {"low_freq_factor": args.low_freq_factor, "high_freq_factor": args.high_freq_factor,
@@ -792,6 +834,8 @@ def validate(args: argparse.Namespace) -> None:
         fail("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path (a local directory)")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.rope_scaling_type == "longrope":
+        _check_longrope(args, fail)
     if args.add_rmsnorm_offset and args.normalization != "RMSNorm":
         fail(f"--add-rmsnorm-offset needs --normalization RMSNorm (got {args.normalization}); a LayerNorm with a "
              "unit offset (Megatron-LM's --apply-layernorm-1p) is not implemented here")

@@ -85,6 +85,14 @@ def _tanh_gelu(x):
     return F.gelu(x, approximate="tanh")
 
 
+def _longrope_softmax_scale(args):
+    from megatron_glue.training.gpt import longrope_mscale
+
+    if getattr(args, "rope_scaling_type", None) != "longrope":
+        return None
+    return longrope_mscale(args) ** 2 / math.sqrt(args.kv_channels or args.hidden_size // args.num_attention_heads)
+
+
 def transformer_config(args, where):
     from megatron.core.transformer import TransformerConfig
 
@@ -100,6 +108,8 @@ def transformer_config(args, where):
         gated_linear_unit=args.swiglu, activation_func=_activation(args),
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=getattr(args, "qk_layernorm", False),
+        # LongRoPE scales the rotated q and k by mscale (the whole head: --rotary-percent 1): scores x mscale^2
+        softmax_scale=_longrope_softmax_scale(args),
         # MindSpeed-LLM's --add-rmsnorm-offset: the "sp" group's zero_centered_rms_norm builds it
         layernorm_zero_centered_gamma=getattr(args, "add_rmsnorm_offset", False),
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -64,10 +64,12 @@ def test_rope_flags():
         "values are not implemented here")
     assert error([*JOB, "--rope-scaling-type", "yarn", "--beta-fast", "32"]) == "\n".join([
         PROG + "2 flags of this command line are refused or unknown:",
-        "  --beta-fast: YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
-        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)",
-        "  --rope-scaling-type yarn: YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
-        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)"])
+        "  --beta-fast: YaRN / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
+        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling), and LongRoPE's (--rope-scaling-type "
+        "longrope)",
+        "  --rope-scaling-type yarn: YaRN / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
+        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling), and LongRoPE's (--rope-scaling-type "
+        "longrope)"])
 
 
 def test_pretrained_from_hf_tokenizer_and_padded_vocab_size():

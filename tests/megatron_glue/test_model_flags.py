@@ -5,6 +5,7 @@ compiled with backend="ascend" as the job compiles it against eager, logits and 
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 
 import pytest
@@ -145,3 +146,45 @@ def test_a_checkpoint_of_the_other_norm_convention_is_refused():
     with pytest.raises(ConvertError, match="was saved with add_rmsnorm_offset True; the recorded config.json gives "
                                            "False: it describes another model"):
         _check_same_architecture(parse_args(BASE, world_size=1), vars(offset), "ckpt", None)
+
+
+LONGROPE = ["--rope-scaling-type", "longrope", "--rope-scaling-original-max-position-embeddings", "8",
+            "--long-factor", "1,2,3,4,5,6,7,8", "--short-factor", "1,1,1,1,2,2,2,2"]
+
+
+def test_longrope_flags():
+    """MindSpeed-LLM's phi35 script's LongRoPE flags: the factors chosen by --seq-length against the original
+    context, one per rotary frequency; outer (transformers' Phi-3 formula) and mul (megatron-core's frequencies
+    divided) agree to rounding; MindSpeed-LLM's mscale."""
+    from megatron_glue.training.arguments import ArgumentError, parse_args
+    from megatron_glue.training.gpt import longrope_inv_freq, longrope_mscale
+
+    base = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # megatron-core's, head 16
+    args = parse_args([*BASE, *LONGROPE, "--longrope-freqs-type", "outer"], world_size=1)
+    assert args.long_factor == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    outer = longrope_inv_freq(args, base)  # seq 16 > 8: the long factors
+    assert torch.allclose(outer, base / torch.arange(1, 9), rtol=1e-6)
+    args.longrope_freqs_type = "mul"
+    assert torch.allclose(longrope_inv_freq(args, base), outer, rtol=1e-6)
+    args.seq_length = 8
+    assert torch.allclose(longrope_inv_freq(args, base), base / torch.tensor([1, 1, 1, 1, 2, 2, 2, 2.0]), rtol=1e-6)
+    assert longrope_mscale(args) == pytest.approx((1 + math.log(2) / math.log(8)) ** 0.5)  # max 16 / original 8
+    args.long_mscale, args.short_mscale = 1.5, 1.2
+    assert longrope_mscale(args) == 1.2
+
+    def error(*flags):
+        with pytest.raises(ArgumentError) as info:
+            parse_args([*BASE, *flags], world_size=1)
+        return info.value.message.split("error: ", 1)[1]
+
+    assert error("--rope-scaling-type", "longrope") == (
+        "--rope-scaling-type longrope needs --rope-scaling-original-max-position-embeddings, --long-factor and "
+        "--short-factor")
+    assert error(*LONGROPE[:-1], "1,1") == (
+        "--short-factor has 2 factors; LongRoPE needs one per rotary frequency: 8 (kv-channels 16 / 2)")
+    assert error(*LONGROPE, "--long-mscale", "1.2") == (
+        "--long-mscale and --short-mscale go together (LongRoPE's cos/sin scale for long and short sequences)")
+    assert error(*LONGROPE, "--rotary-percent", "0.5") == (
+        "--rope-scaling-type longrope with --rotary-percent 0.5 is not implemented here (LongRoPE's scale applies to "
+        "the rotated channels only); use --rotary-percent 1")
+    assert error(*LONGROPE[:5], "1,x", *LONGROPE[6:]) == "argument --long-factor: '1,x' is not comma-separated numbers"

@@ -249,5 +249,5 @@ def test_magistral_tokenizer_bad_files(tmp_path):
         build_tokenizer("MagistralTokenizer", tokenizer_model=str(tmp_path))
     bad = _write(tmp_path / "tekken.json", json.dumps({"config": {}, "vocab": []}))
     assert _error("MagistralTokenizer", tokenizer_model=bad) == (
-        DataError, f"--tokenizer-model {bad}: not a tekken.json (KeyError: 'special_tokens'); expected Mistral's tekken.json: "
-        "{config, vocab, special_tokens}")
+        DataError, f"--tokenizer-model {bad}: not a tekken.json (KeyError: 'special_tokens'); expected Mistral's "
+                   "tekken.json: {config, vocab, special_tokens}")
