@@ -112,7 +112,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--add-dense-bias": (0, "a bias on the attention output projection alone is not implemented here; "
                             "--disable-bias-linear off gives every linear its bias"),
     "--add-output-layer-bias": (0, "a bias on the output layer is not implemented here"),
-    "--squared-relu": (0, "the squared-ReLU activation is not implemented here; use --swiglu or GeLU"),
     "--fc-type": (1, "MindSpeed-LLM's alternative MLP layouts (--fc-type) are not implemented here"),
     **{flag: (nargs, ROPE_EXTENSION) for flag, nargs in {
         "--beta-fast": 1, "--beta-slow": 1, "--rope-scaling-mscale": 1, "--rope-scaling-mscale-all-dim": 1,
@@ -363,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true", help="the tanh approximation of GeLU (GPT-2's gelu_new)")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="the MLP activation relu(x)^2 (Megatron-LM's, megatron-core's activations.squared_relu)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--add-qkv-bias", action="store_true")
@@ -836,6 +837,8 @@ def validate(args: argparse.Namespace) -> None:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.rope_scaling_type == "longrope":
         _check_longrope(args, fail)
+    if args.squared_relu and args.swiglu:
+        fail("--squared-relu with --swiglu: choose one MLP activation (Megatron-LM asserts not both)")
     if args.add_rmsnorm_offset and args.normalization != "RMSNorm":
         fail(f"--add-rmsnorm-offset needs --normalization RMSNorm (got {args.normalization}); a LayerNorm with a "
              "unit offset (Megatron-LM's --apply-layernorm-1p) is not implemented here")

@@ -74,9 +74,18 @@ def _activation(args):
 
     if args.swiglu:
         return F.silu
+    if getattr(args, "squared_relu", False):
+        return _squared_relu
     # Megatron-LM's --openai-gelu: the tanh approximation; functools.partial would hide F.gelu from
     # megatron-core's own checks of activation_func, so a named function
     return _tanh_gelu if getattr(args, "openai_gelu", False) else F.gelu
+
+
+def _squared_relu(x):
+    """Megatron-LM's --squared-relu (megatron-core 0.16's activations.squared_relu; 0.12 has no module for it)."""
+    import torch.nn.functional as F
+
+    return torch.pow(F.relu(x), 2)
 
 
 def _tanh_gelu(x):

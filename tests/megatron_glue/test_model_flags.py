@@ -32,11 +32,11 @@ def _sp_group():
         registry.revert(*[n for n in registry.applied() if n not in before])
 
 
-def _model(*flags, seed=0):
+def _model(*flags, seed=0, base=BASE):
     from megatron_glue.training import gpt, training
     from megatron_glue.training.arguments import parse_args
 
-    args = parse_args([*BASE, *flags], world_size=1)
+    args = parse_args([*base, *flags], world_size=1)
     args.padded_vocab_size = VOCAB
     args.npu_compile_options = {}
     config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
@@ -188,3 +188,32 @@ def test_longrope_flags():
         "--rope-scaling-type longrope with --rotary-percent 0.5 is not implemented here (LongRoPE's scale applies to "
         "the rotated channels only); use --rotary-percent 1")
     assert error(*LONGROPE[:5], "1,x", *LONGROPE[6:]) == "argument --long-factor: '1,x' is not comma-separated numbers"
+
+
+def test_squared_relu_compiled_equals_eager_and_megatrons_own(megatron_cpu, fresh_dynamo):
+    """--squared-relu: the MLP's relu(x)^2 (PLM's scripts); the job's model compiled as the job compiles it equals
+    eager (logits and gradients), and eager equals megatron-core's own activations.squared_relu where it has one."""
+    from megatron_glue.training import training
+    from megatron_glue.training.arguments import ArgumentError, parse_args
+
+    gelu = [f for f in BASE if f != "--swiglu"]
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    model, args = _model("--squared-relu", base=gelu)
+    compiled, _ = _model("--squared-relu", base=gelu)
+    x = torch.linspace(-2, 2, 9)
+    assert torch.equal(model.decoder.layers[0].mlp.activation_func(x), torch.relu(x) ** 2)
+    compiled.load_state_dict(model.state_dict())
+    training.compile_model(compiled, args)
+    out, grads = _run(model, ids)
+    got, got_grads = _run(compiled, ids)
+    assert (got - out).abs().max().item() < 1e-5
+    for name, g in grads.items():
+        assert (got_grads[name] - g).abs().max().item() < 1e-5, name
+    try:
+        from megatron.core.activations import squared_relu
+    except ImportError:  # megatron-core 0.12 has no activations module
+        squared_relu = None
+    if squared_relu is not None:
+        assert torch.equal(model.decoder.layers[0].mlp.activation_func(x), squared_relu(x))
+    with pytest.raises(ArgumentError, match="--squared-relu with --swiglu: choose one MLP activation"):
+        parse_args([*BASE, "--squared-relu"], world_size=1)
