@@ -106,8 +106,8 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--mamba-expand": 1, "--mamba-chunk-size": 1, "--partial-rotary-factor": 1,
         "--no-enable-linear-qkv": 0}.items()},
     **{flag: (nargs, GEMMA2) for flag, nargs in {
-        "--post-norm": 0, "--input-embeds-norm": 0, "--interleave-sliding-window": 1, "--gelu-tanh": 0,
-        "--query-pre-attn-scalar": 1, "--output-logit-softcapping": 1}.items()},
+        "--post-norm": 0, "--input-embeds-norm": 0, "--interleave-sliding-window": 1,
+        "--output-logit-softcapping": 1}.items()},
     "--init-norm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
     "--add-dense-bias": (0, "a bias on the attention output projection alone is not implemented here; "
                             "--disable-bias-linear off gives every linear its bias"),
@@ -362,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true", help="the tanh approximation of GeLU (GPT-2's gelu_new)")
+    g.add_argument("--gelu-tanh", action="store_true",
+                   help="MindSpeed-LLM's: a gated MLP (GLU, fc1 [gate; up]) with the tanh GeLU on the gate (Gemma's "
+                        "GeGLU)")
+    g.add_argument("--query-pre-attn-scalar", type=int, default=None,
+                   help="MindSpeed-LLM's: attention scores scaled by 1 / sqrt(this) instead of 1 / sqrt(kv-channels) "
+                        "(Gemma 2's query_pre_attn_scalar)")
     g.add_argument("--squared-relu", action="store_true",
                    help="the MLP activation relu(x)^2 (Megatron-LM's, megatron-core's activations.squared_relu)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -839,6 +845,10 @@ def validate(args: argparse.Namespace) -> None:
         _check_longrope(args, fail)
     if args.squared_relu and args.swiglu:
         fail("--squared-relu with --swiglu: choose one MLP activation (Megatron-LM asserts not both)")
+    if args.gelu_tanh and (args.swiglu or args.squared_relu):
+        fail(f"--gelu-tanh with {'--swiglu' if args.swiglu else '--squared-relu'}: choose one MLP activation")
+    if args.query_pre_attn_scalar is not None and args.query_pre_attn_scalar < 1:
+        fail(f"--query-pre-attn-scalar {args.query_pre_attn_scalar} must be >= 1")
     if args.add_rmsnorm_offset and args.normalization != "RMSNorm":
         fail(f"--add-rmsnorm-offset needs --normalization RMSNorm (got {args.normalization}); a LayerNorm with a "
              "unit offset (Megatron-LM's --apply-layernorm-1p) is not implemented here")

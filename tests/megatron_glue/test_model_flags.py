@@ -217,3 +217,59 @@ def test_squared_relu_compiled_equals_eager_and_megatrons_own(megatron_cpu, fres
         assert torch.equal(model.decoder.layers[0].mlp.activation_func(x), squared_relu(x))
     with pytest.raises(ArgumentError, match="--squared-relu with --swiglu: choose one MLP activation"):
         parse_args([*BASE, "--squared-relu"], world_size=1)
+
+
+def _gelu_tanh_mindspeed(x):
+    """MindSpeed-LLM's gelu_tanh_approximation (mindspeed_llm/core/transformer/mlp.py), spelled out."""
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+
+
+def test_gelu_tanh_is_a_gated_tanh_gelu_and_compiles(megatron_cpu, fresh_dynamo):
+    """--gelu-tanh (Gemma 2's scripts): fc1 is [gate; up] (2 x ffn rows), the output gelu_tanh(gate) * up with
+    MindSpeed-LLM's tanh GeLU; compiled as the job compiles it equals eager, logits and gradients."""
+    from megatron_glue.training import training
+    from megatron_glue.training.arguments import ArgumentError, parse_args
+
+    gelu = [f for f in BASE if f != "--swiglu"]
+    model, args = _model("--gelu-tanh", base=gelu)
+    compiled, _ = _model("--gelu-tanh", base=gelu)
+    mlp = model.decoder.layers[0].mlp
+    assert mlp.linear_fc1.weight.shape == (2 * 96, 64)
+    h = torch.randn(SEQ, 2, 64)
+    with torch.no_grad():
+        gate, up = torch.nn.functional.linear(h, mlp.linear_fc1.weight).chunk(2, dim=-1)
+        ref = torch.nn.functional.linear(_gelu_tanh_mindspeed(gate) * up, mlp.linear_fc2.weight)
+        assert (mlp(h)[0] - ref).abs().max().item() < 1e-5
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    compiled.load_state_dict(model.state_dict())
+    training.compile_model(compiled, args)
+    out, grads = _run(model, ids)
+    got, got_grads = _run(compiled, ids)
+    assert (got - out).abs().max().item() < 1e-5
+    for name, g in grads.items():
+        assert (got_grads[name] - g).abs().max().item() < 1e-5, name
+    with pytest.raises(ArgumentError, match="--gelu-tanh with --swiglu: choose one MLP activation"):
+        parse_args([*BASE, "--gelu-tanh"], world_size=1)
+
+
+def test_query_pre_attn_scalar_scales_the_scores(megatron_cpu):
+    """--query-pre-attn-scalar N: scores x 1 / sqrt(N), i.e. the model without it whose query rows of linear_qkv
+    are scaled by sqrt(kv-channels / N) (RoPE is linear in q; no q norm here)."""
+    plain_base = [f for f in BASE if f != "--qk-layernorm"]
+    model, args = _model("--query-pre-attn-scalar", "64", base=plain_base)
+    plain, _ = _model(base=plain_base)
+    assert model.decoder.layers[0].self_attention.core_attention.softmax_scale == 64 ** -0.5
+    ng, d, per_group = args.num_query_groups, args.kv_channels, args.num_attention_heads // args.num_query_groups
+    state = model.state_dict()
+    with torch.no_grad():
+        for key, value in list(state.items()):
+            if key.endswith("self_attention.linear_qkv.weight"):
+                grouped = value.clone().view(ng, (per_group + 2) * d, -1)
+                grouped[:, : per_group * d] *= math.sqrt(d / 64)
+                state[key] = grouped.view_as(value)
+    plain.load_state_dict(state)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a = model(ids, torch.arange(SEQ).expand_as(ids), None)
+        b = plain(ids, torch.arange(SEQ).expand_as(ids), None)
+    assert (a - b).abs().max().item() < 1e-5 and d != 64
