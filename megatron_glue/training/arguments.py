@@ -40,8 +40,7 @@ LORA = "LoRA is not implemented here; fine-tune all weights (--finetune)"
 DSA = "DeepSeek sparse attention (its indexer, compressed KV) is not implemented here"
 MHC = "hyper-connections (mHC) are not implemented here"
 LINEAR_ATTENTION = "linear-attention layers (Gated DeltaNet, Mamba, Qwen3-Next's) are not implemented here"
-GEMMA2 = ("Gemma 2's layer (post-norms, logit soft-capping, sliding-window attention, scaled embeddings) is not "
-          "implemented here")
+GEMMA2 = ("Gemma 2's layer (post-attention and post-MLP norms, sliding-window attention) is not implemented here")
 ROPE_EXTENSION = ("YaRN / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
                   "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling), and LongRoPE's "
                   "(--rope-scaling-type longrope)")
@@ -106,8 +105,7 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--mamba-expand": 1, "--mamba-chunk-size": 1, "--partial-rotary-factor": 1,
         "--no-enable-linear-qkv": 0}.items()},
     **{flag: (nargs, GEMMA2) for flag, nargs in {
-        "--post-norm": 0, "--input-embeds-norm": 0, "--interleave-sliding-window": 1,
-        "--output-logit-softcapping": 1}.items()},
+        "--post-norm": 0, "--interleave-sliding-window": 1}.items()},
     "--init-norm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
     "--add-dense-bias": (0, "a bias on the attention output projection alone is not implemented here; "
                             "--disable-bias-linear off gives every linear its bias"),
@@ -368,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--query-pre-attn-scalar", type=int, default=None,
                    help="MindSpeed-LLM's: attention scores scaled by 1 / sqrt(this) instead of 1 / sqrt(kv-channels) "
                         "(Gemma 2's query_pre_attn_scalar)")
+    g.add_argument("--input-embeds-norm", action="store_true",
+                   help="MindSpeed-LLM's: the decoder's input (the embeddings, after their dropout) times "
+                        "sqrt(hidden-size) in its dtype (Gemma's normalizer)")
+    g.add_argument("--output-logit-softcapping", type=float, default=None,
+                   help="MindSpeed-LLM's: logits = cap x tanh(logits / cap) before the loss (Gemma 2's final "
+                        "soft-capping)")
     g.add_argument("--squared-relu", action="store_true",
                    help="the MLP activation relu(x)^2 (Megatron-LM's, megatron-core's activations.squared_relu)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -847,6 +851,8 @@ def validate(args: argparse.Namespace) -> None:
         fail("--squared-relu with --swiglu: choose one MLP activation (Megatron-LM asserts not both)")
     if args.gelu_tanh and (args.swiglu or args.squared_relu):
         fail(f"--gelu-tanh with {'--swiglu' if args.swiglu else '--squared-relu'}: choose one MLP activation")
+    if args.output_logit_softcapping is not None and not args.output_logit_softcapping > 0:
+        fail(f"--output-logit-softcapping {args.output_logit_softcapping:g} must be > 0")
     if args.query_pre_attn_scalar is not None and args.query_pre_attn_scalar < 1:
         fail(f"--query-pre-attn-scalar {args.query_pre_attn_scalar} must be >= 1")
     if args.add_rmsnorm_offset and args.normalization != "RMSNorm":

@@ -84,7 +84,24 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0), **gpt_model_kwargs(vp_stage))
     if getattr(args, "rope_scaling_type", None) == "longrope":
         model.rotary_pos_emb.inv_freq = longrope_inv_freq(args, model.rotary_pos_emb.inv_freq)
+    if getattr(args, "input_embeds_norm", False) and pre_process:
+        model.embedding.register_forward_hook(partial(_scale_embeddings, args.hidden_size ** 0.5))
+    if getattr(args, "output_logit_softcapping", None) and post_process:
+        model.output_layer.register_forward_hook(partial(_softcap_logits, args.output_logit_softcapping))
     return model
+
+
+def _scale_embeddings(normalizer: float, module, inputs, output):
+    """MindSpeed-LLM's --input-embeds-norm (mindspeed_llm/core/transformer/transformer_block.py): the decoder's
+    input times sqrt(hidden), the factor in the activations' dtype."""
+    return output * torch.tensor(normalizer, dtype=output.dtype)
+
+
+def _softcap_logits(cap: float, module, inputs, output):
+    """MindSpeed-LLM's --output-logit-softcapping (mindspeed_llm/core/models/gpt/gpt_model.py): cap x tanh(logits /
+    cap) on the output layer's logits, before the loss."""
+    logits, bias = output
+    return torch.tanh(logits / cap) * cap, bias
 
 
 def _longrope_is_long(args) -> bool:

@@ -38,7 +38,10 @@ def _model(*flags, seed=0, base=BASE):
 
     args = parse_args([*base, *flags], world_size=1)
     args.padded_vocab_size = VOCAB
-    args.npu_compile_options = {}
+    # the persistent cache off: with it, a layer compiled for one MLP activation is taken by another of the same
+    # shapes in the same process (--openai-gelu then GeLU, --gelu-tanh then --swiglu: its stored Dynamo guards do
+    # not tell the activation functions apart), which these tests, each comparing one model, are not about
+    args.npu_compile_options = {"cache": False}
     config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
     torch.manual_seed(seed)
     return gpt.model_provider(args, config), args
@@ -273,3 +276,37 @@ def test_query_pre_attn_scalar_scales_the_scores(megatron_cpu):
         a = model(ids, torch.arange(SEQ).expand_as(ids), None)
         b = plain(ids, torch.arange(SEQ).expand_as(ids), None)
     assert (a - b).abs().max().item() < 1e-5 and d != 64
+
+
+def test_input_embeds_norm_and_output_logit_softcapping(megatron_cpu, fresh_dynamo):
+    """--input-embeds-norm: the model equals the one without it whose (untied) embedding is x sqrt(hidden);
+    --output-logit-softcapping c: logits c x tanh(plain / c); compiled as the job compiles it (the output layer
+    with the loss) equals eager, losses and gradients."""
+    from megatron_glue.training import training
+
+    untied = [*BASE, "--untie-embeddings-and-output-weights"]
+    model, args = _model("--input-embeds-norm", "--output-logit-softcapping", "0.2", base=untied)
+    plain, _ = _model(base=untied)
+    compiled, _ = _model("--input-embeds-norm", "--output-logit-softcapping", "0.2", base=untied)
+    state = model.state_dict()
+    plain.load_state_dict({k: v * 64 ** 0.5 if k == "embedding.word_embeddings.weight" else v
+                           for k, v in state.items()})
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(SEQ).expand_as(ids)
+    with torch.no_grad():
+        logits, ref = model(ids, positions, None), plain(ids, positions, None)
+    assert ref.abs().max().item() > 0.4  # the cap bites
+    assert (logits - torch.tanh(ref / 0.2) * 0.2).abs().max().item() < 1e-5
+    compiled.load_state_dict(state)
+    training.compile_model(compiled, args)
+
+    def step(m):
+        loss = m(ids, positions, None, labels=ids.roll(-1, 1))
+        loss.sum().backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    loss, grads = step(model)
+    got, got_grads = step(compiled)
+    assert (got - loss).abs().max().item() < 1e-5
+    for name, g in grads.items():
+        assert (got_grads[name] - g).abs().max().item() < 1e-5, name
