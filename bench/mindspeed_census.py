@@ -95,6 +95,16 @@ SIZES = {"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "128",
          "--num-layers-per-virtual-pipeline-stage": "1", "--workers": "1", "--num-workers": "0"}
 
 
+# LongRoPE's factor lists: one per rotary frequency, so the tiny head (64 / 4 heads = --kv-channels 16) takes 8 of
+# the script's, evenly spaced across its spectrum
+PER_FREQUENCY = ("--long-factor", "--short-factor")
+
+
+def _per_frequency(text: str) -> str:
+    factors, want = text.split(","), int(SIZES["--kv-channels"]) // 2
+    return ",".join(factors[:: max(1, len(factors) // want)][:want])
+
+
 def _values(argv: list[str], i: int) -> int:
     """How many values follow the flag at i."""
     j = i + 1
@@ -130,6 +140,8 @@ def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
             values = [PATHS[flag]]
         elif flag in sizes and n == 1:
             values = [sizes[flag]]
+        elif flag in PER_FREQUENCY and n == 1:
+            values = [_per_frequency(values[0])]
         out += [flag, *values]
         i += 1 + n
     return out

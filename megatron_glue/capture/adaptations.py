@@ -598,6 +598,46 @@ def _sequence_parallel_torch_norm(wrapped_new):
     return staticmethod(__new__)
 
 
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm whose weight w stores gamma - 1, applied as 1 + w (zero at init): megatron-core's
+    layernorm_zero_centered_gamma, MindSpeed-LLM's --add-rmsnorm-offset. weight_in_fp32 (MindSpeed-LLM's
+    --rmsnorm-weight-in-fp32): 1 + w formed in fp32 and the fp32-normalized input multiplied by it in fp32, cast
+    back once (mindspeed_llm/core/models/common/rms_norm.py `rms_norm_forward`)."""
+
+    weight_in_fp32: bool = False
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_in_fp32:
+            out = torch.nn.functional.rms_norm(x.float(), self.normalized_shape, 1.0 + self.weight.float(), self.eps)
+            return out.to(x.dtype)
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, 1.0 + self.weight, self.eps)
+
+
+@registry.wraps(
+    "zero_centered_rms_norm", "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", "sp",
+    reason="WrappedTorchNorm asserts not config.layernorm_zero_centered_gamma (transformer/torch_norm.py:26-28, both "
+    "lines), which TE's RMSNorm supports; with --normalization RMSNorm the norm is Megatron's own torch.nn.RMSNorm "
+    "(built from a config without it) whose weight stores gamma - 1 and is applied as 1 + w, zero at init",
+)
+def _zero_centered_rms_norm(wrapped_new):
+    def __new__(cls, config, *args, **kwargs):
+        if not (config.layernorm_zero_centered_gamma and config.normalization == "RMSNorm"):
+            return wrapped_new(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.layernorm_zero_centered_gamma = False
+        norm = wrapped_new(cls, plain, *args, **kwargs)
+        norm.__class__ = ZeroCenteredRMSNorm
+        norm.weight_in_fp32 = bool(getattr(config, "rmsnorm_weight_in_fp32", False))
+        norm.reset_parameters()
+        return norm
+
+    return staticmethod(__new__)
+
+
 # What torch.cuda.current_device() answers under the "sp" group; see set_current_device. None: machine_device().
 _current_device: torch.device | None = None
 

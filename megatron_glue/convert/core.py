@@ -32,6 +32,9 @@ RECORDED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads
             "norm_epsilon", "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
             "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "orig_vocab_size",
             "padded_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "params_dtype")
+# no family here has these: mg -> hf refuses a checkpoint that has them
+RECORDED += ("add_rmsnorm_offset", "squared_relu", "gelu_tanh", "query_pre_attn_scalar", "input_embeds_norm",
+             "output_logit_softcapping")
 
 
 class ConvertError(ValueError):

@@ -7,8 +7,8 @@ megatron-core's local layer spec (`get_gpt_layer_local_spec`, the spec `pretrain
 relative to `decoder.layers.<i>.`; HF names carry `{i}` for the layer index.
 
 Sources of the mappings: transformers' modeling files (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, GPT2LMHeadModel: names, Conv1D's [in, out] storage, rotate-half RoPE; Qwen3's q_norm / k_norm,
-an RMSNorm over each head's head_dim before RoPE) and megatron-core's layers
+Qwen3ForCausalLM, SeedOssForCausalLM, GPT2LMHeadModel: names, Conv1D's [in, out] storage, rotate-half RoPE;
+Qwen3's q_norm / k_norm, an RMSNorm over each head's head_dim before RoPE) and megatron-core's layers
 (`SelfAttention` reads linear_qkv per query group: [q heads of the group; k; v], attention.py
 `get_query_key_value_tensors`; the GLU fc1 is [gate; up], transformer/mlp.py; `ColumnParallelLinear` splits
 dim 0, `RowParallelLinear` dim 1).
@@ -181,6 +181,83 @@ QWEN3_TENSORS = LLAMA_TENSORS + (
 QWEN3 = Family("qwen3", ("qwen3",), "Qwen3ForCausalLM", LLAMA_CONFIG, LLAMA_FLAGS + ("--qk-layernorm",),
                QWEN3_TENSORS, LLAMA_REFUSE, ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
 
+# -- Seed-OSS: the Llama layout with q/k/v biases (attention_bias) and none on o_proj (attention_out_bias) --------
+# transformers' SeedOssAttention: q/k/v_proj bias=attention_bias, o_proj bias=attention_out_bias; its MLP and
+# norms are Llama's. Its dropouts (attention_dropout, residual_dropout: after o_proj and down_proj, before the
+# residual add, Megatron's --hidden-dropout) are training settings the job takes from its own flags.
+
+SEED_OSS_CONFIG = LLAMA_CONFIG + (("--add-qkv-bias", lambda c: bool(c.get("attention_bias", True))),)
+SEED_OSS_REFUSE = tuple(r for r in LLAMA_REFUSE if "attention_bias" not in r[1]) + (
+    (lambda c: bool(c.get("attention_out_bias")), "attention_out_bias: an o_proj bias without an MLP bias has no "
+                                                 "megatron-core counterpart (--disable-bias-linear drops both)"),
+)
+_DROPOUT = (lambda c: bool(c.get("attention_dropout")) or bool(c.get("residual_dropout")),
+            "attention_dropout / residual_dropout in config.json are training settings: the job's "
+            "--attention-dropout / --hidden-dropout decide them")
+SEED_OSS = Family("seed_oss", ("seed_oss",), "SeedOssForCausalLM", SEED_OSS_CONFIG, LLAMA_FLAGS, LLAMA_TENSORS,
+                  SEED_OSS_REFUSE, ignored_hf=LLAMA.ignored_hf, notes=(_DROPOUT,))
+
+# -- Phi-3 / Phi-3.5 (dense): the Llama layer with q/k/v in one qkv_proj and gate/up in one gate_up_proj, and
+# LongRoPE --------------------------------------------------------------------------------------------------
+# transformers' Phi3Attention: qkv_proj rows [q (heads x head_dim); k (kv heads x head_dim); v]; Phi3MLP:
+# gate_up_proj rows [gate; up] (chunk(2): gate first), megatron-core's fc1 order. Its longrope: frequencies
+# 1 / (factor x base^(2i/d)), long_factor above original_max_position_embeddings, cos/sin x attention_factor
+# (default sqrt(1 + ln(max / original) / ln(original))) (modeling_rope_utils.py `_compute_longrope_parameters`).
+
+def _longrope(cfg: dict) -> bool:
+    return rope_parameters(cfg)["rope_type"] in ("longrope", "su")
+
+
+def _original_max(cfg: dict):
+    return rope_parameters(cfg).get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+
+
+def _factors(key: str) -> Callable[[dict], str | None]:
+    return lambda c: ",".join(repr(float(x)) for x in rope_parameters(c)[key]) if _longrope(c) else None
+
+
+def _attention_factor(c: dict):
+    factor = rope_parameters(c).get("attention_factor")
+    return float(factor) if _longrope(c) and factor is not None else None
+
+
+_P = _layer_tensors("model.layers", {
+    "ln1": "input_layernorm.weight", "qkv": "self_attn.qkv_proj.weight", "o": "self_attn.o_proj.weight",
+    "ln2": "post_attention_layernorm.weight", "gate_up": "mlp.gate_up_proj.weight", "down": "mlp.down_proj.weight"})
+PHI3_TENSORS = (
+    Tensor("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0, layer=False),
+    Tensor("input_layernorm.weight", (_P["ln1"],)),
+    Tensor("self_attention.linear_qkv.weight", (_P["qkv"],), "packed_qkv", 0),
+    Tensor("self_attention.linear_proj.weight", (_P["o"],), tp_dim=1),
+    Tensor("pre_mlp_layernorm.weight", (_P["ln2"],)),
+    Tensor("mlp.linear_fc1.weight", (_P["gate_up"],), "copy", "glu"),
+    Tensor("mlp.linear_fc2.weight", (_P["down"],), tp_dim=1),
+    Tensor("decoder.final_layernorm.weight", ("model.norm.weight",), layer=False),
+    Tensor("output_layer.weight", ("lm_head.weight",), "vocab", 0, layer=False,
+           when="untie_embeddings_and_output_weights"),
+)
+PHI3_CONFIG = tuple(row for row in LLAMA_CONFIG if row[0] not in ("--use-rope-scaling", "--rope-scaling-factor")) + (
+    ("--rope-scaling-type", lambda c: "longrope" if _longrope(c) else None),
+    ("--longrope-freqs-type", lambda c: "outer" if _longrope(c) else None),
+    ("--rope-scaling-original-max-position-embeddings", lambda c: _original_max(c) if _longrope(c) else None),
+    ("--long-factor", _factors("long_factor")),
+    ("--short-factor", _factors("short_factor")),
+    ("--long-mscale", _attention_factor),
+    ("--short-mscale", _attention_factor),
+)
+PHI3_REFUSE = (
+    LLAMA_REFUSE[0],
+    (lambda c: rope_parameters(c)["rope_type"] not in ("default", "longrope", "su"),
+     "rope scaling other than LongRoPE (rope_type longrope)"),
+    (lambda c: float(rope_parameters(c).get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))) != 1.0,
+     "partial_rotary_factor below 1 (rotary on part of each head, Phi-4-mini) with LongRoPE is not implemented here"),
+)
+_PHI3_DROPOUT = (lambda c: any(c.get(k) for k in ("resid_pdrop", "embd_pdrop", "attention_dropout")),
+                 "resid_pdrop / embd_pdrop / attention_dropout in config.json are training settings: the job's "
+                 "--hidden-dropout / --attention-dropout decide them")
+PHI3 = Family("phi3", ("phi3",), "Phi3ForCausalLM", PHI3_CONFIG, LLAMA_FLAGS, PHI3_TENSORS, PHI3_REFUSE,
+              notes=(_SLIDING, _PHI3_DROPOUT))
+
 # -- GPT-2 ------------------------------------------------------------------------------------------------------
 
 _G = _layer_tensors("transformer.h", {
@@ -228,11 +305,13 @@ GPT2 = Family(
     ignored_hf=("transformer.h.{i}.attn.bias", "transformer.h.{i}.attn.masked_bias", "lm_head.weight"),
 )
 
-FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gpt2": GPT2}
+FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "seed_oss": SEED_OSS, "phi3": PHI3,
+            "gpt2": GPT2}
 # --model-type-hf values (MindSpeed-LLM's names: convert_ckpt_v2.py's and convert_ckpt.py's choices, and the
 # spellings of the models' own names) -> family. MindSpeed-LLM's Magistral is a Mistral-architecture checkpoint.
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "magistral": "mistral", "qwen2": "qwen2",
-               "qwen2.5": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+               "qwen2.5": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3", "seed-oss": "seed_oss", "phi3": "phi3",
+               "phi3.5": "phi3", "gpt2": "gpt2"}
 # MindSpeed-LLM's convert_ckpt.py (its 2.x scripts) says `--model-type-hf llama2` for every Llama-layout checkpoint,
 # Qwen 1.5 / 2 / 2.5 included (with --add-qkv-bias): the family is then config.json's, among these.
 LLAMA_LAYOUT = {"llama2": ("llama", "qwen2")}

@@ -51,6 +51,16 @@ def _fused_qkv_to_hf(t, a):
     return [torch.cat(_qkv_to_hf(t, a), dim=0).contiguous()]
 
 
+def _packed_qkv_to_mcore(hf, a):
+    """Phi-3's qkv_proj: [q (nh*d rows); k (ng*d); v (ng*d)] in one tensor -> megatron's per-group layout."""
+    ng, per_group, d = _groups(a)
+    return _qkv_to_mcore(list(hf[0].split([ng * per_group * d, ng * d, ng * d], dim=0)), a)
+
+
+def _packed_qkv_to_hf(t, a):
+    return [torch.cat(_qkv_to_hf(t, a), dim=0).contiguous()]
+
+
 def _pad_vocab(hf, a):
     """Rows padded with zeros to the padded vocabulary (Megatron-LM: make-vocab-size-divisible-by x TP)."""
     (t,) = hf
@@ -68,6 +78,7 @@ TRANSFORMS: dict[str, Transform] = {
     "copy": Transform(lambda hf, a: hf[0].contiguous(), lambda t, a: [t.contiguous()]),
     "qkv": Transform(_qkv_to_mcore, _qkv_to_hf),
     "fused_qkv": Transform(_fused_qkv_to_mcore, _fused_qkv_to_hf),
+    "packed_qkv": Transform(_packed_qkv_to_mcore, _packed_qkv_to_hf),
     # Conv1D ([in, out]) -> Linear ([out, in])
     "conv1d": Transform(lambda hf, a: hf[0].t().contiguous(), lambda t, a: [t.t().contiguous()]),
     "fused_qkv_conv1d": Transform(lambda hf, a: _fused_qkv_to_mcore([hf[0].t()], a),

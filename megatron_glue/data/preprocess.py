@@ -431,7 +431,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"one of {', '.join(TOKENIZER_TYPES)} (default PretrainedFromHF, as MindSpeed-LLM's)")
     p.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
     p.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
-    p.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local save_pretrained directory")
+    p.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local save_pretrained directory; "
+                                             "MagistralTokenizer: Mistral's tekken.json (or its folder)")
     p.add_argument("--tokenizer-name-or-path", help="PretrainedFromHF: a local save_pretrained directory")
     p.add_argument("--tokenizer-not-use-fast", action="store_true",
                    help="no effect: transformers 5 always loads the fast tokenizer (AutoTokenizer.from_pretrained "

@@ -17,6 +17,7 @@ Every bad input is one line naming the file (or flag) and what was expected.
 
 from __future__ import annotations
 
+import base64
 import json
 import numbers
 import os
@@ -27,7 +28,8 @@ from typing import Any
 class DataError(ValueError):
     """Bad input data, vocabulary or tokenizer: the message names the file or flag and what was expected."""
 
-SUPPORTED = ("GPT2BPETokenizer", "HuggingFaceTokenizer")  # the ones with files, which preprocess takes
+# the ones with files, which preprocess takes
+SUPPORTED = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "MagistralTokenizer")
 EOD_TOKEN = "<|endoftext|>"  # GPT-2's end-of-document token
 
 
@@ -176,6 +178,88 @@ class PretrainedFromHF(HuggingFaceTokenizer):
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+class MagistralTokenizer(_Tokenizer):
+    """MindSpeed-LLM's MagistralTokenizer (mindspeed_llm/training/tokenizer/magistral_tokenizer.py): Mistral's
+    Tekken byte-level BPE read from the `tekken.json` its HF repo ships (`--tokenizer-model`: the file, or a folder
+    holding it), tokenizing as mistral-common's Tekkenizer does, without BOS/EOS (MindSpeed-LLM's `tokenize(text)`
+    calls `encode(text, bos=False, eos=False)`); eod = the `</s>` id.
+
+    The format (mistral-common's `Tekkenizer.from_file`, transformers' `MistralConverter`): `special_tokens` take
+    ids 0..n-1 (n = config `default_num_special_tokens`, filled up to it); `vocab` entries, base64 bytes in rank
+    order, take ids n + rank, the first `default_vocab_size - n` of them only; text is split by config `pattern`
+    and each piece merged by rank (tiktoken's BPE), a piece that is a whole token being that token. Special-token
+    strings written in a document are ordinary text, as in the Tekkenizer. vocab_size is `default_vocab_size`
+    (mistral-common's n_words; MindSpeed-LLM counts `default_vocab_size` + n, which its scripts override with
+    `--padded-vocab-size`)."""
+
+    tokenizer_type = "MagistralTokenizer"
+
+    def __init__(self, tokenizer_model: str) -> None:
+        path = tokenizer_model
+        if os.path.isdir(path):
+            path = os.path.join(path, "tekken.json")
+        expected = "expected Mistral's tekken.json: {config, vocab, special_tokens}"
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--tokenizer-model {path}: no such file ({expected}, or a folder holding "
+                                    f"it)")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+            config, entries, specials = raw["config"], raw["vocab"], raw["special_tokens"]
+            pattern = config["pattern"]
+            ranks = [base64.b64decode(e["token_bytes"]) for e in entries]
+            special = {e["token_str"]: e["rank"] for e in specials}
+        except (ValueError, KeyError, TypeError) as error:
+            raise DataError(f"--tokenizer-model {path}: not a tekken.json ({type(error).__name__}: {error}); "
+                            f"{expected}") from None
+        if sorted(special.values()) != list(range(len(special))):
+            raise DataError(f"--tokenizer-model {path}: special_tokens ranks are not 0..{len(special) - 1}")
+        if "</s>" not in special:
+            raise DataError(f"--tokenizer-model {path}: no </s> special token, the end-of-document id (eod)")
+        n = config.get("default_num_special_tokens") or len(special)
+        size = config.get("default_vocab_size") or n + len(ranks)
+        ranks = ranks[: size - n]
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        chars = bytes_to_unicode()
+
+        def text(b: bytes) -> str:
+            return "".join(chars[x] for x in b)
+
+        rank = {b: i for i, b in enumerate(ranks)}
+        merges = sorted(((b[:k], b[k:], r) for b, r in rank.items() for k in range(1, len(b))
+                         if b[:k] in rank and b[k:] in rank), key=lambda m: (m[2], rank[m[0]], rank[m[1]]))
+        bpe = models.BPE({text(b): n + r for b, r in rank.items()}, [(text(a), text(b)) for a, b, _ in merges],
+                         fuse_unk=False, ignore_merges=True)
+        tok = Tokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        self._tok, self._n_special = tok, n
+        self._specials = {r: s for s, r in special.items()}
+        self._vocab = {**tok.get_vocab(), **special}
+        self.vocab_size = size
+        self.eod = special["</s>"]
+        self.bos = special.get("<s>")
+        super().__init__([path])
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        out, run = [], []
+        for i in (int(i) for i in ids):
+            if i < self._n_special:
+                out.append(self._tok.decode(run))
+                out.append(self._specials.get(i, f"<SPECIAL_{i}>"))
+                run = []
+            else:
+                run.append(i)
+        return "".join(out) + self._tok.decode(run)
+
+
 class NullTokenizer(_Tokenizer):
     """Megatron-LM's NullTokenizer: ids 0..vocab_size-1 are themselves (text is ids separated by spaces), and
     eod is one more, vocab_size; so its vocab_size counts vocab_size + 1, as Megatron's does."""
@@ -224,6 +308,10 @@ def build_tokenizer(tokenizer_type: str, *, vocab_file: str | None = None, merge
             raise DataError("PretrainedFromHF needs --tokenizer-name-or-path (a local directory written by "
                              "save_pretrained)")
         return PretrainedFromHF(tokenizer_name_or_path, use_fast=use_fast)
+    if tokenizer_type == "MagistralTokenizer":
+        if tokenizer_model is None:
+            raise DataError("MagistralTokenizer needs --tokenizer-model (Mistral's tekken.json, or its folder)")
+        return MagistralTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise DataError(f"--tokenizer-type {tokenizer_type} is not implemented here (supported: "

@@ -41,10 +41,10 @@ LORA = "LoRA is not implemented here; fine-tune all weights (--finetune)"
 DSA = "DeepSeek sparse attention (its indexer, compressed KV) is not implemented here"
 MHC = "hyper-connections (mHC) are not implemented here"
 LINEAR_ATTENTION = "linear-attention layers (Gated DeltaNet, Mamba, Qwen3-Next's) are not implemented here"
-GEMMA2 = ("Gemma 2's layer (post-norms, logit soft-capping, sliding-window attention, scaled embeddings) is not "
-          "implemented here")
-ROPE_EXTENSION = ("YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
-                  "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)")
+GEMMA2 = ("Gemma 2's layer (post-attention and post-MLP norms, sliding-window attention) is not implemented here")
+ROPE_EXTENSION = ("YaRN / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
+                  "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling), and LongRoPE's "
+                  "(--rope-scaling-type longrope)")
 RECOMPUTE = ("it is not implemented here; Megatron's --recompute-granularity full/selective is, and the compiler "
              "recomputes by its memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'")
 NOOP_LAYERS = ("MindSpeed's no-op (identity) layers are not implemented here; leave them out of --num-layers and "
@@ -105,21 +105,15 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--mamba-expand": 1, "--mamba-chunk-size": 1, "--partial-rotary-factor": 1,
         "--no-enable-linear-qkv": 0}.items()},
     **{flag: (nargs, GEMMA2) for flag, nargs in {
-        "--post-norm": 0, "--input-embeds-norm": 0, "--interleave-sliding-window": 1, "--gelu-tanh": 0,
-        "--query-pre-attn-scalar": 1, "--output-logit-softcapping": 1}.items()},
-    "--add-rmsnorm-offset": (0, "RMSNorm with a +1 weight offset (Gemma / Qwen3-Next style) is not implemented here"),
-    "--rmsnorm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
+        "--post-norm": 0, "--interleave-sliding-window": 1}.items()},
     "--init-norm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
     "--add-dense-bias": (0, "a bias on the attention output projection alone is not implemented here; "
                             "--disable-bias-linear off gives every linear its bias"),
     "--add-output-layer-bias": (0, "a bias on the output layer is not implemented here"),
-    "--squared-relu": (0, "the squared-ReLU activation is not implemented here; use --swiglu or GeLU"),
     "--fc-type": (1, "MindSpeed-LLM's alternative MLP layouts (--fc-type) are not implemented here"),
     **{flag: (nargs, ROPE_EXTENSION) for flag, nargs in {
         "--beta-fast": 1, "--beta-slow": 1, "--rope-scaling-mscale": 1, "--rope-scaling-mscale-all-dim": 1,
-        "--rope-scaling-original-max-position-embeddings": 1, "--longrope-freqs-type": 1, "--long-factor": 1,
-        "--short-factor": 1, "--long-mscale": 1, "--short-mscale": 1, "--dynamic-factor": 1,
-        "--use-glm-rope": 0}.items()},
+        "--dynamic-factor": 1, "--use-glm-rope": 0}.items()},
     # recompute, memory switches, schedules
     "--recompute-norm": (0, "MindSpeed's recompute of the norms: " + RECOMPUTE),
     "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory is not implemented here (the "
@@ -257,7 +251,7 @@ POSITION_EMBEDDINGS_REFUSED = {
 TOKENIZERS_REFUSED = {
     name: f"the {name} is not implemented here" for name in (
         "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-        "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "MagistralTokenizer")}
+        "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer")}
 # MindSpeed-LLM's --model-type-hf names spelled differently by the converter (megatron_glue.convert.families)
 HF_MODEL_TYPE_ALIASES = {"qwen25": "qwen2.5"}
 # Raw data MindSpeed-LLM preprocesses at start (mindspeed_llm/tasks/preprocess/data_handler.py `_get_data_format`)
@@ -265,6 +259,33 @@ RAW_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".csv", ".arrow")
 PRETRAIN_HANDLERS = ("GeneralPretrainHandler",)
 # megatron-core's Llama 3 RoPE scaling (rotary_pos_embedding.py `_apply_scaling`): its fixed parameters
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _floats(text: str) -> list[float]:
+    """MindSpeed-LLM's comma-separated factor lists (--long-factor 1.0,1.02,...)."""
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers") from None
+
+
+def _check_longrope(args, fail) -> None:
+    """LongRoPE's flags together, each factor list one per rotary frequency (MindSpeed-LLM's rotary.py
+    validate_args, and the length its inv_freq division needs)."""
+    if args.rope_scaling_original_max_position_embeddings is None or args.long_factor is None \
+            or args.short_factor is None:
+        fail("--rope-scaling-type longrope needs --rope-scaling-original-max-position-embeddings, --long-factor and "
+             "--short-factor")
+    if (args.long_mscale is None) != (args.short_mscale is None):
+        fail("--long-mscale and --short-mscale go together (LongRoPE's cos/sin scale for long and short sequences)")
+    head = args.kv_channels or args.hidden_size // args.num_attention_heads
+    if args.rotary_percent != 1.0:
+        fail(f"--rope-scaling-type longrope with --rotary-percent {args.rotary_percent:g} is not implemented here "
+             "(LongRoPE's scale applies to the rotated channels only); use --rotary-percent 1")
+    for flag, factors in (("--long-factor", args.long_factor), ("--short-factor", args.short_factor)):
+        if len(factors) != head // 2:
+            fail(f"{flag} has {len(factors)} factors; LongRoPE needs one per rotary frequency: {head // 2} "
+                 f"(kv-channels {head} / 2)")
 
 
 class ArgumentError(SystemExit):
@@ -312,7 +333,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rope-scaling-type", choices=["llama3", "yarn", "longrope", "plm"], default=None,
                    help="MindSpeed-LLM's RoPE scaling: llama3 is --use-rope-scaling (megatron-core's Llama 3 scaling, "
                         "with its fixed --low-freq-factor 1, --high-freq-factor 4, --original-max-position-embeddings "
-                        "8192); yarn, longrope and plm are refused")
+                        "8192); longrope is Phi-3's LongRoPE (--long-factor, --short-factor, "
+                        "--rope-scaling-original-max-position-embeddings); yarn and plm are refused")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=None,
+                   help="LongRoPE: the pretraining context; --seq-length above it takes --long-factor, else "
+                        "--short-factor")
+    g.add_argument("--long-factor", type=_floats, default=None,
+                   help="LongRoPE: comma-separated divisors of the rotary frequencies, one per frequency (kv-channels "
+                        "/ 2), for sequences longer than the original context")
+    g.add_argument("--short-factor", type=_floats, default=None, help="LongRoPE: the same, for shorter sequences")
+    g.add_argument("--longrope-freqs-type", choices=["mul", "outer"], default="mul",
+                   help="LongRoPE: how MindSpeed-LLM divides the frequencies (outer: 1 / (factor x base^(2i/d)), as "
+                        "transformers' Phi-3; mul: position / factor x the frequency); the same product, rounded "
+                        "in another order")
+    g.add_argument("--long-mscale", type=float, default=None,
+                   help="LongRoPE: the cos/sin scale for long sequences (with --short-mscale; default "
+                        "sqrt(1 + ln(max-position-embeddings / original) / ln(original)))")
+    g.add_argument("--short-mscale", type=float, default=None, help="LongRoPE: the same, for shorter sequences")
     g.add_argument("--low-freq-factor", type=float, default=None, help="with --rope-scaling-type llama3: 1 here")
     g.add_argument("--high-freq-factor", type=float, default=None, help="with --rope-scaling-type llama3: 4 here")
     g.add_argument("--original-max-position-embeddings", type=float, default=None,
@@ -322,12 +359,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true", help="the tanh approximation of GeLU (GPT-2's gelu_new)")
+    g.add_argument("--gelu-tanh", action="store_true",
+                   help="MindSpeed-LLM's: a gated MLP (GLU, fc1 [gate; up]) with the tanh GeLU on the gate (Gemma's "
+                        "GeGLU)")
+    g.add_argument("--query-pre-attn-scalar", type=int, default=None,
+                   help="MindSpeed-LLM's: attention scores scaled by 1 / sqrt(this) instead of 1 / sqrt(kv-channels) "
+                        "(Gemma 2's query_pre_attn_scalar)")
+    g.add_argument("--input-embeds-norm", action="store_true",
+                   help="MindSpeed-LLM's: the decoder's input (the embeddings, after their dropout) times "
+                        "sqrt(hidden-size) in its dtype (Gemma's normalizer)")
+    g.add_argument("--output-logit-softcapping", type=float, default=None,
+                   help="MindSpeed-LLM's: logits = cap x tanh(logits / cap) before the loss (Gemma 2's final "
+                        "soft-capping)")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="the MLP activation relu(x)^2 (Megatron-LM's, megatron-core's activations.squared_relu)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="a norm (--normalization) on each head's query and key before attention (megatron-core's "
                         "q_layernorm / k_layernorm; Qwen3)")
+    g.add_argument("--add-rmsnorm-offset", action="store_true",
+                   help="MindSpeed-LLM's RMSNorm with a unit offset (Gemma / Qwen3-Next): every RMSNorm weight w is "
+                        "stored as gamma - 1 and applied as 1 + w, zero at init (megatron-core's "
+                        "layernorm_zero_centered_gamma)")
+    g.add_argument("--rmsnorm-weight-in-fp32", action="store_true",
+                   help="MindSpeed-LLM's: with --add-rmsnorm-offset, 1 + w is formed in fp32 and the normalized "
+                        "activations are multiplied by it in fp32 under bf16/fp16; without the offset it changes "
+                        "nothing here: torch's RMSNorm, which the local layers use, multiplies by its weight in "
+                        "fp32 already")
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
                    help="bf16/fp16 attention scores masked and soft-maxed in fp32 (megatron-core's "
                         "attention_softmax_in_fp32). Where the backend fuses attention (npu_fusion_attention, "
@@ -482,10 +542,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "PretrainedFromHF",
-                                                "NullTokenizer", *TOKENIZERS_REFUSED], default=None,
+                                                "NullTokenizer", "MagistralTokenizer", *TOKENIZERS_REFUSED],
+                   default=None,
                    help="GPT2BPETokenizer, HuggingFaceTokenizer, PretrainedFromHF (MindSpeed-LLM's: "
-                        "HuggingFaceTokenizer read from --tokenizer-name-or-path) or NullTokenizer; the others are "
-                        "refused")
+                        "HuggingFaceTokenizer read from --tokenizer-name-or-path), NullTokenizer or "
+                        "MagistralTokenizer (MindSpeed-LLM's: Mistral's tekken.json as --tokenizer-model); the "
+                        "others are refused")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--tokenizer-name-or-path", default=None,
                    help="PretrainedFromHF's tokenizer: a local directory written by save_pretrained (no hub downloads)")
@@ -617,7 +679,7 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
         lines.append(refusal(f"--dataloader-type {args.dataloader_type}",
                              f"Megatron-LM's {args.dataloader_type} data loader is not implemented here; use single "
                              "(the default: each sample once, in order)"))
-    if args.rope_scaling_type in ("yarn", "longrope", "plm"):
+    if args.rope_scaling_type in ("yarn", "plm"):
         lines.append(refusal(f"--rope-scaling-type {args.rope_scaling_type}", ROPE_EXTENSION))
     if args.rope_scaling_type == "llama3":
         given = {"low_freq_factor": args.low_freq_factor, "high_freq_factor": args.high_freq_factor,
@@ -839,6 +901,21 @@ def validate(args: argparse.Namespace) -> None:
         fail("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path (a local directory)")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.rope_scaling_type == "longrope":
+        _check_longrope(args, fail)
+    if args.squared_relu and args.swiglu:
+        fail("--squared-relu with --swiglu: choose one MLP activation (Megatron-LM asserts not both)")
+    if args.gelu_tanh and (args.swiglu or args.squared_relu):
+        fail(f"--gelu-tanh with {'--swiglu' if args.swiglu else '--squared-relu'}: choose one MLP activation")
+    if args.output_logit_softcapping is not None and not args.output_logit_softcapping > 0:
+        fail(f"--output-logit-softcapping {args.output_logit_softcapping:g} must be > 0")
+    if args.query_pre_attn_scalar is not None and args.query_pre_attn_scalar < 1:
+        fail(f"--query-pre-attn-scalar {args.query_pre_attn_scalar} must be >= 1")
+    if args.add_rmsnorm_offset and args.normalization != "RMSNorm":
+        fail(f"--add-rmsnorm-offset needs --normalization RMSNorm (got {args.normalization}); a LayerNorm with a "
+             "unit offset (Megatron-LM's --apply-layernorm-1p) is not implemented here")
+    if args.tokenizer_type == "MagistralTokenizer" and not args.tokenizer_model:
+        fail("--tokenizer-type MagistralTokenizer needs --tokenizer-model (Mistral's tekken.json, or its folder)")
     if args.padded_vocab_size is not None and args.padded_vocab_size < 1:
         fail(f"--padded-vocab-size {args.padded_vocab_size} must be >= 1")
     if args.num_workers < 0:

@@ -51,6 +51,9 @@ ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "kv_channels", "normalization", "norm_epsilon", "swiglu", "openai_gelu", "position_embedding_type",
                 "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "add_bias_linear",
                 "add_qkv_bias", "untie_embeddings_and_output_weights", "orig_vocab_size", "padded_vocab_size")
+ARCHITECTURE += ("add_rmsnorm_offset",)  # norm weights stored as gamma - 1 (MindSpeed-LLM's --add-rmsnorm-offset)
+ARCHITECTURE += ("squared_relu", "gelu_tanh", "query_pre_attn_scalar", "input_embeds_norm",
+                 "output_logit_softcapping")
 # The distributed optimizer's sharding: reshardable over TP, PP and DP, gathered over the gloo DP group.
 DISTOPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                     "distrib_optim_fully_reshardable_mem_efficient": True,

@@ -9,6 +9,7 @@ The pieces live here as they do in Megatron-LM's script (the model provider, the
 
 from __future__ import annotations
 
+import math
 import sys
 from functools import partial
 
@@ -71,7 +72,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
     from megatron_glue.training.versions import gpt_model_kwargs
 
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization,
                                                         qk_layernorm=getattr(args, "qk_layernorm", False)),
@@ -81,6 +82,55 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, rope_scaling=getattr(args, "use_rope_scaling", False),
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0), **gpt_model_kwargs(vp_stage))
+    if getattr(args, "rope_scaling_type", None) == "longrope":
+        model.rotary_pos_emb.inv_freq = longrope_inv_freq(args, model.rotary_pos_emb.inv_freq)
+    if getattr(args, "input_embeds_norm", False) and pre_process:
+        model.embedding.register_forward_hook(partial(_scale_embeddings, args.hidden_size ** 0.5))
+    if getattr(args, "output_logit_softcapping", None) and post_process:
+        model.output_layer.register_forward_hook(partial(_softcap_logits, args.output_logit_softcapping))
+    return model
+
+
+def _scale_embeddings(normalizer: float, module, inputs, output):
+    """MindSpeed-LLM's --input-embeds-norm (mindspeed_llm/core/transformer/transformer_block.py): the decoder's
+    input times sqrt(hidden), the factor in the activations' dtype."""
+    return output * torch.tensor(normalizer, dtype=output.dtype)
+
+
+def _softcap_logits(cap: float, module, inputs, output):
+    """MindSpeed-LLM's --output-logit-softcapping (mindspeed_llm/core/models/gpt/gpt_model.py): cap x tanh(logits /
+    cap) on the output layer's logits, before the loss."""
+    logits, bias = output
+    return torch.tanh(logits / cap) * cap, bias
+
+
+def _longrope_is_long(args) -> bool:
+    return args.seq_length > args.rope_scaling_original_max_position_embeddings
+
+
+def longrope_inv_freq(args, inv_freq: torch.Tensor) -> torch.Tensor:
+    """LongRoPE's rotary frequencies (MindSpeed-LLM's rotary_pos_embedding.py `rotary_embedding_forward`; Phi-3's
+    `_compute_longrope_parameters` in transformers): each divided by its factor, --long-factor when --seq-length
+    exceeds --rope-scaling-original-max-position-embeddings, else --short-factor. outer: 1 / (factor x
+    base^(2i/d)); mul: megatron-core's own frequencies x 1 / factor."""
+    factors = torch.tensor(args.long_factor if _longrope_is_long(args) else args.short_factor, dtype=torch.float32,
+                           device=inv_freq.device)
+    if args.longrope_freqs_type == "outer":
+        dim = 2 * inv_freq.numel()
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=inv_freq.device).float() / dim
+        return 1.0 / (factors * args.rotary_base ** exponents)
+    return inv_freq * (1.0 / factors)
+
+
+def longrope_mscale(args) -> float:
+    """LongRoPE's scale of cos and sin (MindSpeed-LLM's `apply_rotary_pos_emb_bshd`, transformers' attention_factor):
+    --long-mscale / --short-mscale, or sqrt(1 + ln(s) / ln(original)), s = max-position-embeddings / original,
+    1 when s <= 1."""
+    if args.long_mscale is not None:
+        return args.long_mscale if _longrope_is_long(args) else args.short_mscale
+    original = args.rope_scaling_original_max_position_embeddings
+    scale = args.max_position_embeddings / original
+    return 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -76,15 +76,39 @@ def _activation(args):
 
     if args.swiglu:
         return F.silu
+    if getattr(args, "squared_relu", False):
+        return _squared_relu
+    if getattr(args, "gelu_tanh", False):  # MindSpeed-LLM's, gated (training.transformer_config)
+        return _tanh_gelu
     # Megatron-LM's --openai-gelu: the tanh approximation; functools.partial would hide F.gelu from
     # megatron-core's own checks of activation_func, so a named function
     return _tanh_gelu if getattr(args, "openai_gelu", False) else F.gelu
+
+
+def _squared_relu(x):
+    """Megatron-LM's --squared-relu (megatron-core 0.16's activations.squared_relu; 0.12 has no module for it)."""
+    import torch.nn.functional as F
+
+    return torch.pow(F.relu(x), 2)
 
 
 def _tanh_gelu(x):
     import torch.nn.functional as F
 
     return F.gelu(x, approximate="tanh")
+
+
+def _softmax_scale(args):
+    """None (megatron-core's 1 / sqrt(kv-channels)) unless MindSpeed-LLM's --query-pre-attn-scalar N (1 / sqrt(N))
+    or LongRoPE (x mscale^2) changes it."""
+    from megatron_glue.training.gpt import longrope_mscale
+
+    pre_attn = getattr(args, "query_pre_attn_scalar", None)
+    longrope = getattr(args, "rope_scaling_type", None) == "longrope"
+    if pre_attn is None and not longrope:
+        return None
+    scale = 1.0 / math.sqrt(pre_attn or args.kv_channels or args.hidden_size // args.num_attention_heads)
+    return scale * longrope_mscale(args) ** 2 if longrope else scale
 
 
 def transformer_config(args, where):
@@ -99,9 +123,14 @@ def transformer_config(args, where):
         num_query_groups=args.num_query_groups, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu, activation_func=_activation(args),
+        gated_linear_unit=args.swiglu or getattr(args, "gelu_tanh", False), activation_func=_activation(args),
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=getattr(args, "qk_layernorm", False),
+        # --query-pre-attn-scalar; LongRoPE scales the rotated q and k by mscale (the whole head: --rotary-percent
+        # 1): scores x mscale^2
+        softmax_scale=_softmax_scale(args),
+        # MindSpeed-LLM's --add-rmsnorm-offset: the "sp" group's zero_centered_rms_norm builds it
+        layernorm_zero_centered_gamma=getattr(args, "add_rmsnorm_offset", False),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -123,7 +152,10 @@ def transformer_config(args, where):
     )
     fields.update(versions.transformer_config_extras())
     with quiet_megatron():
-        return TransformerConfig(**fields)
+        config = TransformerConfig(**fields)
+    # no TransformerConfig field: read by the "sp" group's zero_centered_rms_norm
+    config.rmsnorm_weight_in_fp32 = getattr(args, "rmsnorm_weight_in_fp32", False)
+    return config
 
 
 def recompute_fields(args) -> dict:

@@ -9,6 +9,9 @@ import types
 
 import torch
 
+# LongRoPE factors for a head of 16 (8 frequencies), in the spread of Phi-3.5-mini's
+LONG_FACTOR = [1.08, 1.11, 1.34, 2.62, 4.79, 9.09, 17.67, 25.5]
+SHORT_FACTOR = [1.0, 1.02, 1.03, 1.05, 1.07, 1.11, 1.16, 1.29]
 VOCAB = 100          # padded to 128 at TP=1 and 256 at TP=2: every layout exercises the padding
 SEQ = 16
 
@@ -40,6 +43,17 @@ def hf_config(name: str, **over):
         cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
                              tie_word_embeddings=False, rope_parameters={"rope_type": "default",
                                                                         "rope_theta": 1000000.0})
+    elif name == "seed-oss":  # q/k/v biases, none on o_proj; head_dim 32 (the real one: 128, not 5120 / 80)
+        cfg = tf.SeedOssConfig(**common, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                               attention_bias=True, attention_out_bias=False, attention_dropout=0.0,
+                               residual_dropout=0.0, tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0})
+    elif name == "phi3.5":  # LongRoPE with the original context (8) below SEQ: the long factors, attention x sqrt(2)
+        cfg = tf.Phi3Config(**common, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                            original_max_position_embeddings=8, pad_token_id=None, bos_token_id=None,
+                            eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                             "long_factor": LONG_FACTOR, "short_factor": SHORT_FACTOR})
     elif name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -50,7 +64,7 @@ def hf_config(name: str, **over):
     return cfg
 
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "gpt2")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "seed-oss", "phi3.5", "gpt2")
 
 
 def save_random_hf(name: str, folder: str, seed: int = 0, **over):

@@ -64,10 +64,12 @@ def test_rope_flags():
         "values are not implemented here")
     assert error([*JOB, "--rope-scaling-type", "yarn", "--beta-fast", "32"]) == "\n".join([
         PROG + "2 flags of this command line are refused or unknown:",
-        "  --beta-fast: YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
-        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)",
-        "  --rope-scaling-type yarn: YaRN / LongRoPE / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
-        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling)"])
+        "  --beta-fast: YaRN / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
+        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling), and LongRoPE's (--rope-scaling-type "
+        "longrope)",
+        "  --rope-scaling-type yarn: YaRN / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
+        "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling), and LongRoPE's (--rope-scaling-type "
+        "longrope)"])
 
 
 def test_pretrained_from_hf_tokenizer_and_padded_vocab_size():
@@ -171,7 +173,7 @@ def test_enable_hf2mg_convert_needs_load_and_a_family_the_converter_has():
         "pretrain_gpt: error: --enable-hf2mg-convert needs --load, the HuggingFace folder to start from")
     line = refusal(parse_args([*JOB, "--enable-hf2mg-convert", "--model-type-hf", "deepseek3", "--load", "hf"]))
     assert re.fullmatch(re.escape("--model-type-hf deepseek3: converting deepseek3 weights at start is not implemented "
-                                  "here (the converter's families: ") + r"[a-z0-9., ]+" + re.escape(
+                                  "here (the converter's families: ") + r"[a-z0-9., -]+" + re.escape(
         "); start from a Megatron checkpoint without --enable-hf2mg-convert"), line), line
     assert "llama2, llama3" in line and "qwen25" in line
 

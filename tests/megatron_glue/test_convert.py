@@ -127,7 +127,32 @@ def test_bf16_weights_stay_bf16_and_load_into_fp32(tmp_path):
     assert H.read_config(back)["dtype"] == "bfloat16"
 
 
+def test_phi35_longrope_short_factors_and_a_given_attention_factor(tmp_path):
+    """Phi-3.5's LongRoPE below its original context (the short factors; mscale 1 at max = original) and with
+    config.json's own attention_factor (--long-mscale / --short-mscale): transformers' logits."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+            "long_factor": H.LONG_FACTOR, "short_factor": H.SHORT_FACTOR}
+    cases = {"short": dict(original_max_position_embeddings=H.SEQ, max_position_embeddings=H.SEQ),
+             "attention_factor": dict(rope_parameters={**rope, "attention_factor": 1.3,
+                                                       "original_max_position_embeddings": 8})}
+    runs, refs = [], []
+    for i, (case, over) in enumerate(cases.items()):
+        hf, mg = str(tmp_path / case / "hf"), str(tmp_path / case / "mg")
+        H.save_random_hf("phi3.5", hf, seed=10 + i, **over)
+        assert main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir", mg,
+                     "--model-type-hf", "phi3.5"]) == 0
+        flags = open(os.path.join(mg, core.FLAGS_FILE)).read().split()
+        assert flags[flags.index("--rope-scaling-type") + 1] == "longrope"
+        assert ("--long-mscale" in flags) == (case == "attention_factor")
+        ids = H.tokens(seed=i)
+        runs.append((mg, H.read_config(hf), ids))
+        refs.append(H.hf_logits(hf, ids))
+    for case, ref, got in zip(cases, refs, H.megatron_logits(runs)):
+        assert (got - ref).abs().max().item() <= TOL, case
+
+
 @pytest.mark.parametrize("name,fused", [("gpt2", {"attention": 1, "add_layer_norm": 1, "bias_gelu": 1}),
+                                        ("phi3.5", {"attention": 1, "add_rms_norm": 1, "swiglu": 1}),
                                         ("llama3", {"attention": 1, "add_rms_norm": 1, "swiglu": 1, "rotary": 2})])
 def test_converted_model_compiled_equals_transformers(converted, name, fused, tmp_path):
     """The converted model as the job runs it: each layer compiled with backend="ascend" (GPT-2's tanh GeLU and

@@ -87,6 +87,19 @@ def test_a_llama_with_attention_bias_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_seed_oss_with_an_o_proj_bias_is_refused_and_one_without_qkv_bias_converts(tmp_path, capsys):
+    H.save_random_hf("seed-oss", str(tmp_path / "in"), attention_out_bias=True)
+    assert _fails(_hf_to_mg(tmp_path / "in", tmp_path / "out", "--model-type-hf", "seed-oss"), capsys) == (
+        1, "seed_oss: config.json is not convertible: attention_out_bias: an o_proj bias without an MLP bias has no "
+           "megatron-core counterpart (--disable-bias-linear drops both)")
+    assert not (tmp_path / "out").exists()
+    H.save_random_hf("seed-oss", str(tmp_path / "nobias"), attention_bias=False, attention_dropout=0.1)
+    assert main(_hf_to_mg(tmp_path / "nobias", tmp_path / "mg", "--model-type-hf", "seed-oss")) == 0
+    assert "--add-qkv-bias" not in (tmp_path / "mg" / "model_flags.txt").read_text().split()
+    assert "note: seed_oss: attention_dropout / residual_dropout in config.json are training settings" in \
+        capsys.readouterr().err
+
+
 def test_a_tensor_the_table_has_no_place_for_is_refused(hf, tmp_path, capsys):
     folder = tmp_path / "in"
     folder.mkdir()
@@ -263,7 +276,7 @@ def test_model_type_hf_names(hf, tmp_path, capsys):
                   capsys)[1].startswith("--add-qkv-bias: the llama model has no add qkv bias (its architecture flags: ")
     assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "llama3"), capsys) == (
         1, "--model-type-hf llama3 expects config.json model_type llama, the config says 'qwen2'")
-    known = "llama2, llama3, mistral, magistral, qwen2, qwen2.5, qwen25, qwen3, gpt2"
+    known = "llama2, llama3, mistral, magistral, qwen2, qwen2.5, qwen25, qwen3, seed-oss, phi3, phi3.5, gpt2"
     assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "qwen3-moe"), capsys) == (
         2, f"--model-type-hf qwen3-moe: not a family this converter has (qwen3-moe is a mixture-of-experts model: not "
            f"converted here); it converts {known}")

@@ -171,7 +171,7 @@ def test_default_partitions_is_accepted_and_unknown_tokenizer_type_refused(corpu
         pp.main(["--input", corpus, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "TikTokenizer"])
     assert capsys.readouterr().err.splitlines()[-1] == (
         "npu-compile preprocess: error: --tokenizer-type TikTokenizer is not implemented here (supported: "
-        "GPT2BPETokenizer, HuggingFaceTokenizer, PretrainedFromHF)")
+        "GPT2BPETokenizer, HuggingFaceTokenizer, MagistralTokenizer, PretrainedFromHF)")
 
 
 def test_demo_data_is_made_once_and_remade_when_broken(tmp_path):
@@ -369,3 +369,18 @@ def test_no_handler_name_no_effect_flags(hf_dir, corpus, tmp_path):
                                    "--dataset-impl", "mmap")) == 0
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"a_text_document{ext}").read_bytes() == (tmp_path / f"b_text_document{ext}").read_bytes()
+
+
+def test_magistral_data_script(corpus, gpt2, tmp_path):
+    """MindSpeed-LLM's data_convert_magistral_small_pretrain.sh flags: tekken.json as --tokenizer-model."""
+    from tekken_files import write_tekken
+
+    tekken, _ = write_tekken(gpt2[1], tmp_path / "tekken.json")
+    prefix = str(tmp_path / "out" / "enwiki")
+    assert pp.main(["--input", corpus, "--tokenizer-model", tekken, "--output-prefix", prefix, "--handler-name",
+                    "GeneralPretrainHandler", "--json-keys", "text", "--workers", "1", "--log-interval", "1000",
+                    "--tokenizer-type", "MagistralTokenizer"]) == 0
+    tok = build_tokenizer("MagistralTokenizer", tokenizer_model=tekken)
+    docs, _ = _documents(f"{prefix}_text_document")
+    assert docs == [tok.tokenize(t) for t in TEXTS] + [[]]
+    assert min(min(d) for d in docs if d) >= 10  # past the special tokens

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_glue.data.demo_data import train_bpe
+from tekken_files import write_tekken
 from megatron_glue.data.tokenizer import EOD_TOKEN, DataError, NullTokenizer, build_tokenizer, padded_vocab_size
 
 CORPUS = [
@@ -184,7 +185,7 @@ def test_huggingface_bad_dirs_and_unknown_type(tmp_path):
                     f"tokenizer_config.json, as written by save_pretrained)")
     assert _error("SentencePieceTokenizer", tokenizer_model=empty) == (
         DataError, "--tokenizer-type SentencePieceTokenizer is not implemented here (supported: GPT2BPETokenizer, "
-                    "HuggingFaceTokenizer, PretrainedFromHF, NullTokenizer)")
+                    "HuggingFaceTokenizer, MagistralTokenizer, PretrainedFromHF, NullTokenizer)")
 
 
 def test_pretrained_from_hf_is_mindspeed_llms_auto_tokenizer(gpt2_files, tmp_path):
@@ -209,3 +210,44 @@ def test_pretrained_from_hf_is_mindspeed_llms_auto_tokenizer(gpt2_files, tmp_pat
     assert _error("PretrainedFromHF", tokenizer_name_or_path=missing) == (
         FileNotFoundError, f"--tokenizer-name-or-path {missing}: no such directory (PretrainedFromHF loads a local "
                            "directory written by save_pretrained; no hub downloads)")
+
+
+@pytest.fixture(scope="module")
+def tekken(gpt2_files, tmp_path_factory):
+    return write_tekken(gpt2_files[1], tmp_path_factory.mktemp("tekken") / "tekken.json")
+
+
+def test_magistral_tokenizer_reads_tekken_as_mistral_does(tekken):
+    """MindSpeed-LLM's MagistralTokenizer: ids as transformers' own tekken.json reader (MistralConverter, which
+    follows mistral-common's Tekkenizer) gives them, no BOS/EOS added, eod = </s>, vocab = default_vocab_size."""
+    from transformers.integrations.mistral.tokenizer import MistralConverter
+
+    path, ranks = tekken
+    tok = build_tokenizer("MagistralTokenizer", tokenizer_model=path)
+    reference = MistralConverter(path).converted()
+    assert (tok.vocab_size, tok.eod, tok.bos) == (10 + len(ranks) - 3, 2, 1)
+    assert build_tokenizer("MagistralTokenizer", tokenizer_model=str(Path(path).parent)).vocab_size == tok.vocab_size
+    for text in SAMPLES:
+        ids = tok.tokenize(text)
+        assert ids == reference.encode(text, add_special_tokens=False).ids, text
+        assert tok.detokenize(ids) == text
+        assert min(ids) >= 10 and max(ids) < tok.vocab_size
+    # a byte is its own token, 10 + its value; the cut-off merges are not tokens
+    assert tok.tokenize("\x00") == [10] and tok.tokenize("A") == [10 + ord("A")]
+    assert all(tok.tokenize(r.decode("latin-1")) != [10 + i] for i, r in enumerate(ranks[-3:], len(ranks) - 3)
+               if r.isascii())
+    # special-token strings in a document are text, as in the Tekkenizer; special ids detokenize to their names
+    assert all(i >= 10 for i in tok.tokenize("<s>[INST] hi [/INST]</s>"))
+    assert tok.detokenize([1, *tok.tokenize("hi"), 2]) == "<s>hi</s>"
+
+
+def test_magistral_tokenizer_bad_files(tmp_path):
+    assert _error("MagistralTokenizer") == (DataError, "MagistralTokenizer needs --tokenizer-model (Mistral's "
+                                                       "tekken.json, or its folder)")
+    with pytest.raises(FileNotFoundError, match=r"--tokenizer-model .*tekken.json: no such file \(expected "
+                                                 r"Mistral's tekken.json"):
+        build_tokenizer("MagistralTokenizer", tokenizer_model=str(tmp_path))
+    bad = _write(tmp_path / "tekken.json", json.dumps({"config": {}, "vocab": []}))
+    assert _error("MagistralTokenizer", tokenizer_model=bad) == (
+        DataError, f"--tokenizer-model {bad}: not a tekken.json (KeyError: 'special_tokens'); expected Mistral's "
+                   "tekken.json: {config, vocab, special_tokens}")
