@@ -707,26 +707,72 @@ def _moe_split_sizes_on_host(self, point, tokens_per_expert=None):
     return tokens_per_expert
 
 
+def _chunk_order_on_host(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if not self.config.moe_permute_fusion:  # the fused sort takes tensors (and is refused here)
+            self.sort_input_by_local_experts = tuple(self.sort_input_by_local_experts.tolist())
+            self.restore_output_by_local_experts = tuple(self.restore_output_by_local_experts.tolist())
+
+    return __init__
+
+
+registry.wraps(
+    "alltoall_chunk_order_on_host",
+    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.__init__", "moe",
+    reason="the alltoall dispatcher keeps the fixed order of its (rank, local expert) chunks as tensors "
+    "(transformer/moe/token_dispatcher.py:409-415; 0.12.1: token_dispatcher.py:297-303) and sort_chunks_by_idxs "
+    "reads them with .tolist() (moe_utils.py:506; 0.12.1: moe_utils.py:411): under Dynamo a data-dependent list, "
+    "and indexing the split chunks with its values fails (GuardOnDataDependentSymNode); kept as tuples of ints, "
+    "the order the constructor computed",
+)(_chunk_order_on_host)
+
+
+@registry.wraps(
+    "sort_chunks_by_host_order", "megatron.core.transformer.moe.moe_utils.sort_chunks_by_idxs", "moe",
+    reason="sort_chunks_by_idxs takes the chunk order as a tensor (transformer/moe/moe_utils.py:505-510; 0.12.1: "
+    "moe_utils.py:410-415); with alltoall_chunk_order_on_host it is a tuple of ints, used as it is",
+)
+def _sort_chunks_by_host_order(sort_chunks_by_idxs):
+    @functools.wraps(sort_chunks_by_idxs)
+    def sort_chunks(input, split_sizes, sorted_idxs, probs=None, fused=False):
+        if not isinstance(sorted_idxs, tuple):
+            return sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+        sizes = split_sizes.tolist()
+        chunks = torch.split(input, sizes, dim=0)
+        output = torch.cat([chunks[i] for i in sorted_idxs], dim=0)
+        if probs is None:
+            return output, None
+        prob_chunks = torch.split(probs, sizes, dim=0)
+        return output, torch.cat([prob_chunks[i] for i in sorted_idxs], dim=0)
+
+    return sort_chunks
+
+
 _aux_loss_backward_scale = None
 
 
 def aux_loss_backward_scale_op():
-    """megatron_glue::aux_loss_backward_scale(aux_loss): ones like aux_loss times MoEAuxLossAutoScaler's scale as
-    it is when the backward runs. An opaque op, so that a compiled graph reads the scale at run time, as eager does
-    (the schedule sets it after the forward: pipeline_parallel/schedules.py:290-292)."""
+    """megatron_glue::aux_loss_backward_scale(aux_loss, grad_output): ones like aux_loss times
+    MoEAuxLossAutoScaler's scale as it is when the backward runs. An opaque op, so that a compiled graph reads the
+    scale at run time, as eager does (the schedule sets it after the forward: pipeline_parallel/schedules.py:
+    290-292); it takes the incoming gradient, which it does not read, so that the partitioner cannot move it into
+    the forward graph (a value of the forward's alone would be computed there and saved: the scale before the
+    schedule set it)."""
     global _aux_loss_backward_scale
     if _aux_loss_backward_scale is None:
         @torch.library.custom_op("megatron_glue::aux_loss_backward_scale", mutates_args=())
-        def aux_loss_backward_scale(aux_loss: torch.Tensor) -> torch.Tensor:
+        def aux_loss_backward_scale(aux_loss: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
             scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-            if scale is None:  # megatron-core's default before any schedule set one
-                scale = MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0, device=aux_loss.device)
+            if scale is None:  # megatron-core's default, 1, before a schedule sets one (not stored: the
+                scale = 1.0    # schedule's set_loss_scale would copy its [1]-shaped scale into it)
             return (torch.ones_like(aux_loss) * scale).reshape(aux_loss.shape)
 
         @aux_loss_backward_scale.register_fake
-        def _(aux_loss):
+        def _(aux_loss, grad_output):
             return torch.empty_like(aux_loss)
 
         _aux_loss_backward_scale = aux_loss_backward_scale
@@ -746,7 +792,7 @@ def _aux_loss_scale_read_at_backward(backward):
 
     def scaled_backward(ctx, grad_output):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, op(aux_loss)
+        return grad_output, op(aux_loss, grad_output)
 
     return staticmethod(scaled_backward)
 

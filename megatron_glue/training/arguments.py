@@ -73,9 +73,9 @@ MOE_REFUSED: dict[str, tuple[int | str, str]] = {
                                                   "--recompute-granularity full is implemented")),
     "--n-hash-layers": (1, MOE_MINDSPEED.format("hash routing (--n-hash-layers)")),
     "--num-zero-experts": (1, MOE_MINDSPEED.format("zero experts (--num-zero-experts)")),
-    "--norm-topk-prob": (0, MOE_MINDSPEED.format("top-k probability renormalisation (--norm-topk-prob); "
-                                                 "megatron-core's softmax router normalises over the top k unless "
-                                                 "--moe-router-pre-softmax")),
+    "--norm-topk-prob": (0, MOE_MINDSPEED.format("top-k probability renormalisation (--norm-topk-prob)")
+                         + " (megatron-core's softmax router normalises over the top k itself without "
+                           "--moe-router-pre-softmax)"),
     "--seq-aux": (0, MOE_MINDSPEED.format("sequence aux loss switch (--seq-aux); give "
                                           "--moe-router-load-balancing-type seq_aux_loss")),
     "--router-gating-in-fp32": (0, MOE_MINDSPEED.format("fp32 gating switch (--router-gating-in-fp32); give "
