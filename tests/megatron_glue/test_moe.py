@@ -167,6 +167,29 @@ def test_moe_layer_compiles_whole_with_the_aux_loss_and_matches_eager(moe_group,
     assert not torch.allclose(scaled[router], grads[router], rtol=1e-3)
 
 
+@pytest.mark.slow
+@pytest.mark.training  # about a minute of rule tracing: with the job runs (make test-training), not make test
+def test_moe_layer_compiles_with_the_ascend_backend(moe_group, fresh_dynamo):
+    """backend="ascend": one graph, the SwiGLU sites of the experts (whose rows are data-dependent token counts)
+    declined with the reason in report.json, and the gradients equal eager's."""
+    import npu_compile
+
+    from megatron_glue.training.training import moe_dynamo_config
+
+    layer = _moe_layer(None, "allgather", aux=1.0)
+    out, grads = _grads(layer, layer)
+    moe_dynamo_config()
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    (report,) = npu_compile.explain(layer, x, attention_mask=None, options={"cache": False}).graphs
+    assert report.graph_breaks == 0
+    declined = [u for u in report.unfused if u["rule"] == "swiglu"]
+    assert declined and all(u["reason"].startswith("a data-dependent size decides the check") for u in declined)
+    compiled_out, compiled_grads = _grads(layer, torch.compile(layer, backend="ascend", options={"cache": False}))
+    torch.testing.assert_close(compiled_out, out, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_alltoall_dispatcher_without_cuda(moe_group):
     layer = _moe_layer(None, "alltoall")
     with adaptations_reverted("moe_split_sizes_on_host"):  # megatron-core's host copy on a CUDA side stream
