@@ -686,6 +686,26 @@ def _alltoall_without_stream_0_12(init):
     return __init__
 
 
+@registry.wraps(
+    "alltoall_seq_without_cuda_sync_0_12",
+    "megatron.core.transformer.moe.legacy_a2a_token_dispatcher.MoEAlltoAllSEQTokenDispatcher.preprocess", "moe",
+    reason="the alltoall_seq dispatcher's preprocess picks a point where token_permutation synchronizes "
+    "torch.cuda.current_stream() (0.12.1: transformer/moe/legacy_a2a_token_dispatcher.py:131-142,224-263), which "
+    "fails without CUDA; its host copies (.to('cpu'), .numpy()) are synchronous off CUDA, so no point is needed: "
+    "'no_sync', the dispatcher's own value for that",
+    megatron_versions="<0.13",
+)
+def _alltoall_seq_without_cuda_sync_0_12(preprocess):
+    @functools.wraps(preprocess)
+    def without_sync(self, routing_map):
+        out = preprocess(self, routing_map)
+        if not torch.cuda.is_available():
+            self.cuda_sync_point = "no_sync"
+        return out
+
+    return without_sync
+
+
 def _split_sizes_on_host(sizes):
     """Split sizes as all_to_all_single takes them: a list of ints (traced: unbacked SymInts)."""
     return sizes.tolist() if torch.is_tensor(sizes) else sizes

@@ -452,6 +452,13 @@ def init_moe_metrics(args, device) -> None:
                              "avg_group": None, "reduce_group_has_dp": False}
 
 
+class _NoWriter:
+    """A TensorBoard writer's add_scalar, writing nothing (TensorBoard is refused here: --tensorboard-dir)."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+
 def moe_metrics(args, iteration: int) -> dict[str, float]:
     """This iteration's MoE losses as Megatron-LM logs them: megatron-core's track_moe_metrics (reduced over the
     pipeline and the router's groups, scaled by 1 / micro-batches, averaged over the MoE layers; the tracker
@@ -460,7 +467,9 @@ def moe_metrics(args, iteration: int) -> dict[str, float]:
     from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
     totals: dict = {}
-    track_moe_metrics(loss_scale=1 / get_num_microbatches(), iteration=iteration, writer=None,
+    # a writer that writes nothing: 0.12's track_moe_metrics fills total_loss_dict only when given a writer (0.12.1:
+    # transformer/moe/moe_utils.py:692), 0.16's always
+    track_moe_metrics(loss_scale=1 / get_num_microbatches(), iteration=iteration, writer=_NoWriter(),
                       total_loss_dict=totals, track_names=versions.moe_track_names(args), num_layers=args.num_layers,
                       moe_layer_freq=args.moe_layer_freq)
     return {name: float(value) for name, value in totals.items()}
