@@ -5,7 +5,8 @@ object built from the original: a plain replacement ignores the original, a wrap
 the new object on the owner and on every `sys.modules` entry that holds the original by identity (modules that
 did `from x import f` keep their own reference), once; reverting puts the originals back. Groups say when an
 adaptation is wanted: "cpu" (no CUDA device), "compile" (Dynamo capture), "tp_compile" (capture at tensor
-parallel size > 1), "sp" (sequence parallelism without TE/Apex or CUDA), "training" (training_adaptations.py).
+parallel size > 1), "sp" (sequence parallelism without TE/Apex or CUDA), "moe" (megatron-core's MoE without
+Transformer Engine or CUDA streams), "training" (training_adaptations.py).
 `groups_for(device)` is the one place that says which groups a process applies.
 
 Megatron differs between releases. An adaptation that is needed (or possible) only on some megatron-core versions
@@ -53,8 +54,8 @@ class Adaptation:
     build: Callable[[Any], Any]  # original -> new object; runs once per apply
     # The megatron-core versions it applies to: a PEP 440 specifier set ("<0.13", ">=0.13"); None: every version.
     megatron_versions: str | None = None
-    # True: the class attribute does not exist on those versions and the adaptation adds it (build gets None;
-    # revert removes it); applying where the class has it after all is an error, not a silent override.
+    # True: the attribute (of a class or a module) does not exist on those versions and the adaptation adds it
+    # (build gets None; revert removes it); applying where it exists after all is an error, not a silent override.
     adds: bool = False
 
     def __post_init__(self):
@@ -152,7 +153,7 @@ class Registry:
     def replaces(self, name: str, target: str, group: str, reason: str, megatron_versions: str | None = None,
                  adds: bool = False):
         """Decorator: the decorated object replaces `target` outright (on `megatron_versions` only, if given);
-        adds=True: `target` is a class attribute those versions lack, and the object is added as it."""
+        adds=True: `target` is a class or module attribute those versions lack, and the object is added as it."""
         def register(new):
             self.add(Adaptation(name, target, group, reason, build=lambda original: new,
                                 megatron_versions=megatron_versions, adds=adds))
@@ -240,7 +241,7 @@ class Registry:
     def _apply_one(adaptation: Adaptation) -> _Applied:
         owner, attr = resolve(adaptation.target, absent_ok=adaptation.adds)
         if adaptation.adds:
-            if not inspect.isclass(owner) or hasattr(owner, attr):
+            if hasattr(owner, attr):
                 raise RuntimeError(
                     f"adaptation {adaptation.name!r} adds {adaptation.target}, which megatron-core "
                     f"{megatron_core_version()} already has: its range ({adaptation.megatron_versions}) is wrong")
@@ -300,7 +301,8 @@ def groups_for(device: str | torch.device | None = None, training: bool = False)
     """The adaptation groups megatron-core needs on `device` (default `machine_device()`); `training`: also the
     training machinery's (group "training", megatron_glue.capture.training_adaptations).
 
-    "compile", "tp_compile" and "sp" are always in: each stands aside where it is not needed (the collectives
+    "compile", "tp_compile", "sp" and "moe" are always in: each stands aside where it is not needed (no MoE layer
+    calls the "moe" group's functions) (the collectives
     are the originals outside Dynamo and are not called at TP=1, the norm is Megatron's own without
     sequence_parallel, the current_device stand-in answers the machine's device), so the groups do not depend on
     the parallel layout, and parallel state may be set up before or after they are applied, by any means.
@@ -313,7 +315,7 @@ def groups_for(device: str | torch.device | None = None, training: bool = False)
     device = machine_device() if device is None else device
     kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     groups = ("cpu",) if kind in ("cpu", "meta") else ()
-    return groups + ("compile", "tp_compile", "sp") + (("training",) if training else ("regions",))
+    return groups + ("compile", "tp_compile", "sp", "moe") + (("training",) if training else ("regions",))
 
 
 # ======================================================================================================
@@ -669,6 +671,190 @@ def _current_device_stand_in(cuda_current_device):
 
     dynamo_torch.constant_fold_functions[current_device] = None
     return current_device
+
+
+# ======================================================================================================
+# group "moe": megatron-core's MoE layer (router, token dispatchers, aux losses) without Transformer Engine and
+# without CUDA streams. The router's weight, moved to torch.cuda.current_device() (transformer/moe/router.py:88-92;
+# 0.12.1: transformer/moe/router.py:57), goes where the "sp" group's current_device stand-in says.
+# ======================================================================================================
+
+registry.add(Adaptation(
+    "router_gemm_without_te", "megatron.core.transformer.moe.moe_utils.te_general_gemm", "moe",
+    reason="RouterGatingLinearFunction tests `te_general_gemm is not None` (transformer/moe/moe_utils.py:1192,1225), "
+    "a name only the Transformer Engine import defines (moe_utils.py:22-39): without TE every MoE forward is a "
+    "NameError (fixed upstream by NVIDIA/Megatron-LM PR #3763); None is what the test expects without TE, and the "
+    "router's own torch.mm path runs; 0.12 has no TE gemm in the router",
+    build=lambda missing: None, megatron_versions=">=0.13", adds=True,
+))
+
+
+class _NoStream:
+    """Stands for the alltoall dispatcher's device-to-host copy stream where there is none: never used, as the
+    copy itself (moe_split_sizes_on_host) is made on the current stream."""
+
+
+_NO_STREAM = _NoStream()
+
+registry.add(Adaptation(
+    "alltoall_dispatcher_without_cuda_stream",
+    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream", "moe",
+    reason="MoEAlltoAllTokenDispatcher's constructor makes a torch.cuda.Stream for its host copies when the class "
+    "has none (transformer/moe/token_dispatcher.py:444-445), which fails without CUDA; the class gets a stand-in "
+    "that moe_split_sizes_on_host never uses",
+    build=lambda stream: _NO_STREAM, megatron_versions=">=0.14",
+))
+
+
+@registry.wraps(
+    "alltoall_dispatcher_without_cuda_stream_0_12",
+    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.__init__", "moe",
+    reason="MoEAlltoAllTokenDispatcher's constructor stores a new torch.cuda.Stream on each instance (0.12.1: "
+    "transformer/moe/token_dispatcher.py:327), which fails without CUDA; the constructor runs with a stand-in "
+    "stream that moe_split_sizes_on_host never uses",
+    megatron_versions="<0.14",
+)
+def _alltoall_without_stream_0_12(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        stream, torch.cuda.Stream = torch.cuda.Stream, lambda *a, **k: _NO_STREAM
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.cuda.Stream = stream
+
+    return __init__
+
+
+@registry.wraps(
+    "alltoall_seq_without_cuda_sync_0_12",
+    "megatron.core.transformer.moe.legacy_a2a_token_dispatcher.MoEAlltoAllSEQTokenDispatcher.preprocess", "moe",
+    reason="the alltoall_seq dispatcher's preprocess picks a point where token_permutation synchronizes "
+    "torch.cuda.current_stream() (0.12.1: transformer/moe/legacy_a2a_token_dispatcher.py:131-142,224-263), which "
+    "fails without CUDA; its host copies (.to('cpu'), .numpy()) are synchronous off CUDA, so no point is needed: "
+    "'no_sync', the dispatcher's own value for that",
+    megatron_versions="<0.13",
+)
+def _alltoall_seq_without_cuda_sync_0_12(preprocess):
+    @functools.wraps(preprocess)
+    def without_sync(self, routing_map):
+        out = preprocess(self, routing_map)
+        if not torch.cuda.is_available():
+            self.cuda_sync_point = "no_sync"
+        return out
+
+    return without_sync
+
+
+def _split_sizes_on_host(sizes):
+    """Split sizes as all_to_all_single takes them: a list of ints (traced: unbacked SymInts)."""
+    return sizes.tolist() if torch.is_tensor(sizes) else sizes
+
+
+@registry.replaces(
+    "moe_split_sizes_on_host",
+    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "moe",
+    reason="the alltoall dispatcher copies its all-to-all split sizes to the host on a CUDA side stream, and only "
+    "from CUDA tensors (transformer/moe/token_dispatcher.py:862-899, moe_utils.py:1093; 0.12.1: "
+    "token_dispatcher.py:669-705, moe_utils.py:754): elsewhere they stay tensors and all_to_all_single fails on "
+    "them (TypeError); here they become lists of ints at the same point, on the current stream, with no "
+    "synchronisation to wait for",
+)
+def _moe_split_sizes_on_host(self, point, tokens_per_expert=None):
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        self.input_splits = _split_sizes_on_host(self.input_splits)
+        self.output_splits = _split_sizes_on_host(self.output_splits)
+    return tokens_per_expert
+
+
+def _chunk_order_on_host(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if not self.config.moe_permute_fusion:  # the fused sort takes tensors (and is refused here)
+            self.sort_input_by_local_experts = tuple(self.sort_input_by_local_experts.tolist())
+            self.restore_output_by_local_experts = tuple(self.restore_output_by_local_experts.tolist())
+
+    return __init__
+
+
+registry.wraps(
+    "alltoall_chunk_order_on_host",
+    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.__init__", "moe",
+    reason="the alltoall dispatcher keeps the fixed order of its (rank, local expert) chunks as tensors "
+    "(transformer/moe/token_dispatcher.py:409-415; 0.12.1: token_dispatcher.py:297-303) and sort_chunks_by_idxs "
+    "reads them with .tolist() (moe_utils.py:506; 0.12.1: moe_utils.py:411): under Dynamo a data-dependent list, "
+    "and indexing the split chunks with its values fails (GuardOnDataDependentSymNode); kept as tuples of ints, "
+    "the order the constructor computed",
+)(_chunk_order_on_host)
+
+
+@registry.wraps(
+    "sort_chunks_by_host_order", "megatron.core.transformer.moe.moe_utils.sort_chunks_by_idxs", "moe",
+    reason="sort_chunks_by_idxs takes the chunk order as a tensor (transformer/moe/moe_utils.py:505-510; 0.12.1: "
+    "moe_utils.py:410-415); with alltoall_chunk_order_on_host it is a tuple of ints, used as it is",
+)
+def _sort_chunks_by_host_order(sort_chunks_by_idxs):
+    @functools.wraps(sort_chunks_by_idxs)
+    def sort_chunks(input, split_sizes, sorted_idxs, probs=None, fused=False):
+        if not isinstance(sorted_idxs, tuple):
+            return sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+        sizes = split_sizes.tolist()
+        chunks = torch.split(input, sizes, dim=0)
+        output = torch.cat([chunks[i] for i in sorted_idxs], dim=0)
+        if probs is None:
+            return output, None
+        prob_chunks = torch.split(probs, sizes, dim=0)
+        return output, torch.cat([prob_chunks[i] for i in sorted_idxs], dim=0)
+
+    return sort_chunks
+
+
+_aux_loss_backward_scale = None
+
+
+def aux_loss_backward_scale_op():
+    """megatron_glue::aux_loss_backward_scale(aux_loss, grad_output): ones like aux_loss times
+    MoEAuxLossAutoScaler's scale as it is when the backward runs. An opaque op, so that a compiled graph reads the
+    scale at run time, as eager does (the schedule sets it after the forward: pipeline_parallel/schedules.py:
+    290-292); it takes the incoming gradient, which it does not read, so that the partitioner cannot move it into
+    the forward graph (a value of the forward's alone would be computed there and saved: the scale before the
+    schedule set it)."""
+    global _aux_loss_backward_scale
+    if _aux_loss_backward_scale is None:
+        @torch.library.custom_op("megatron_glue::aux_loss_backward_scale", mutates_args=())
+        def aux_loss_backward_scale(aux_loss: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+            if scale is None:  # megatron-core's default, 1, before a schedule sets one (not stored: the
+                scale = 1.0    # schedule's set_loss_scale would copy its [1]-shaped scale into it)
+            return (torch.ones_like(aux_loss) * scale).reshape(aux_loss.shape)
+
+        @aux_loss_backward_scale.register_fake
+        def _(aux_loss, grad_output):
+            return torch.empty_like(aux_loss)
+
+        _aux_loss_backward_scale = aux_loss_backward_scale
+    return _aux_loss_backward_scale
+
+
+@registry.wraps(
+    "aux_loss_scale_read_at_backward",
+    "megatron.core.transformer.moe.moe_utils.MoEAuxLossAutoScaler.backward", "moe",
+    reason="MoEAuxLossAutoScaler.backward reads the aux-loss scale from a class attribute (transformer/moe/"
+    "moe_utils.py:267-272; 0.12.1: moe_utils.py:208-213), a Dynamo graph break at every aux or z loss (\"Unsupported "
+    "python_type()\"): the scale is read by an opaque op instead (aux_loss_backward_scale_op), at the same time, "
+    "with the same value",
+)
+def _aux_loss_scale_read_at_backward(backward):
+    op = aux_loss_backward_scale_op()
+
+    def scaled_backward(ctx, grad_output):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, op(aux_loss, grad_output)
+
+    return staticmethod(scaled_backward)
 
 
 # ======================================================================================================

@@ -25,9 +25,15 @@ import sys
 
 # -- refused: the feature each flag belongs to, and what to do instead -------------------------------------------------
 
-MOE = "MoE (mixture of experts) is not implemented here; train a dense model"
-# an MoE setting: configures nothing in a model without experts (Megatron-LM and MindSpeed read it only for them)
-MOE_SETTING = MOE + " (without --num-experts this flag configures nothing, and is accepted)"
+# MoE is megatron-core's MoELayer (docs/moe.md); these parts of it, or of MindSpeed's MoE, are not implemented here
+MOE_GROUPED_GEMM = ("grouped GEMM of the experts is not implemented here (megatron-core's needs the CUDA grouped_gemm "
+                    "package or Transformer Engine; the backend's grouped-matmul fusion is not built yet); drop it: "
+                    "the experts run one after another (SequentialMLP)")
+MOE_PERMUTE_FUSION = ("fused token permute / unpermute is not implemented here (megatron-core's is Transformer "
+                      "Engine's, CUDA-only); drop it")
+MOE_OVERLAP = ("MindSpeed's overlap of the MoE token communication with expert compute is not implemented here; "
+               "drop it (the dispatcher's collectives run in order)")
+MOE_MINDSPEED = "MindSpeed-LLM's {} is not implemented here; drop it"
 CP = "context parallelism is not implemented here; use --context-parallel-size 1 with TP/PP/DP"
 INSTRUCTION = ("instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) is not implemented here; "
                "pretrain on a .bin/.idx prefix written by `npu-compile preprocess`")
@@ -52,21 +58,37 @@ NOOP_LAYERS = ("MindSpeed's no-op (identity) layers are not implemented here; le
 MG_CONVERT = ("converting to HF at each save is not implemented here; convert a saved checkpoint with `npu-compile "
               "convert --load-model-type mg --save-model-type hf ...`")
 
+# MoE flags refused with --num-experts; without it they configure nothing (Megatron-LM and MindSpeed read them only for
+# experts) and are accepted, as there. --num-experts and megatron-core's MoE settings are implemented (the parser's
+# "mixture of experts" group)
+MOE_REFUSED: dict[str, tuple[int | str, str]] = {
+    "--moe-grouped-gemm": (0, MOE_GROUPED_GEMM),
+    "--gemm-gradient-accumulation-fusion": (0, MOE_GROUPED_GEMM),
+    "--moe-permute-fusion": (0, MOE_PERMUTE_FUSION),
+    "--use-fused-moe-token-permute-and-unpermute": (0, MOE_PERMUTE_FUSION),
+    **{flag: (0, MOE_OVERLAP) for flag in ("--moe-permutation-async-comm", "--moe-alltoall-overlap-comm",
+                                           "--moe-fb-overlap")},
+    "--moe-tp-extend-ep": (0, MOE_MINDSPEED.format("tensor-parallel ranks used as expert-parallel ones "
+                                                   "(--moe-tp-extend-ep)")),
+    "--moe-zero-memory": (1, MOE_MINDSPEED.format("MoE activation recompute / swap (--moe-zero-memory); Megatron's "
+                                                  "--recompute-granularity full is implemented")),
+    "--n-hash-layers": (1, MOE_MINDSPEED.format("hash routing (--n-hash-layers)")),
+    "--num-zero-experts": (1, MOE_MINDSPEED.format("zero experts (--num-zero-experts)")),
+    "--norm-topk-prob": (0, MOE_MINDSPEED.format("top-k probability renormalisation (--norm-topk-prob)")
+                         + " (megatron-core's softmax router normalises over the top k itself without "
+                           "--moe-router-pre-softmax)"),
+    "--seq-aux": (0, MOE_MINDSPEED.format("sequence aux loss switch (--seq-aux); give "
+                                          "--moe-router-load-balancing-type seq_aux_loss")),
+    "--router-gating-in-fp32": (0, MOE_MINDSPEED.format("fp32 gating switch (--router-gating-in-fp32); give "
+                                                        "--moe-router-dtype fp32")),
+    "--topk-softmax-in-fp32": (0, MOE_MINDSPEED.format("fp32 top-k softmax switch (--topk-softmax-in-fp32); give "
+                                                       "--moe-router-dtype fp32")),
+    "--shared-expert-gate": (0, MOE_MINDSPEED.format("gated shared expert (--shared-expert-gate)")),
+}
+
 # flag -> (values it takes: 0 a switch, 1 one value, "+" one or more; why it is refused)
 REFUSED: dict[str, tuple[int | str, str]] = {
-    # MoE
-    **{flag: (1, MOE) for flag in ("--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size")},
-    **{flag: (nargs, MOE_SETTING) for flag, nargs in {
-        "--moe-ffn-hidden-size": 1, "--moe-router-topk": 1, "--moe-router-load-balancing-type": 1,
-        "--moe-token-dispatcher-type": 1, "--moe-layer-freq": 1, "--moe-aux-loss-coeff": 1,
-        "--moe-router-num-groups": 1, "--moe-router-group-topk": 1, "--moe-router-topk-scaling-factor": 1,
-        "--moe-router-score-function": 1, "--moe-router-dtype": 1, "--moe-shared-expert-intermediate-size": 1,
-        "--moe-input-jitter-eps": 1, "--moe-zero-memory": 1, "--first-k-dense-replace": 1, "--n-shared-experts": 1,
-        "--n-hash-layers": 1, "--num-zero-experts": 1, "--moe-grouped-gemm": 0, "--moe-permutation-async-comm": 0,
-        "--moe-alltoall-overlap-comm": 0, "--moe-permute-fusion": 0, "--moe-router-enable-expert-bias": 0,
-        "--moe-router-pre-softmax": 0, "--moe-tp-extend-ep": 0, "--moe-fb-overlap": 0, "--norm-topk-prob": 0,
-        "--seq-aux": 0, "--router-gating-in-fp32": 0, "--topk-softmax-in-fp32": 0, "--shared-expert-gate": 0,
-        "--gemm-gradient-accumulation-fusion": 0, "--use-fused-moe-token-permute-and-unpermute": 0}.items()},
+    **MOE_REFUSED,
     # context parallelism (size 1 and its algorithm are accepted: see the parser)
     **{flag: (nargs, CP) for flag, nargs in {
         "--cp-attention-mask-type": 1, "--use-cp-send-recv-overlap": 0, "--cp-window-size": 1,
@@ -587,6 +609,47 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", default=None, help="metrics JSONL (default <save>/metrics.jsonl)")
     g.add_argument("--no-progress-bar", action="store_true")
 
+    g = p.add_argument_group("mixture of experts (megatron-core's MoELayer, router and token dispatchers; "
+                             "docs/moe.md)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (None: a dense model)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default "
+                                                                         "--ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default=["aux_loss"],
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+                   help="aux_loss, seq_aux_loss or none (several at once on megatron-core 0.16); global_aux_loss and "
+                        "sinkhorn are refused")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=[0.0],
+                   help="the load-balancing loss's coefficient (one per --moe-router-load-balancing-type)")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: the expert bias updated from each step's token counts")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-num-groups", type=int, default=None, help="group-limited routing: expert groups")
+    g.add_argument("--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups chosen")
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="the shared experts' total FFN size")
+    g.add_argument("--n-shared-experts", type=int, default=None,
+                   help="MindSpeed-LLM: shared experts, each of --moe-ffn-hidden-size (sets "
+                        "--moe-shared-expert-intermediate-size when that is not given)")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                   help="N: an MoE layer every N layers (from the first); or a Python list expression of 0/1 per "
+                        "layer, e.g. \"[0]+[1]*3\"")
+    g.add_argument("--first-k-dense-replace", type=int, default=None,
+                   help="MindSpeed-LLM: the first k layers dense (then --moe-layer-freq's pattern)")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "alltoall_seq", "flex"],
+                   default="allgather",
+                   help="allgather or alltoall; alltoall_seq on megatron-core 0.12 (on 0.16, which removed it, the "
+                        "alltoall dispatcher: the same tokens to the same experts); flex is refused")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="default --tensor-model-parallel-size; 1 only here")
+
     g = p.add_argument_group("MindSpeed switches (fusions of the ascend backend, on by default)")
     for name in MINDSPEED_FUSIONS:
         g.add_argument("--" + name.replace("_", "-"), action="store_true")
@@ -616,6 +679,21 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(flag, nargs=nargs, action=_Refused, default=argparse.SUPPRESS, help=reason,
                        metavar="VALUE")
     return p
+
+
+def moe_freq_type(text: str):
+    """Megatron-LM's --moe-layer-freq: an int N, or a Python list expression of 0/1 such as "([1]*3+[0])*2"."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:  # list arithmetic only: no names, no builtins
+        value = eval(text, {"__builtins__": {}}, {})  # noqa: S307
+    except Exception as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor a list expression of 0/1 ({e})")
+    if not isinstance(value, list) or any(v not in (0, 1) for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor a list of 0/1 per layer")
+    return value
 
 
 class _Refused(argparse.Action):
@@ -662,6 +740,23 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                 (f"{what} is not implemented here" if what else "this layer spec is not one this job builds")
                 + "; the specs built here: " + ", ".join(f"{m} layer_spec" for m in SPECS_BUILT)
                 + " (or leave --spec out: megatron-core's local GPT layer)"))
+    if args.num_experts:
+        if args.moe_token_dispatcher_type == "flex":
+            lines.append(refusal("--moe-token-dispatcher-type flex",
+                                 "the flex dispatcher needs DeepEP or HybridEP (CUDA) and is not implemented here; "
+                                 "use alltoall or allgather"))
+        for kind in ("global_aux_loss", "sinkhorn"):
+            if kind in args.moe_router_load_balancing_type:
+                lines.append(refusal(f"--moe-router-load-balancing-type {kind}",
+                                     f"{kind} balancing is not implemented here; use aux_loss, seq_aux_loss or none"))
+        if (args.expert_tensor_parallel_size or 1) > 1 or (args.expert_tensor_parallel_size is None
+                                                           and args.tensor_model_parallel_size > 1):
+            etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+            lines.append(refusal(f"--expert-tensor-parallel-size {etp}",
+                                 "experts split over tensor-parallel ranks are not implemented here; give "
+                                 "--expert-tensor-parallel-size 1 (whole experts, spread by "
+                                 "--expert-model-parallel-size)" + ("" if args.expert_tensor_parallel_size else
+                                                                    " (it defaults to --tensor-model-parallel-size)")))
     if args.position_embedding_type in POSITION_EMBEDDINGS_REFUSED:
         lines.append(refusal(f"--position-embedding-type {args.position_embedding_type}",
                              POSITION_EMBEDDINGS_REFUSED[args.position_embedding_type]
@@ -742,6 +837,10 @@ def _unknown(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     return list(dict.fromkeys(unknown))
 
 
+def _gives(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
 def parse_args(argv: list[str] | None = None, world_size: int | None = None,
                refusals=()) -> argparse.Namespace:
     """Megatron-LM's args from `argv` (default sys.argv[1:]), checked against `world_size`
@@ -757,16 +856,18 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None,
         args, _ = parser.parse_known_args(argv)
     except ArgumentError as e:  # a bad value or a missing flag: reported with the refusals found so far
         refused = [a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in REFUSED]
-        if "--num-experts" not in refused:
-            refused = [f for f in refused if REFUSED[f][1] != MOE_SETTING]
+        if not _gives(argv, "--num-experts"):
+            refused = [f for f in refused if f not in MOE_REFUSED]
         lines = [refusal(f, REFUSED[f][1]) for f in dict.fromkeys(refused)] + lines
         if not lines:
             raise
         raise DialectError(parser.prog, lines + [e.message.split(": error: ", 1)[-1]]) from None
     args.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     given = list(dict.fromkeys(getattr(args, "_refused", [])))
-    if "--num-experts" not in given:  # MoE settings of a model without experts configure nothing
-        given = [f for f in given if REFUSED[f][1] != MOE_SETTING]
+    if not _gives(argv, "--num-experts"):
+        # MoE settings of a model without experts configure nothing (Megatron-LM and MindSpeed read them only for
+        # experts): accepted, as there
+        given = [f for f in given if f not in MOE_REFUSED]
     refused = [refusal(f, REFUSED[f][1]) for f in given]
     if hasattr(args, "_refused"):
         del args._refused
@@ -878,6 +979,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.reuse_fp32_param:
         validate_reuse_fp32_param(args, fail)
     validate_recompute(args, fail)
+    validate_moe(args, fail)
 
     if args.split is None:
         args.split = "969, 30, 1"
@@ -1007,6 +1109,80 @@ def stage_layer_counts(args: argparse.Namespace) -> list[int]:
     """The transformer layers of each pipeline stage: --num-layer-list, or the even split."""
     pp = args.pipeline_model_parallel_size
     return list(args.num_layer_list) if args.num_layer_list else [args.num_layers // pp] * pp
+
+
+def validate_moe(args: argparse.Namespace, fail) -> None:
+    """Megatron-LM's MoE rules (megatron/training/arguments.py validate_args, core_v0.16.1 and core_v0.12.1) and
+    MindSpeed-LLM's MoE flags resolved into megatron-core's: --n-shared-experts into
+    --moe-shared-expert-intermediate-size, --first-k-dense-replace into --moe-layer-freq's pattern (docs/moe.md)."""
+    from megatron_glue.capture.adaptations import megatron_core_in
+
+    if args.num_experts == 0:  # Megatron-LM: 0 experts is a dense model
+        args.num_experts = None
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    if args.num_experts is None:
+        if ep > 1:
+            fail(f"--expert-model-parallel-size {ep} needs --num-experts (experts to spread over the ranks)")
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size if etp is None else etp
+        return
+    if args.num_experts < 0:
+        fail(f"--num-experts {args.num_experts} must be >= 0 (0: a dense model)")
+    args.expert_tensor_parallel_size = etp = args.tensor_model_parallel_size if etp is None else etp
+    if ep < 1 or args.num_experts % ep:
+        fail(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}; give an "
+             "expert-parallel size that divides the experts")
+    group = etp * ep * args.pipeline_model_parallel_size
+    if args.world_size % group:
+        fail(f"world size {args.world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+             f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size "
+             f"{args.pipeline_model_parallel_size}; use sizes whose product divides {args.world_size}")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        fail(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {args.num_experts}")
+    if args.add_bias_linear:
+        fail("MoE experts with biases are not implemented here: megatron-core 0.16.1 adds an expert's output bias in "
+             "place onto the output of a custom autograd function (transformer/mlp.py:247), which autograd refuses; "
+             "give --disable-bias-linear (as MoE models and MindSpeed-LLM's MoE scripts do)")
+    if args.moe_ffn_hidden_size is None:  # Megatron-LM's default
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.n_shared_experts and args.moe_shared_expert_intermediate_size is None:
+        # MindSpeed-LLM (mindspeed_llm/features_manager/moe/shared_expert.py, validate_args)
+        args.moe_shared_expert_intermediate_size = args.n_shared_experts * args.moe_ffn_hidden_size
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    if len(types) > 1 and not megatron_core_in(">=0.16"):
+        fail(f"--moe-router-load-balancing-type {' '.join(types)}: several balancing losses at once need "
+             "megatron-core 0.16 (0.12 takes one); give one")
+    if len(coeffs) != len(types):
+        fail(f"--moe-aux-loss-coeff gives {len(coeffs)} coefficients for {len(types)} "
+             f"--moe-router-load-balancing-type values ({' '.join(types)}); give one per type")
+    freq, k = args.moe_layer_freq, args.first_k_dense_replace
+    if isinstance(freq, list) and len(freq) != args.num_layers:
+        fail(f"--moe-layer-freq gives {len(freq)} layers' pattern for --num-layers {args.num_layers}; give one 0/1 "
+             "per layer")
+    if isinstance(freq, int) and freq < 1:
+        fail(f"--moe-layer-freq {freq} must be >= 1")
+    if k:  # MindSpeed-LLM (mindspeed_llm/core/transformer/transformer_block.py, _transformer_block_build_layers)
+        if isinstance(freq, list):
+            fail("--first-k-dense-replace takes an integer --moe-layer-freq (MindSpeed-LLM's rule); give the "
+                 "pattern as a list alone")
+        if args.num_layers <= k:
+            fail(f"--first-k-dense-replace {k} must be below --num-layers {args.num_layers} (MindSpeed-LLM's rule)")
+        args.moe_layer_freq = [int(i >= k and i % freq == 0) for i in range(args.num_layers)]
+    pattern = (args.moe_layer_freq if isinstance(args.moe_layer_freq, list)
+               else [int(i % args.moe_layer_freq == 0) for i in range(args.num_layers)])
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    if args.pipeline_model_parallel_size > 1 and any(
+            not any(pattern[s:s + per_stage]) for s in range(0, args.num_layers, per_stage)):
+        fail(f"--moe-layer-freq / --first-k-dense-replace leave a pipeline stage of {per_stage} layers without an MoE "
+             "layer (MindSpeed-LLM refuses it too); give a pattern with MoE layers in every stage")
+    if args.moe_token_dispatcher_type == "alltoall_seq" and megatron_core_in(">=0.13"):
+        # alltoall_seq (megatron/core/transformer/moe/legacy_a2a_token_dispatcher.py, 0.12.1) was removed in 0.13;
+        # it sends the same tokens to the same experts as alltoall, which differs only in where the sequence
+        # dimension is gathered (its all-to-all over the TP x EP group; here ETP is 1)
+        args.moe_token_dispatcher_type = "alltoall"
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(" WARNING: --moe-token-dispatcher-type alltoall_seq is megatron-core 0.12's (removed in 0.13); "
+                  "this megatron-core runs the alltoall dispatcher, which routes the same tokens to the same "
+                  "experts", file=sys.stderr)
 
 
 def validate_recompute(args: argparse.Namespace, fail) -> None:

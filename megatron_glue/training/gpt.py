@@ -72,10 +72,17 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
     from megatron_glue.training.versions import gpt_model_kwargs
 
+    from megatron_glue.training.versions import moe_block_spec
+
+    if getattr(args, "num_experts", None):
+        # Megatron-LM's pretrain_gpt: MoE and dense layers by --moe-layer-freq, megatron-core's local modules
+        spec = moe_block_spec(config, args.normalization, vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization,
+                                        qk_layernorm=getattr(args, "qk_layernorm", False))
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization,
-                                                        qk_layernorm=getattr(args, "qk_layernorm", False)),
+        transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -54,7 +54,9 @@ def initialize(args):
     with quiet_megatron():
         parallel_state.initialize_model_parallel(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
                                      args.data_parallel_size)
     # as Megatron-LM's initialize_megatron (--rerun-mode's default, disabled): set up before the first step asks for
@@ -149,13 +151,49 @@ def transformer_config(args, where):
         deallocate_pipeline_outputs=pipelined,
         **recompute_fields(args),
         **(versions.uneven_stages(args.num_layer_list) if getattr(args, "num_layer_list", None) else {}),
+        **moe_fields(args),
     )
     fields.update(versions.transformer_config_extras())
     with quiet_megatron():
-        config = TransformerConfig(**fields)
+        try:
+            config = TransformerConfig(**fields)
+        except (AssertionError, ValueError) as e:
+            if not fields.get("num_moe_experts"):
+                raise
+            # megatron-core's own MoE rules (router and dispatcher combinations): one line, as the other checks
+            from megatron_glue.training.arguments import ArgumentError
+
+            raise ArgumentError(f"pretrain_gpt: error: megatron-core refuses this MoE configuration: {e}") from None
     # no TransformerConfig field: read by the "sp" group's zero_centered_rms_norm
     config.rmsnorm_weight_in_fp32 = getattr(args, "rmsnorm_weight_in_fp32", False)
     return config
+
+
+def moe_fields(args) -> dict:
+    """The MoE flags as TransformerConfig fields (megatron-core's MoELayer with SequentialMLP experts; docs/moe.md);
+    none for a dense model."""
+    if not getattr(args, "num_experts", None):
+        return {}
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    return dict(
+        num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        # one type: a string and a float, as 0.12's config takes them (0.16 takes lists too)
+        moe_router_load_balancing_type=types[0] if len(types) == 1 else list(types),
+        moe_aux_loss_coeff=coeffs[0] if len(coeffs) == 1 else list(coeffs),
+        moe_z_loss_coeff=args.moe_z_loss_coeff, moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_dtype=args.moe_router_dtype, moe_input_jitter_eps=args.moe_input_jitter_eps,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_layer_freq=args.moe_layer_freq, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        moe_grouped_gemm=False,
+    )
 
 
 def recompute_fields(args) -> dict:
@@ -193,6 +231,8 @@ def compile_model(chunk, args) -> None:
     if dump_dir and dist.get_world_size() > 1:
         # every rank compiles graphs with the same ids: one folder per rank keeps them apart
         options["dump_dir"] = os.path.join(dump_dir, f"rank{dist.get_rank()}")
+    if getattr(args, "num_experts", None):
+        moe_dynamo_config()
     modules = list(chunk.decoder.layers)
     if chunk.pre_process:
         modules.append(chunk.embedding)
@@ -213,6 +253,17 @@ def compile_model(chunk, args) -> None:
         opts = layer_options if module in chunk.decoder.layers else options
         module.forward = precompile.compile(module.forward, opts)
         setattr(module, COMPILED_FORWARD, True)
+
+
+def moe_dynamo_config() -> None:
+    """Dynamo settings an MoE layer needs to be captured whole (docs/moe.md): the router's token counts become
+    the dispatcher's split sizes and permutation sizes (`.tolist()`, `masked_select`, `nonzero`), data-dependent
+    values Dynamo keeps in the graph as unbacked symbols only with these on (otherwise a graph break at each).
+    Process-wide, as torchtitan sets them for its MoE blocks; set before the first layer is traced."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.capture_scalar_outputs = True
+    dynamo_config.capture_dynamic_output_shape_ops = True
 
 
 def model_state_bytes(chunk, args) -> int:
@@ -441,6 +492,40 @@ def _iterators(args, build, datasets, consumed: tuple[int, int], chunks):
     return tuple([p[i] for p in per_chunk] for i in range(3))
 
 
+def init_moe_metrics(args, device) -> None:
+    """The tracker entries of the MoE losses this job logs, made before the first step: Megatron-LM's
+    track_moe_metrics(force_initialize=True) makes the missing ones on "cuda"; made here on the job's device, and
+    before any layer is traced, so that a compiled layer finds them (one graph, no recompile when they appear)."""
+    tracker = versions.moe_tracker()
+    for name in versions.moe_track_names(args):
+        if name not in tracker:
+            tracker[name] = {"values": torch.zeros(args.num_layers, device=device), "reduce_group": None,
+                             "avg_group": None, "reduce_group_has_dp": False}
+
+
+class _NoWriter:
+    """A TensorBoard writer's add_scalar, writing nothing (TensorBoard is refused here: --tensorboard-dir)."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+
+def moe_metrics(args, iteration: int) -> dict[str, float]:
+    """This iteration's MoE losses as Megatron-LM logs them: megatron-core's track_moe_metrics (reduced over the
+    pipeline and the router's groups, scaled by 1 / micro-batches, averaged over the MoE layers; the tracker
+    cleared), the same value on every rank."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    totals: dict = {}
+    # a writer that writes nothing: 0.12's track_moe_metrics fills total_loss_dict only when given a writer (0.12.1:
+    # transformer/moe/moe_utils.py:692), 0.16's always
+    track_moe_metrics(loss_scale=1 / get_num_microbatches(), iteration=iteration, writer=_NoWriter(),
+                      total_loss_dict=totals, track_names=versions.moe_track_names(args), num_layers=args.num_layers,
+                      moe_layer_freq=args.moe_layer_freq)
+    return {name: float(value) for name, value in totals.items()}
+
+
 def _count_graphs() -> dict:
     import torch._dynamo.utils as dynamo_utils
 
@@ -459,6 +544,8 @@ def pretrain(args, model_provider, forward_step, datasets_provider, build_loader
             f"--load {args.load}: no checkpoint there ({checkpointing.TRACKER} missing), and "
             "--exit-on-missing-checkpoint says to stop rather than start from random weights")
     state = State()
+    if getattr(args, "num_experts", None):
+        init_moe_metrics(args, where.device)
     chunks, config = build_model(args, where, model_provider)
     optimizer, scheduler = build_optimizer(args, chunks, config)
     if args.load:
@@ -501,6 +588,10 @@ def _evaluate_and_print(args, forward_step, data_iterator, chunks, state, metric
     if manual_gc:
         gc.collect()  # Megatron-LM: everything, before the evaluation
     losses = evaluate(args, forward_step, data_iterator, chunks)
+    if getattr(args, "num_experts", None):
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()  # evaluation's forwards are not the next iteration's MoE losses
     if manual_gc:
         gc.collect(generation=0)  # and what the evaluation made, after it
     if split == 1:
@@ -549,6 +640,8 @@ def _train_loop(args, forward_step, chunks, optimizer, scheduler, train_it, vali
         started = time.perf_counter()
         losses, skipped, grad_norm = train_step(args, forward_step, train_it, chunks, optimizer, scheduler)
         losses = _broadcast_from_last_stage(losses, ["lm loss"])
+        if getattr(args, "num_experts", None):
+            losses.update(moe_metrics(args, state.iteration + 1))
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         loss = losses.get("lm loss")
@@ -585,7 +678,10 @@ def _train_loop(args, forward_step, chunks, optimizer, scheduler, train_it, vali
                 iteration=state.iteration, train_iters=args.train_iters,
                 consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, learning_rate=lr,
                 global_batch_size=args.global_batch_size,
-                losses={k: v / counted for k, v in interval.loss_sums.items()}, loss_scale=scale, grad_norm=norm,
+                # Megatron-LM's training_log prints a loss only when its average is above 0 (an MoE loss whose
+                # coefficient is 0 is not computed)
+                losses={k: v / counted for k, v in interval.loss_sums.items() if k == "lm loss" or v > 0},
+                loss_scale=scale, grad_norm=norm,
                 skipped=interval.skipped, nan=interval.nan, tokens_per_sec=tokens_per_it / elapsed,
                 peak_mb=peak_memory_mb(where.device),
                 tflops_per_device=tflops))

@@ -125,3 +125,33 @@ def uneven_stages(counts: list[int]) -> dict:
     raise ValueError(f"megatron-core {version('megatron-core')} builds uneven stages only as a first and a last "
                      "stage of their own sizes with equal stages between (num_layers_in_first/last_pipeline_stage); "
                      "give such a list, or run on megatron-core 0.16, whose pipeline_model_parallel_layout takes any")
+
+
+def moe_block_spec(config, normalization: str, vp_stage: int | None):
+    """megatron-core's decoder block spec with local modules (MoE and dense layers by config.moe_layer_freq) for
+    this pipeline (virtual) stage: 0.16 takes vp_stage=; 0.12 reads the virtual rank from parallel state."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    kwargs = {"vp_stage": vp_stage} if _accepts(get_gpt_decoder_block_spec, "vp_stage") else {}
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization, **kwargs)
+
+
+def moe_track_names(args) -> list[str]:
+    """The MoE losses Megatron-LM logs (training.py training_log: core_v0.16.1 lines 1957-1967, core_v0.12.1 lines
+    1487-1492): 0.16 names the sequence-level loss apart; 0.12 logs either as load_balancing_loss."""
+    types = args.moe_router_load_balancing_type
+    if megatron_core_in(">=0.13"):
+        names = [name for kind, name in (("aux_loss", "load_balancing_loss"),
+                                         ("seq_aux_loss", "seq_load_balancing_loss")) if kind in types]
+    else:
+        names = ["load_balancing_loss"] if types[0] in ("aux_loss", "seq_aux_loss") else []
+    return names + (["z_loss"] if args.moe_z_loss_coeff is not None else [])
+
+
+def moe_tracker() -> dict:
+    """megatron-core's per-layer MoE loss tracker (0.16: moe_utils; 0.12: parallel_state)."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    except ImportError:
+        from megatron.core.parallel_state import get_moe_layer_wise_logging_tracker
+    return get_moe_layer_wise_logging_tracker()

@@ -215,8 +215,10 @@ def canonical_sizes(graph: torch.fx.Graph) -> None:
     ``sym_stride(baddbmm, 0)`` for the strides of a copied-back view) is one more user of that tensor, outside
     any pattern, which stops a match from taking the tensor. Here every SymInt-valued node is replaced by the
     first node of the same expression, and a size read off a non-input tensor by that expression built from the
-    inputs' symbols. A static graph has no SymInt nodes and is left as it is."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols
+    inputs' symbols. A static graph has no SymInt nodes and is left as it is. Data-dependent sizes (unbacked
+    symbols: an MoE layer's tokens per expert) are left as they are: each node reading one may be where the
+    partitioner finds the symbol bound, and no pattern takes them as inputs."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 
     from npu_compile.sizes import SizeNodes
 
@@ -228,7 +230,7 @@ def canonical_sizes(graph: torch.fx.Graph) -> None:
     seen: dict[Any, torch.fx.Node] = {}  # expression -> the first node of the graph computing it
     for n in nodes:
         v = n.meta.get("val")
-        if not isinstance(v, torch.SymInt) or n.op == "placeholder":
+        if not isinstance(v, torch.SymInt) or n.op == "placeholder" or free_unbacked_symbols(v):
             continue
         expr = v.node.expr
         same = sizes.get(v) if expr in sizes.by_expr else seen.get(expr)
@@ -319,12 +321,25 @@ def rule_names() -> tuple[str, ...]:
     return tuple(RULES)
 
 
+def undecided_on_data_dependent_sizes(check: Callable[[Match], bool | str], match: Match) -> bool | str:
+    """``check(match)``, or the reason it cannot decide: a check that compares a data-dependent size (an unbacked
+    symbol, such as an MoE expert's token count) would add a guard Dynamo cannot give
+    (GuardOnDataDependentSymNode); the site is declined, never the compile failed."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        return check(match)
+    except GuardOnDataDependentSymNode as e:
+        expression = str(e).splitlines()[0]
+        return f"a data-dependent size decides the check ({expression}); declined"
+
+
 def _checked(rule: Rule) -> Callable[[Match], bool]:
     def check(match: Match) -> bool:
         # every rule first: torch's matcher ignores keyword arguments its pattern lacks (see kwargs_as_traced)
         verdict = kwargs_as_traced(match)
         if verdict is True and rule.extra_check:
-            verdict = rule.extra_check(match)
+            verdict = undecided_on_data_dependent_sizes(rule.extra_check, match)
         if verdict is True:
             return True
         out = match.output_nodes()[0]

@@ -301,12 +301,14 @@ PER_LINE = {
     "interleaved_token_count_on_device": ("interleaved_token_count_on_device",
                                           "interleaved_token_count_on_device_0_12"),
     "1f1b_token_count_on_device": ("1f1b_token_count_on_device", "1f1b_token_count_on_device_0_12"),
+    "alltoall_dispatcher_without_cuda_stream": ("alltoall_dispatcher_without_cuda_stream",
+                                                "alltoall_dispatcher_without_cuda_stream_0_12"),
 }
 # Fixes that only one line needs: 0.12 has bugs 0.16 fixed, 0.16 functions 0.12 lacks.
 ONE_LINE_ONLY = {"quiet_default_tp_group", "no_fp8_params_no_quantize", "checkpoint_writer_serialization_format",
                  "flattened_shard_coordinates_numpy2", "flattened_shard_validation_numpy2", "shard_size_numpy2",
                  "linear_impl_by_weight_0_13_ColumnParallelLinear", "linear_impl_by_weight_0_13_RowParallelLinear",
-                 "packed_documents"}
+                 "packed_documents", "router_gemm_without_te", "alltoall_seq_without_cuda_sync_0_12"}
 
 
 @pytest.mark.parametrize("version", ["0.12.1", "0.16.1"])  # the lines tested (make test-mcore012, make test)
@@ -327,7 +329,7 @@ def test_adapt_applies_what_any_parallel_layout_needs_and_leaves_torch_compile_a
         applied = megatron_glue.adapt()
         # on this CPU machine: whatever TP and SP need too, so that adapt() alone is enough at any TP size
         assert set(registry.known("cpu") + registry.known("compile") + registry.known("tp_compile")
-                   + registry.known("sp")) <= set(applied)
+                   + registry.known("sp") + registry.known("moe")) <= set(applied)
         assert not set(registry.known("training")) & (set(applied) - before)
         assert not set(registry.skipped()) & set(applied)  # nothing for another megatron-core line
         assert megatron_glue.adapt() == applied  # idempotent
@@ -337,11 +339,11 @@ def test_adapt_applies_what_any_parallel_layout_needs_and_leaves_torch_compile_a
 
 
 @pytest.mark.parametrize("device, training, expected", [
-    ("cpu", False, ("cpu", "compile", "tp_compile", "sp", "regions")),
-    (torch.device("cpu"), True, ("cpu", "compile", "tp_compile", "sp", "training")),
-    ("meta", False, ("cpu", "compile", "tp_compile", "sp", "regions")),
-    ("npu:3", True, ("compile", "tp_compile", "sp", "training")),  # torch_npu's transfer_to_npu serves CUDA calls
-    ("cuda", False, ("compile", "tp_compile", "sp", "regions")),
+    ("cpu", False, ("cpu", "compile", "tp_compile", "sp", "moe", "regions")),
+    (torch.device("cpu"), True, ("cpu", "compile", "tp_compile", "sp", "moe", "training")),
+    ("meta", False, ("cpu", "compile", "tp_compile", "sp", "moe", "regions")),
+    ("npu:3", True, ("compile", "tp_compile", "sp", "moe", "training")),  # transfer_to_npu serves CUDA calls
+    ("cuda", False, ("compile", "tp_compile", "sp", "moe", "regions")),
 ])
 def test_groups_for_a_device_are_the_same_at_every_parallel_layout(device, training, expected):
     from megatron_glue.capture.adaptations import groups_for

@@ -87,6 +87,36 @@ def test_declined_match_reports_the_reason(silu_rule):
     assert [u["reason"] for u in r.unfused if u["rule"] == "handwritten_silu"] == ["rows shorter than 32 stay unfused"]
 
 
+def test_a_check_that_a_data_dependent_size_decides_declines_the_site(silu_rule):
+    """An MoE expert's rows are a data-dependent size (an unbacked symbol): a rule's check that compares it
+    cannot add a guard Dynamo would keep, so the site is declined with the reason; the compile goes on, and the
+    graph (forward and backward, partitioned with the unbacked size) computes what eager does."""
+    from npu_compile.passes.engine import stride_order
+
+    passes.unregister_rule(SILU.name)
+    passes.register_rule(passes.Rule(**{**SILU.__dict__, "extra_check": lambda match: bool(stride_order(
+        match.output_nodes()[0].meta["val"]))}))
+
+    def rows_of_positive_sum(x):
+        h = x[x.sum(-1) > 0]  # data-dependent rows
+        return (h * torch.sigmoid(h)).sum(0)
+
+    x = torch.randn(8, 16)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        (r,) = npu_compile.explain(rows_of_positive_sum, x.clone().requires_grad_(True)).graphs
+        xc = x.clone().requires_grad_(True)
+        out = torch.compile(rows_of_positive_sum, backend="ascend")(xc)
+    assert r.fusions["handwritten_silu"] == 0 and r.graph_breaks == 0
+    (site,) = [u for u in r.unfused if u["rule"] == "handwritten_silu"]
+    assert site["reason"].startswith("a data-dependent size decides the check (Could not guard on data-dependent "
+                                     "expression"), site["reason"]
+    xe = x.clone().requires_grad_(True)
+    torch.testing.assert_close(out, rows_of_positive_sum(xe))
+    out.sum().backward()
+    rows_of_positive_sum(xe).sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad)
+
+
 def test_unmatched_site_says_so(silu_rule):
     def f(x):
         return torch.sigmoid(x) + 1  # a sigmoid, but no x * sigmoid(x)
