@@ -17,8 +17,10 @@ runs the first stored artifact whose Dynamo guards accept the arguments; when no
 Dynamo's guards do not see (``precompile_key``): the options, the versions and source digest of this package, the
 registered fusion rules, Dynamo's and functorch's configs, the traced function, and the process-group layout.
 Dynamo's guards cover shapes, dtypes, strides, grad mode and the module attributes read while tracing; on load every
-source file Dynamo traced is checked against the digest it stored, and the guards on process groups, which torch
-cannot store, are checked here (``_Artifact.accepts``). A function Dynamo cannot capture whole (a graph break) runs
+source file Dynamo traced is checked against the digest it stored, and the guards torch cannot store are checked
+here (``_Artifact.accepts``): those on process groups (by group name), and identity guards (the function a module
+calls, e.g. megatron-core's ``config.activation_func``, a hook, a class) by a description another process computes
+alike (``_identity``: a function by its name, bytecode, defaults and closed-over values). A function Dynamo cannot capture whole (a graph break) runs
 under plain ``torch.compile`` from then on (remembered in the same folder); an artifact whose guard state torch
 cannot load back is not stored (``_Artifacts.store``).
 """
@@ -49,7 +51,7 @@ from npu_compile import cache, config, passes
 
 log = logging.getLogger("npu_compile")
 
-FORMAT = 1
+FORMAT = 2  # 2: identity guards kept beside the process groups
 # Artifacts per key before plain torch.compile takes over (Dynamo's own recompile_limit is 8).
 LIMIT = 8
 _FALLBACK = "fallback.txt"
@@ -302,18 +304,27 @@ def _is_group(value: Any) -> bool:
     return dist.is_available() and isinstance(value, dist.ProcessGroup)
 
 
-def _source_value(name: str, f_locals: dict) -> Any:
-    return eval(name, {"__builtins__": {}}, {"L": f_locals})  # a guard source: L[...] and attribute reads
+def _source_value(name: str, f_locals: dict, f_globals: dict | None = None) -> Any:
+    # a guard source: L[...] / G[...] and attribute or item reads
+    return eval(name, {"__builtins__": {}}, {"L": f_locals, "G": f_globals or {}})
 
 
-def _guard_filter(f_locals: dict, groups: dict[str, str]) -> Callable:
-    """torch's default filter for precompile (no guards on globals, none of the types it cannot serialize), and
-    every guard that reads through a process group dropped, its group recorded in ``groups`` (path -> name)."""
+# Guards torch drops from a stored compile because they compare object identities (CheckFunctionManager's
+# UNSUPPORTED_SERIALIZATION_GUARD_TYPES); the object's description is stored in their stead (``_identity``).
+_IDENTITY_GUARDS = frozenset({"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH"})
+
+
+def _guard_filter(f_locals: dict, checks: dict[str, tuple[str, str]], f_globals: dict | None = None) -> Callable:
+    """torch's filter for precompile (none of the guard types it cannot serialize), with what those guards checked
+    kept in ``checks`` (source -> (kind, value)) for ``_Artifact.accepts``: a guard that reads through a process
+    group, which torch cannot store, as ("group", its name); an identity guard (the function a module calls, e.g.
+    megatron-core's ``config.activation_func``, a hook, a class, a module) as ("identity", a description of the
+    object that another process computes alike). Dropped with nothing kept: guards on globals other than those
+    identities, and the rest of the unsupported types (dict versions, weakrefs, nn.Module ids: what they watch is
+    read through guards that are kept)."""
     from torch._dynamo.guards import CheckFunctionManager
 
     def keep(entry: Any) -> bool:
-        if entry.is_global or entry.guard_type in CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES:
-            return False
         source = entry.orig_guard.originating_source
         while source is not None:
             name = source.name
@@ -323,12 +334,45 @@ def _guard_filter(f_locals: dict, groups: dict[str, str]) -> Callable:
                 except Exception:
                     value = None
                 if _is_group(value):
-                    groups[name] = _group_name(value)
+                    checks[name] = ("group", _group_name(value))
                     return False
             source = getattr(source, "base", None)
-        return True
+        if entry.guard_type in _IDENTITY_GUARDS or "ID_MATCH" in entry.derived_guard_types:
+            name = entry.orig_guard.name
+            # not Dynamo's own globals (G['__import_...']: modules it installs when the compiled code first runs)
+            if name.startswith("L[") or (name.startswith("G[") and not name.startswith("G['__")):
+                try:
+                    checks.setdefault(name, ("identity", _identity(_source_value(name, f_locals, f_globals))))
+                except Exception:
+                    pass
+            return False
+        return not (entry.is_global or entry.guard_type in CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
 
     return lambda entries: [keep(e) for e in entries]
+
+
+_identities: dict[int, tuple[Any, str]] = {}  # id -> (the object, kept alive so the id stays its own; its text)
+
+
+def _identity(value: Any) -> str:
+    """What an identity guard checked, as another process sees it: a function by its name, bytecode, defaults and
+    closed-over values (``_digest``), a bound method by its function and its object's type, a class or a module by
+    its name, anything else by its type and a repr without addresses."""
+    got = _identities.get(id(value))
+    if got is not None and got[0] is value:
+        return got[1]
+    h = hashlib.sha256()
+    if isinstance(value, types.MethodType):
+        _digest((value.__func__, type(value.__self__).__qualname__), h)
+    elif isinstance(value, type):
+        h.update(f"class {value.__module__}.{value.__qualname__}".encode())
+    elif isinstance(value, types.ModuleType):
+        h.update(f"module {value.__name__}".encode())
+    else:
+        h.update(f"{type(value).__module__}.{type(value).__qualname__}:".encode())
+        _digest(value, h)
+    _identities[id(value)] = (value, h.hexdigest())
+    return _identities[id(value)][1]
 
 
 def _group_name(value: Any) -> str:
@@ -342,10 +386,10 @@ class _Artifact:
     report.json of each graph it compiled (given again, ``cache`` "precompiled", the first time it runs in a
     process: ``npu_compile.debug.report.collect`` and the dump dir see a loaded compile as they see a new one)."""
 
-    def __init__(self, fn: Any, groups: dict[str, str], reports: list[dict]):
-        self.fn, self.groups, self.reports = fn, groups, reports
+    def __init__(self, fn: Any, checks: dict[str, tuple[str, str]], reports: list[dict], f_globals: dict):
+        self.fn, self.checks, self.reports, self.f_globals = fn, checks, reports, f_globals
         self.published = False
-        self._paths = {name: builtins.compile(name, "<process group guard>", "eval") for name in groups}
+        self._paths = {name: builtins.compile(name, "<guard kept by npu_compile>", "eval") for name in checks}
 
     def publish(self, dump_dir: str | None) -> None:
         from npu_compile.debug.dump import GraphDump
@@ -362,15 +406,19 @@ class _Artifact:
     def accepts(self, args: tuple, kwargs: dict) -> bool:
         if not self.fn.guard_check(*args, **kwargs):
             return False
-        if not self.groups:
+        if not self.checks:
             return True
-        scope = {"L": self.fn.prepare_f_locals(*args, **kwargs)}
+        scope = {"L": self.fn.prepare_f_locals(*args, **kwargs), "G": self.f_globals}
         for name, path in self._paths.items():
             try:
                 value = eval(path, {"__builtins__": {}}, scope)
             except Exception:
                 return False
-            if not _is_group(value) or _group_name(value) != self.groups[name]:
+            kind, want = self.checks[name]
+            if kind == "group":
+                if not _is_group(value) or _group_name(value) != want:
+                    return False
+            elif _identity(value) != want:
                 return False
         return True
 
@@ -389,7 +437,7 @@ class _Artifacts:
             pass
         for path in sorted(self.dir.glob("*.bin")) if self.fallback is None else ():
             try:
-                groups, reports, data = pickle.loads(_read(path))
+                checks, reports, data = pickle.loads(_read(path))
                 fn = AOTCompiledFunction.deserialize(data, f_globals)
                 changed = _sources_unchanged(fn)
                 if changed:
@@ -400,7 +448,7 @@ class _Artifacts:
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue
-            self.loaded.append(_Artifact(fn, groups, reports))
+            self.loaded.append(_Artifact(fn, checks, reports, f_globals))
         if self.loaded:
             counts["loaded"] += len(self.loaded)
 
@@ -412,7 +460,7 @@ class _Artifacts:
             # object the scope reaches, e.g. an optimizer's state through Megatron's config callbacks): tried here,
             # so that no later process pays for an artifact that cannot load
             load_guards_state(artifact.fn._artifacts.guards_state)
-            payload = pickle.dumps((artifact.groups, artifact.reports,
+            payload = pickle.dumps((artifact.checks, artifact.reports,
                                     AOTCompiledFunction.serialize(artifact.fn).serialized_data))
             _write(self.dir / f"{hashlib.sha256(payload).hexdigest()[:32]}.bin", payload)
             counts["stored"] += 1
@@ -538,9 +586,10 @@ class Precompiled:
 
     def _aot_compile(self, full: tuple, args: tuple, kwargs: dict) -> _Artifact | None:
         counts["compiled"] += 1
-        groups: dict[str, str] = {}
+        checks: dict[str, tuple[str, str]] = {}
         f_locals = inspect.signature(self._traced).bind(*full, **kwargs).arguments
-        options = {**self._options, "guard_filter_fn": _guard_filter(dict(f_locals), groups)}
+        f_globals = self._traced.__globals__
+        options = {**self._options, "guard_filter_fn": _guard_filter(dict(f_locals), checks, f_globals)}
         # a module: what Dynamo traces of it (its forward, or __call__ with hooks), bound, since aot_compile is on
         # torch.compile's function wrapper only
         target = types.MethodType(self._traced, self._self) if isinstance(self._fn, torch.nn.Module) else self._fn
@@ -550,7 +599,7 @@ class Precompiled:
 
             with _grads_set_aside(f_locals.values()), _never_torchs_autograd_cache(), collect() as reports:
                 fn = compiled.aot_compile((args, kwargs))  # the backward too: aot_compile lowers it eagerly
-            artifact = _Artifact(fn, groups, [r.to_json() for r in reports])
+            artifact = _Artifact(fn, checks, [r.to_json() for r in reports], f_globals)
             artifact.published = True  # this process has its reports already
             return artifact
         except (config.OptionError, config.TargetUnavailable):

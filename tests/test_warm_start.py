@@ -6,6 +6,7 @@ process group a module holds) gets a new compile instead of the stored one.
 In-process tests stand for a restarted process by dropping everything precompile and Dynamo hold in memory
 (``restart``), so artifacts come back from disk through the same loader; the first test runs two real processes."""
 
+import functools
 import json
 import linecache
 import logging
@@ -193,6 +194,47 @@ def test_what_dynamo_guards_gets_a_new_compile(cache_dir, change):
     assert precompile.counts == {"loaded": 1, "compiled": 1, "stored": 1}
     assert len(artifacts(cache_dir)) == 2
     assert_same(got, eager(model, x))
+
+
+def _gelu_tanh(x):
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _gelu_tanh_scaled(x):  # the same name in another process would be the same function: its code differs here
+    return torch.nn.functional.gelu(x, approximate="tanh") * 2
+
+
+class Activated(torch.nn.Module):
+    """A layer that calls the function its config names, as megatron-core's MLP calls config.activation_func."""
+
+    def __init__(self, fn, width=16):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.activation_func = fn
+
+    def forward(self, x):
+        return self.activation_func(self.fc(x)) + x
+
+
+@pytest.mark.parametrize("other", [torch.nn.functional.silu, _gelu_tanh_scaled,
+                                   functools.partial(torch.nn.functional.gelu, approximate="tanh")],
+                         ids=["torch function", "user function", "partial"])
+def test_another_function_called_is_another_compile(cache_dir, other):
+    """Dynamo guards the function a module calls by its identity, which torch cannot store (it drops the guard from
+    a stored compile); precompile keeps a description of the function in its place: a model of the same shapes
+    calling another activation gets its own compile, in this process and after a restart, and the stored one
+    still serves its own function."""
+    x = torch.randn(4, 16)
+    first = Activated(_gelu_tanh)
+    run(first, x)
+    second = Activated(other)
+    second.load_state_dict(first.state_dict())
+    assert_same(run(second, x), eager(second, x))
+    assert precompile.counts["compiled"] == 2 and len(artifacts(cache_dir)) == 2
+    restart()
+    for m in (second, first):
+        assert_same(run(m, x), eager(m, x))
+    assert precompile.counts == {"loaded": 2, "hit": 2}
 
 
 def test_other_options_are_another_key(cache_dir):
