@@ -56,6 +56,18 @@ def _run(model, ids):
     out.float().pow(2).mean().backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
+def _compiled_equals_eager(model, compiled, args, ids):
+    """``compiled`` (``model``'s weights) compiled as the job compiles it: output and every gradient within 1e-5."""
+    from megatron_glue.training import training
+
+    training.compile_model(compiled, args)
+    out, grads = _run(model, ids)
+    got, got_grads = _run(compiled, ids)
+    assert (got - out).abs().max().item() < 1e-5
+    for name, g in grads.items():
+        assert (got_grads[name] - g).abs().max().item() < 1e-5, name
+
+
 
 def test_zero_centered_rms_norm_is_gemmas():
     """--add-rmsnorm-offset --rmsnorm-weight-in-fp32 in bf16 is transformers' GemmaRMSNorm (and Qwen3-Next's),
@@ -206,12 +218,7 @@ def test_squared_relu_compiled_equals_eager_and_megatrons_own(megatron_cpu, fres
     x = torch.linspace(-2, 2, 9)
     assert torch.equal(model.decoder.layers[0].mlp.activation_func(x), torch.relu(x) ** 2)
     compiled.load_state_dict(model.state_dict())
-    training.compile_model(compiled, args)
-    out, grads = _run(model, ids)
-    got, got_grads = _run(compiled, ids)
-    assert (got - out).abs().max().item() < 1e-5
-    for name, g in grads.items():
-        assert (got_grads[name] - g).abs().max().item() < 1e-5, name
+    _compiled_equals_eager(model, compiled, args, ids)
     try:
         from megatron.core.activations import squared_relu
     except ImportError:  # megatron-core 0.12 has no activations module
@@ -245,12 +252,7 @@ def test_gelu_tanh_is_a_gated_tanh_gelu_and_compiles(megatron_cpu, fresh_dynamo)
         assert (mlp(h)[0] - ref).abs().max().item() < 1e-5
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     compiled.load_state_dict(model.state_dict())
-    training.compile_model(compiled, args)
-    out, grads = _run(model, ids)
-    got, got_grads = _run(compiled, ids)
-    assert (got - out).abs().max().item() < 1e-5
-    for name, g in grads.items():
-        assert (got_grads[name] - g).abs().max().item() < 1e-5, name
+    _compiled_equals_eager(model, compiled, args, ids)
     with pytest.raises(ArgumentError, match="--gelu-tanh with --swiglu: choose one MLP activation"):
         parse_args([*BASE, "--gelu-tanh"], world_size=1)
 
