@@ -88,7 +88,9 @@ class TensorBoard:
     Each --tensorboard-log-interval: learning-rate, batch-size, the losses (this iteration's, as Megatron-LM
     writes them), loss-scale (unless --no-log-loss-scale-to-tensorboard), grad-norm, world-size
     (--log-world-size-to-tensorboard), the memory figures (--log-memory-to-tensorboard), each also "<tag> vs
-    samples" over the consumed samples. Each --log-interval: iteration-time (seconds, --log-timers-to-tensorboard)
+    samples" over the consumed samples; and, not Megatron-LM's, the utilization the job's monitor sampled since the
+    previous iteration (`npu-utilization` on an NPU, `cpu-utilization` of this process on a CPU), when it has a
+    sample. Each --log-interval: iteration-time (seconds, --log-timers-to-tensorboard)
     and throughput (TFLOP/s per device, with --log-throughput too). Each evaluation: "<loss> validation" (and
     "... ppl" with --log-validation-ppl-to-tensorboard)."""
 
@@ -107,7 +109,8 @@ class TensorBoard:
         self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
     def train(self, iteration: int, samples: int, *, learning_rate: float, batch_size: int,
-              losses: dict[str, float], loss_scale: float, grad_norm: float | None) -> None:
+              losses: dict[str, float], loss_scale: float, grad_norm: float | None,
+              utilization: dict[str, float] | None = None) -> None:
         args = self.args
         if self.writer is None or iteration % args.tensorboard_log_interval:
             return
@@ -124,6 +127,8 @@ class TensorBoard:
         if args.log_memory_to_tensorboard:
             for tag, value in memory_figures(self.device).items():
                 self.writer.add_scalar(tag, value, iteration)
+        for name, value in (utilization or {}).items():  # not Megatron-LM's: the job's monitor (monitor.py)
+            self.writer.add_scalar(name.removesuffix(" (%)").replace(" ", "-"), value, iteration)
 
     def timing(self, iteration: int, seconds_per_iteration: float, tflops_per_device: float | None) -> None:
         """At each --log-interval, as Megatron-LM's training_log writes them."""

@@ -663,11 +663,12 @@ def _train_loop(args, forward_step, chunks, optimizer, scheduler, train_it, vali
         lr = optimizer.param_groups[0]["lr"]
         scale = optimizer.get_loss_scale().item()
         norm = None if grad_norm is None else float(grad_norm)
+        used = utilization.mean()
         metrics.record("train", iteration=state.iteration, lr=lr, loss_scale=scale, skipped=bool(skipped),
-                       grad_norm=norm, **losses, **monitor.memory_mb(where.device), **utilization.mean())
+                       grad_norm=norm, **losses, **monitor.memory_mb(where.device), **used)
         metrics.tensorboard.train(state.iteration, state.consumed_train_samples, learning_rate=lr,
                                   batch_size=args.global_batch_size, losses=losses, loss_scale=scale,
-                                  grad_norm=norm)
+                                  grad_norm=norm, utilization=used)
         if state.iteration % args.log_interval == 0:
             counted = max(1, interval.iterations - interval.skipped)
             elapsed = interval.seconds / interval.iterations

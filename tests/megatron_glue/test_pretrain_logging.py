@@ -5,6 +5,7 @@ EventAccumulator and compared with the job's metrics JSONL and log lines."""
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import pytest
@@ -50,6 +51,9 @@ def test_tensorboard_scalars_are_megatron_lms_and_equal_the_log(run):
     assert scalars["batch-size"] == [(i, 8.0) for i in steps]
     assert scalars["world-size"] == [(i, 2.0) for i in steps]
     assert [s for s, _ in scalars["mem-max-allocated-bytes"]] == steps
+    # the monitor's utilization samples of the writing rank's process (the JSONL has rank 0's), at the iterations
+    # that had a sample (one each 0.5 s)
+    assert all(s in steps and 0 <= v <= 100 * os.cpu_count() for s, v in scalars.get("cpu-utilization", []))
 
     # each --log-interval: the seconds per iteration, and the throughput the iteration line prints
     printed = [float(x) for x in re.findall(r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \|", run.output)]
