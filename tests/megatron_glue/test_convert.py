@@ -163,7 +163,12 @@ def test_converted_model_compiled_equals_transformers(converted, name, fused, tm
     from megatron_glue.convert.families import family_for
     from megatron_glue.capture.models import init_single_process, teardown_single_process
 
+    import megatron_glue
+    from megatron_glue.capture.adaptations import groups_for
+
     _, mg, cfg, ids, ref = converted[name]
+    # the adaptations the job applies (megatron_glue.training.device.init); process_state_kept takes them off after
+    megatron_glue.adapt(groups_for(torch.device("cpu"), training=True))
     init_single_process()
     try:
         args = core.architecture(family_for(None, cfg), cfg)
