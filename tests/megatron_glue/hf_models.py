@@ -71,7 +71,17 @@ def hf_config(name: str, **over):
     return cfg
 
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "seed-oss", "phi3.5", "gpt2", "gemma2")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "seed-oss", "phi3.5", "gpt2")
+
+
+def _sliding_window_built() -> bool:
+    from megatron_glue.capture.adaptations import megatron_core_in
+
+    return megatron_core_in(">=0.15")
+
+
+# Gemma 2's alternating window is megatron-core's local attention's from 0.15 (the job refuses it before)
+FAMILIES += ("gemma2",) if _sliding_window_built() else ()
 
 
 def save_random_hf(name: str, folder: str, seed: int = 0, **over):
