@@ -136,3 +136,25 @@ def test_gemma2_spec_builds_the_local_layer():
     args = parse_args([*GEMMA2, "--spec", "mindspeed_llm.tasks.models.spec.gemma2_spec", "layer_spec"],
                       world_size=1)
     assert args.post_norm
+
+
+@needs_window
+def test_the_window_mask_adaptation_is_needed(megatron_cpu):
+    """megatron-core builds the window's mask on "cuda": without the "cpu" group's sliding_window_mask_on_default_device
+    a CPU forward fails so; with it, the mask is megatron-core's, on the default device."""
+    from megatron.core.transformer import utils
+
+    from megatron_glue.capture.adaptations import registry
+    from megatron_glue.capture.testing import adaptations_reverted
+
+    assert "sliding_window_mask_on_default_device" in registry.applied()
+    for sq, skv, window in ((6, 6, (2, 0)), (3, 7, (4, 1))):
+        keep = ~utils.get_sliding_window_causal_mask(sq, skv, window)
+        i, j = torch.arange(sq)[:, None] + skv - sq, torch.arange(skv)[None, :]
+        assert torch.equal(keep, (j >= i - window[0]) & (j <= i + window[1]))
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
+    with _sp_group():
+        model, _ = _model("--interleave-sliding-window", str(WINDOW), base=GEMMA2)
+    with adaptations_reverted("sliding_window_mask_on_default_device"), torch.no_grad(), \
+            pytest.raises(Exception, match="Torch not compiled with CUDA"):
+        model(ids, torch.arange(SEQ).expand_as(ids), None)
