@@ -125,6 +125,8 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--linear-num-key-heads": 1, "--linear-num-value-heads": 1, "--use-triton-gdn": 0, "--mamba-d-conv": 1,
         "--mamba-expand": 1, "--mamba-chunk-size": 1, "--partial-rotary-factor": 1,
         "--no-enable-linear-qkv": 0}.items()},
+    "--attn-logit-softcapping": (1, "attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not "
+                                    "implemented here; MindSpeed-LLM's gemma2 scripts train without it: drop it"),
     "--init-norm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
     "--add-dense-bias": (0, "a bias on the attention output projection alone is not implemented here; "
                             "--disable-bias-linear off gives every linear its bias"),

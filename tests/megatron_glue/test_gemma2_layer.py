@@ -121,6 +121,9 @@ def test_gemma2_flags_refused_where_they_cannot_hold():
         return info.value.message.split("error: ", 1)[1]
 
     assert error("--interleave-sliding-window", "0") == "--interleave-sliding-window 0 must be >= 1"
+    assert error("--attn-logit-softcapping", "50") == (
+        "--attn-logit-softcapping: attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not "
+        "implemented here; MindSpeed-LLM's gemma2 scripts train without it: drop it")
     if megatron_core_in(">=0.15"):
         assert error("--interleave-sliding-window", "4", "--reset-attention-mask") == (
             "--interleave-sliding-window with --reset-attention-mask is not implemented here (megatron-core's local "
