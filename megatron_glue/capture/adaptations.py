@@ -403,6 +403,17 @@ def _default_causal_mask(sq):
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+@registry.replaces(
+    "sliding_window_mask_on_default_device", "megatron.core.transformer.utils.get_sliding_window_causal_mask", "cpu",
+    reason="get_sliding_window_causal_mask builds the mask with device='cuda' (transformer/utils.py:40, 0.16.1; "
+    "the local attention's window arrived in 0.15), reached with window_size (--interleave-sliding-window)",
+    megatron_versions=">=0.15",
+)
+def _sliding_window_mask(sq, skv, window_size):
+    keep = torch.ones(sq, skv, dtype=torch.bool).triu(skv - sq - window_size[0]).tril(skv - sq + window_size[1])
+    return ~keep
+
+
 def _rope_emb_on_its_device(rotary, freqs):
     """[seq, 1, 1, dim] embedding from freqs [seq, dim/2], as Megatron lays it out (rotate-half or interleaved)."""
     if rotary.rotary_interleaved:

@@ -13,7 +13,7 @@ megatron-core's torch_dist format, which reshards to any TP/PP when loaded; or w
 
 MindSpeed-LLM's conversion scripts (examples/mcore/*/ckpt_convert_*.sh: convert_ckpt_v2.py's flags, and
 convert_ckpt.py's on its 2.x branches) run as they are for the dense families: `--model-type GPT`,
-`--use-mcore-models`, `--params-dtype`, `--tokenizer-model`, `--add-qkv-bias`, `--spec ...qwen3_spec`,
+`--use-mcore-models`, `--params-dtype`, `--tokenizer-model`, `--add-qkv-bias`, `--post-norm`, `--spec ...qwen3_spec`,
 `--num-layer-list`, `--num-layers-per-virtual-pipeline-stage`, `--save-layer-by-layer` are taken (see --help);
 the flags of features not converted here (MoE, MTP, MLA, LoRA, noop layers, ...) are refused naming the feature.
 """
@@ -46,7 +46,6 @@ REFUSED = {
     "--lora-target-modules": ("+", None, _LORA), "--save-lora-to-hf": (bool, None, _LORA),
     "--qlora-nf4": (bool, None, "QLoRA's NF4 quantization"),
     "--orm": (bool, None, "outcome reward models (an rm_head)"),
-    "--post-norm": (bool, None, "post-norm layers"),
     "--add-dense-bias": (bool, None, "a bias on the attention output projection"),
     "--w-pack": (str, None, "InternLM2's packed wqkv"),
     "--transformer-impl": (str, "local", "Transformer Engine layers (the local layer spec is what is written)"),
@@ -79,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "MindSpeed-LLM's convert_ckpt.py does (the vocabulary comes from config.json)")
     p.add_argument("--add-qkv-bias", action="store_true",
                    help="says the model has q/k/v biases (MindSpeed-LLM's convert_ckpt.py for Qwen): checked "
+                        "against config.json's family, which decides")
+    p.add_argument("--post-norm", action="store_true",
+                   help="says the model has post-attention and post-MLP norms (MindSpeed-LLM's, Gemma 2): checked "
                         "against config.json's family, which decides")
     p.add_argument("--spec", nargs="*", default=None,
                    help=f"MindSpeed-LLM's layer spec module: {', '.join(SPECS)} (qwen3's q/k norms), checked "
@@ -134,6 +136,8 @@ def _expected(a) -> dict[str, str]:
     out = {}
     if a.add_qkv_bias:
         out["--add-qkv-bias"] = "--add-qkv-bias"
+    if a.post_norm:
+        out["--post-norm"] = "--post-norm"
     if a.spec:
         out[SPECS[a.spec[0]]] = f"--spec {' '.join(a.spec)}"
     return out

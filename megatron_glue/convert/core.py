@@ -139,11 +139,13 @@ def _single_process():
     from megatron.core import parallel_state
 
     from megatron_glue.capture import adapt
-    from megatron_glue.capture.adaptations import groups_for
+    from megatron_glue.capture.adaptations import groups_for, registry
     from megatron_glue.capture.models import init_single_process, teardown_single_process
 
-    # building a model (on the meta device) needs only what megatron-core needs off CUDA
+    # building a model (on the meta device) needs only what megatron-core needs off CUDA, and the unit-offset
+    # RMSNorm of --add-rmsnorm-offset (Gemma 2), which megatron-core's local norm refuses
     adapt(tuple(g for g in groups_for() if g == "cpu"))
+    registry.apply("zero_centered_rms_norm")
     ours = not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
     if not ours and (dist.get_world_size() > 1 or parallel_state.get_tensor_model_parallel_world_size() > 1
                      or parallel_state.get_pipeline_model_parallel_world_size() > 1):

@@ -258,6 +258,55 @@ _PHI3_DROPOUT = (lambda c: any(c.get(k) for k in ("resid_pdrop", "embd_pdrop", "
 PHI3 = Family("phi3", ("phi3",), "Phi3ForCausalLM", PHI3_CONFIG, LLAMA_FLAGS, PHI3_TENSORS, PHI3_REFUSE,
               notes=(_SLIDING, _PHI3_DROPOUT))
 
+# -- Gemma 2: the Llama layout with four norms a layer (Gemma's 1 + w RMSNorm), GeGLU and soft-capped logits -------
+# transformers' Gemma2DecoderLayer: input_layernorm, post_attention_layernorm (on the attention output, before the
+# residual add: MindSpeed-LLM's post_attn_norm), pre_feedforward_layernorm (megatron-core's pre_mlp_layernorm),
+# post_feedforward_layernorm (post_mlp_layernorm); Gemma2RMSNorm stores w and applies 1 + w
+# (--add-rmsnorm-offset); the embeddings times sqrt(hidden) (--input-embeds-norm); scores x
+# query_pre_attn_scalar^-0.5; layer_types alternate sliding (even layer_idx) and full attention
+# (--interleave-sliding-window); final_logit_softcapping (--output-logit-softcapping).
+
+_G2 = _layer_tensors("model.layers", {
+    "post_attn": "post_attention_layernorm.weight", "pre_mlp": "pre_feedforward_layernorm.weight",
+    "post_mlp": "post_feedforward_layernorm.weight"})
+GEMMA2_TENSORS = tuple(t for t in LLAMA_TENSORS if t.mcore not in ("pre_mlp_layernorm.weight",
+                                                                   "self_attention.linear_qkv.bias")) + (
+    Tensor("post_attn_norm.weight", (_G2["post_attn"],)),
+    Tensor("pre_mlp_layernorm.weight", (_G2["pre_mlp"],)),
+    Tensor("post_mlp_layernorm.weight", (_G2["post_mlp"],)),
+)
+
+
+def _gemma2_alternating(cfg: dict) -> bool:
+    types_ = cfg.get("layer_types")
+    return types_ is None or list(types_) == ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                              for i in range(cfg["num_hidden_layers"])]
+
+
+GEMMA2_CONFIG = tuple(row for row in LLAMA_CONFIG if row[0] not in ("--use-rope-scaling", "--rope-scaling-factor")) + (
+    ("--query-pre-attn-scalar", "query_pre_attn_scalar"),
+    ("--output-logit-softcapping", "final_logit_softcapping"),
+    ("--interleave-sliding-window", "sliding_window"),
+)
+GEMMA2_FLAGS = ("--normalization", "RMSNorm", "--add-rmsnorm-offset", "--gelu-tanh", "--post-norm",
+                "--input-embeds-norm", "--position-embedding-type", "rope", "--disable-bias-linear",
+                "--group-query-attention")
+GEMMA2_REFUSE = (
+    (lambda c: c.get("hidden_activation", c.get("hidden_act", "gelu_pytorch_tanh")) not in ("gelu_pytorch_tanh",
+                                                                                           "gelu_new"),
+     "hidden_activation must be gelu_pytorch_tanh (--gelu-tanh is the tanh GeLU, gated)"),
+    (lambda c: bool(c.get("attention_bias")), "attention_bias: q/k/v/o biases are not converted for Gemma 2"),
+    (lambda c: rope_parameters(c)["rope_type"] != "default", "rope scaling (Gemma 2 has none)"),
+    (lambda c: not _gemma2_alternating(c), "layer_types other than Gemma 2's alternation (sliding on even "
+                                           "layer_idx, full on odd), which --interleave-sliding-window builds"),
+)
+_ATTN_SOFTCAP = (lambda c: c.get("attn_logit_softcapping") is not None,
+                 "attn_logit_softcapping: the Megatron model does not soft-cap attention scores (nor do "
+                 "MindSpeed-LLM's gemma2 scripts: --attn-logit-softcapping is not implemented here); it equals the "
+                 "HF model only while the scores stay far below the cap")
+GEMMA2 = Family("gemma2", ("gemma2",), "Gemma2ForCausalLM", GEMMA2_CONFIG, GEMMA2_FLAGS, GEMMA2_TENSORS,
+                GEMMA2_REFUSE, notes=(_ATTN_SOFTCAP,))
+
 # -- GPT-2 ------------------------------------------------------------------------------------------------------
 
 _G = _layer_tensors("transformer.h", {
@@ -306,12 +355,12 @@ GPT2 = Family(
 )
 
 FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "seed_oss": SEED_OSS, "phi3": PHI3,
-            "gpt2": GPT2}
+            "gpt2": GPT2, "gemma2": GEMMA2}
 # --model-type-hf values (MindSpeed-LLM's names: convert_ckpt_v2.py's and convert_ckpt.py's choices, and the
 # spellings of the models' own names) -> family. MindSpeed-LLM's Magistral is a Mistral-architecture checkpoint.
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "magistral": "mistral", "qwen2": "qwen2",
                "qwen2.5": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3", "seed-oss": "seed_oss", "phi3": "phi3",
-               "phi3.5": "phi3", "gpt2": "gpt2"}
+               "phi3.5": "phi3", "gpt2": "gpt2", "gemma2": "gemma2"}
 # MindSpeed-LLM's convert_ckpt.py (its 2.x scripts) says `--model-type-hf llama2` for every Llama-layout checkpoint,
 # Qwen 1.5 / 2 / 2.5 included (with --add-qkv-bias): the family is then config.json's, among these.
 LLAMA_LAYOUT = {"llama2": ("llama", "qwen2")}

@@ -47,7 +47,6 @@ LORA = "LoRA is not implemented here; fine-tune all weights (--finetune)"
 DSA = "DeepSeek sparse attention (its indexer, compressed KV) is not implemented here"
 MHC = "hyper-connections (mHC) are not implemented here"
 LINEAR_ATTENTION = "linear-attention layers (Gated DeltaNet, Mamba, Qwen3-Next's) are not implemented here"
-GEMMA2 = ("Gemma 2's layer (post-attention and post-MLP norms, sliding-window attention) is not implemented here")
 ROPE_EXTENSION = ("YaRN / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
                   "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling), and LongRoPE's "
                   "(--rope-scaling-type longrope)")
@@ -126,8 +125,8 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--linear-num-key-heads": 1, "--linear-num-value-heads": 1, "--use-triton-gdn": 0, "--mamba-d-conv": 1,
         "--mamba-expand": 1, "--mamba-chunk-size": 1, "--partial-rotary-factor": 1,
         "--no-enable-linear-qkv": 0}.items()},
-    **{flag: (nargs, GEMMA2) for flag, nargs in {
-        "--post-norm": 0, "--interleave-sliding-window": 1}.items()},
+    "--attn-logit-softcapping": (1, "attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not "
+                                    "implemented here; MindSpeed-LLM's gemma2 scripts train without it: drop it"),
     "--init-norm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
     "--add-dense-bias": (0, "a bias on the attention output projection alone is not implemented here; "
                             "--disable-bias-linear off gives every linear its bias"),
@@ -246,12 +245,14 @@ MINDSPEED_FUSIONS = {
 # MindSpeed-LLM's --spec modules: the ones whose local-layer spec (no experts) is megatron-core's own local layer,
 # which the job builds (qk norms as --qk-layernorm says); the others name their family's features.
 SPECS_BUILT = {"mindspeed_llm.tasks.models.spec.qwen3_spec": "megatron-core's local GPT layer (q/k norms with "
-                                                             "--qk-layernorm)"}
+                                                             "--qk-layernorm)",
+               "mindspeed_llm.tasks.models.spec.gemma2_spec": "megatron-core's local GPT layer with Gemma 2's "
+                                                              "post-norms (--post-norm) and sliding window "
+                                                              "(--interleave-sliding-window)"}
 SPECS_REFUSED = {
     "mindspeed_llm.tasks.models.spec.deepseek_spec": "DeepSeek's layer (" + MLA.split(" is ")[0] + ", MoE)",
     "mindspeed_llm.tasks.models.spec.deepseek4_spec": "DeepSeek-V4's layer (sparse attention, mHC, MoE)",
     "mindspeed_llm.tasks.models.spec.qwen3_next_spec": "Qwen3-Next's layer (linear attention, MoE)",
-    "mindspeed_llm.tasks.models.spec.gemma2_spec": "Gemma 2's layer (post-norms, soft-capping, sliding window)",
     "mindspeed_llm.tasks.models.spec.plm_spec": "PLM's layer (MLA, squared ReLU)",
     "mindspeed_llm.tasks.models.spec.bailing_spec": "Bailing / Ling's layer (MoE)",
     "mindspeed_llm.tasks.models.spec.longcat_spec": "LongCat's layer (MoE, zero experts)",
@@ -289,6 +290,20 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers") from None
+
+
+def _check_sliding_window(args, fail) -> None:
+    from megatron_glue.capture.adaptations import megatron_core_in, megatron_core_version
+
+    window = args.interleave_sliding_window
+    if window < 1:
+        fail(f"--interleave-sliding-window {window} must be >= 1")
+    if not megatron_core_in(">=0.15"):
+        fail(f"--interleave-sliding-window needs megatron-core 0.15 or later (its local attention's window_size); "
+             f"this is {megatron_core_version()}")
+    if args.reset_attention_mask:
+        fail("--interleave-sliding-window with --reset-attention-mask is not implemented here (megatron-core's "
+             "local attention builds the window's mask in place of the documents' one); drop one of them")
 
 
 def _check_longrope(args, fail) -> None:
@@ -393,6 +408,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-logit-softcapping", type=float, default=None,
                    help="MindSpeed-LLM's: logits = cap x tanh(logits / cap) before the loss (Gemma 2's final "
                         "soft-capping)")
+    g.add_argument("--post-norm", action="store_true",
+                   help="MindSpeed-LLM's (Gemma 2): a norm (--normalization, with --add-rmsnorm-offset's offset) on "
+                        "the attention output and one on the MLP output, each before its residual add "
+                        "(post_attn_norm, post_mlp_layernorm)")
+    g.add_argument("--interleave-sliding-window", type=int, default=None, metavar="W",
+                   help="MindSpeed-LLM's (Gemma 2): layers 1, 3, 5, ... (1-based, as MindSpeed-LLM's "
+                        "TransformerLayerWithPostNorm and transformers' Gemma2) attend to the W latest positions, "
+                        "themselves included; the others to all earlier ones (megatron-core's window_size (W-1, 0) "
+                        "with window_attn_skip_freq 2)")
     g.add_argument("--squared-relu", action="store_true",
                    help="the MLP activation relu(x)^2 (Megatron-LM's, megatron-core's activations.squared_relu)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -1013,6 +1037,8 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--output-logit-softcapping {args.output_logit_softcapping:g} must be > 0")
     if args.query_pre_attn_scalar is not None and args.query_pre_attn_scalar < 1:
         fail(f"--query-pre-attn-scalar {args.query_pre_attn_scalar} must be >= 1")
+    if args.interleave_sliding_window is not None:
+        _check_sliding_window(args, fail)
     if args.add_rmsnorm_offset and args.normalization != "RMSNorm":
         fail(f"--add-rmsnorm-offset needs --normalization RMSNorm (got {args.normalization}); a LayerNorm with a "
              "unit offset (Megatron-LM's --apply-layernorm-1p) is not implemented here")

@@ -54,6 +54,7 @@ ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
 ARCHITECTURE += ("add_rmsnorm_offset",)  # norm weights stored as gamma - 1 (MindSpeed-LLM's --add-rmsnorm-offset)
 ARCHITECTURE += ("squared_relu", "gelu_tanh", "query_pre_attn_scalar", "input_embeds_norm",
                  "output_logit_softcapping")
+ARCHITECTURE += ("post_norm", "interleave_sliding_window")  # Gemma 2's layer (MindSpeed-LLM's flags)
 # The distributed optimizer's sharding: reshardable over TP, PP and DP, gathered over the gloo DP group.
 DISTOPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                     "distrib_optim_fully_reshardable_mem_efficient": True,

@@ -89,6 +89,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, rope_scaling=getattr(args, "use_rope_scaling", False),
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0), **gpt_model_kwargs(vp_stage))
+    if getattr(args, "post_norm", False):
+        add_post_norms(model, config, args)
     if getattr(args, "rope_scaling_type", None) == "longrope":
         model.rotary_pos_emb.inv_freq = longrope_inv_freq(args, model.rotary_pos_emb.inv_freq)
     if getattr(args, "input_embeds_norm", False) and pre_process:
@@ -96,6 +98,28 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     if getattr(args, "output_logit_softcapping", None) and post_process:
         model.output_layer.register_forward_hook(partial(_softcap_logits, args.output_logit_softcapping))
     return model
+
+
+def add_post_norms(model, config, args) -> None:
+    """MindSpeed-LLM's --post-norm (mindspeed_llm/tasks/models/transformer/transformer_layer.py,
+    TransformerLayerWithPostNorm): each layer's post_attn_norm on the attention output and post_mlp_layernorm on the
+    MLP output, before the bias-dropout-add of the residual; the bias (none with --disable-bias-linear) is left as
+    it is. The norms are the layer's own kind (the local spec's input_layernorm: --normalization, with
+    --add-rmsnorm-offset's offset), named as MindSpeed-LLM names them in its checkpoints."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    norm = get_gpt_layer_local_spec(normalization=args.normalization).submodules.input_layernorm
+    for layer in model.decoder.layers:
+        for name, sublayer in (("post_attn_norm", layer.self_attention), ("post_mlp_layernorm", layer.mlp)):
+            module = build_module(norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+            setattr(layer, name, module)
+            sublayer.register_forward_hook(partial(_post_norm, module))
+
+
+def _post_norm(norm, module, inputs, output):
+    out, bias = output
+    return norm(out), bias
 
 
 def _scale_embeddings(normalizer: float, module, inputs, output):

@@ -133,6 +133,7 @@ def transformer_config(args, where):
         softmax_scale=_softmax_scale(args),
         # MindSpeed-LLM's --add-rmsnorm-offset: the "sp" group's zero_centered_rms_norm builds it
         layernorm_zero_centered_gamma=getattr(args, "add_rmsnorm_offset", False),
+        **sliding_window_fields(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -167,6 +168,16 @@ def transformer_config(args, where):
     # no TransformerConfig field: read by the "sp" group's zero_centered_rms_norm
     config.rmsnorm_weight_in_fp32 = getattr(args, "rmsnorm_weight_in_fp32", False)
     return config
+
+
+def sliding_window_fields(args) -> dict:
+    """MindSpeed-LLM's --interleave-sliding-window W as megatron-core's local attention spells it (0.15+:
+    dot_product_attention.py, utils.is_layer_window_attention): layer_number % 2 != 0 (1-based: 1, 3, ...) keeps
+    the keys i - (W - 1) .. i (window_size (W - 1, 0)), as MindSpeed-LLM's TransformerLayerWithPostNorm
+    (is_sliding = not (layer_number - 1) % 2, mask tril(diagonal=-W)) and transformers' Gemma2 (layer_idx % 2 == 0)
+    do; the others attend causally."""
+    window = getattr(args, "interleave_sliding_window", None)
+    return {} if window is None else dict(window_size=(window - 1, 0), window_attn_skip_freq=2)
 
 
 def moe_fields(args) -> dict:

@@ -54,6 +54,13 @@ def hf_config(name: str, **over):
                             eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                              "long_factor": LONG_FACTOR, "short_factor": SHORT_FACTOR})
+    elif name == "gemma2":  # window 4 < SEQ: the sliding layers' window bites; head_dim 32, scalar 24 (neither the
+        # head size nor hidden / heads), final soft-cap 2 (bites: |logits| ~ 1-2); no attention soft-cap (not built)
+        cfg = tf.Gemma2Config(**common, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                              query_pre_attn_scalar=24, sliding_window=4, final_logit_softcapping=2.0,
+                              attn_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh",
+                              tie_word_embeddings=True, attention_dropout=0.0,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     elif name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -65,6 +72,16 @@ def hf_config(name: str, **over):
 
 
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "seed-oss", "phi3.5", "gpt2")
+
+
+def _sliding_window_built() -> bool:
+    from megatron_glue.capture.adaptations import megatron_core_in
+
+    return megatron_core_in(">=0.15")
+
+
+# Gemma 2's alternating window is megatron-core's local attention's from 0.15 (the job refuses it before)
+FAMILIES += ("gemma2",) if _sliding_window_built() else ()
 
 
 def save_random_hf(name: str, folder: str, seed: int = 0, **over):

@@ -274,9 +274,11 @@ def test_model_type_hf_names(hf, tmp_path, capsys):
         1, "--model-type-hf magistral expects config.json model_type mistral, the config says 'qwen2'")
     assert _fails(_hf_to_mg(hf["llama2"], tmp_path / "y", "--model-type-hf", "llama2", "--add-qkv-bias"),
                   capsys)[1].startswith("--add-qkv-bias: the llama model has no add qkv bias (its architecture flags: ")
+    assert _fails(_hf_to_mg(hf["llama2"], tmp_path / "y", "--model-type-hf", "llama2", "--post-norm"),
+                  capsys)[1].startswith("--post-norm: the llama model has no post norm (its architecture flags: ")
     assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "llama3"), capsys) == (
         1, "--model-type-hf llama3 expects config.json model_type llama, the config says 'qwen2'")
-    known = "llama2, llama3, mistral, magistral, qwen2, qwen2.5, qwen25, qwen3, seed-oss, phi3, phi3.5, gpt2"
+    known = "llama2, llama3, mistral, magistral, qwen2, qwen2.5, qwen25, qwen3, seed-oss, phi3, phi3.5, gpt2, gemma2"
     assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "qwen3-moe"), capsys) == (
         2, f"--model-type-hf qwen3-moe: not a family this converter has (qwen3-moe is a mixture-of-experts model: not "
            f"converted here); it converts {known}")
