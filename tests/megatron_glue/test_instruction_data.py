@@ -1,0 +1,149 @@
+"""`npu-compile preprocess --handler-name AlpacaStyleInstructionHandler --prompt-type NAME`: MindSpeed-LLM's
+instruction datasets (three `_packed_*_document` datasets, prompt labelled -100), token by token."""
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_glue.data import instruction
+from megatron_glue.data import preprocess as pp
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory):
+    """A local HF tokenizer whose token id is the byte value (byte-level BPE without merges), the specials 256 on:
+    expected ids are then the text's UTF-8 bytes, independent of any encoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    from_byte = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
+    assert set(from_byte.values()) == set(alphabet)
+    vocab = {from_byte[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)  # ids 256, 257, ... in this order
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|begin_of_text|>",
+                                   additional_special_tokens=SPECIALS[1:])
+    assert fast.convert_tokens_to_ids(SPECIALS) == list(range(256, 256 + len(SPECIALS)))
+    path = str(tmp_path_factory.mktemp("byte_tokenizer"))
+    fast.save_pretrained(path)
+    return path
+
+
+def _bytes_to_unicode():
+    # GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet), in byte order
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + n))
+            n += 1
+    return chars
+
+
+def _sp(token):
+    return 256 + SPECIALS.index(token)
+
+
+def _b(text):
+    return list(text.encode())
+
+
+RECORDS = [{"instruction": "Add", "input": "1+1", "output": "2"},
+           {"instruction": "Say hi", "input": "", "output": "hi there"}]
+
+
+def _run(tmp_path, tokenizer, prompt_type, *extra, records=RECORDS):
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    prefix = str(tmp_path / "out" / "alpaca")
+    rc = pp.main(["--input", str(data), "--tokenizer-name-or-path", tokenizer, "--output-prefix", prefix,
+                  "--handler-name", "AlpacaStyleInstructionHandler", "--tokenizer-type", "PretrainedFromHF",
+                  "--prompt-type", prompt_type, *extra])
+    return rc, prefix
+
+
+def _read(prefix):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    out = {}
+    for key in ("input_ids", "attention_mask", "labels"):
+        ds = IndexedDataset(f"{prefix}_packed_{key}_document")
+        assert ds.index.dtype == np.int32
+        out[key] = [ds[i].tolist() for i in range(len(ds))]
+    return out
+
+
+def test_qwen_template_ids_and_labels(tmp_path, byte_tokenizer):
+    rc, prefix = _run(tmp_path, byte_tokenizer, "qwen", "--workers", "2")
+    assert rc == 0
+    got = _read(prefix)
+    start, end = _sp("<|im_start|>"), _sp("<|im_end|>")
+    prompt = ([start] + _b("system\nYou are a helpful assistant.") + [end] + _b("\n")
+              + [start] + _b("user\nAdd\n1+1") + [end] + _b("\n") + [start] + _b("assistant\n"))
+    answer = _b("2") + [end]  # eos replaced by the stop word <|im_end|>
+    assert got["input_ids"][0] == prompt + answer
+    assert got["labels"][0] == [-100] * len(prompt) + answer
+    assert got["attention_mask"][0] == [1] * len(prompt + answer)
+    assert got["input_ids"][1][-len(_b("hi there")) - 1:] == _b("hi there") + [end]
+    assert _b("user\nSay hi") + [end] in [got["input_ids"][1][i:i + 12] for i in range(len(got["input_ids"][1]))]
+
+
+def test_llama3_template_bos_no_system(tmp_path, byte_tokenizer):
+    rc, prefix = _run(tmp_path, byte_tokenizer, "llama3")
+    assert rc == 0
+    got = _read(prefix)
+    sh, eh, eot = _sp("<|start_header_id|>"), _sp("<|end_header_id|>"), _sp("<|eot_id|>")
+    prompt = ([_sp("<|begin_of_text|>"), sh] + _b("user") + [eh] + _b("\n\nAdd\n1+1") + [eot, sh]
+              + _b("assistant") + [eh] + _b("\n\n"))
+    assert got["input_ids"][0] == prompt + _b("2") + [eot]
+    assert got["labels"][0] == [-100] * len(prompt) + _b("2") + [eot]
+
+
+def test_seq_length_cuts_and_drops_as_mindspeed(tmp_path, byte_tokenizer):
+    long = {"instruction": "x" * 30, "input": "", "output": "y" * 30}
+    rc, prefix = _run(tmp_path, byte_tokenizer, "llama3", "--seq-length", "40", records=[RECORDS[0], long])
+    assert rc == 0
+    got = _read(prefix)
+    # the long record is cut to 40 tokens by the template (prompt and answer in proportion), then dropped: >= 40
+    assert len(got["input_ids"]) == 1 and got["input_ids"][0][-2:] == _b("2") + [_sp("<|eot_id|>")]
+    # the cut itself: 23 prompt + 31 answer tokens in room 40 -> answer int(40 * 31 / 54) = 22, prompt 18
+    pairs = instruction._make_pairs([[1] * 23, [2] * 31], 40)
+    assert [len(s) for s in pairs[0]] == [18, 22]
+
+
+@pytest.mark.parametrize("name, why", [
+    ("qwen3", "a ReasoningTemplate"), ("chatglm3", "not transcribed yet"), ("nope", "not a MindSpeed-LLM template")])
+def test_unbuilt_templates_refused_by_name(name, why, tmp_path, byte_tokenizer, capsys):
+    with pytest.raises(SystemExit):
+        _run(tmp_path, byte_tokenizer, name)
+    err = capsys.readouterr().err
+    assert f"--prompt-type {name} is " in err and why in err and "supported: qwen, llama3" in err
+
+
+def test_instruction_flags_still_refused(tmp_path, byte_tokenizer, capsys):
+    for extra, msg in ((["--pack"], "--pack is not implemented here"),
+                       (["--append-eod"], "--append-eod is not implemented with --handler-name"),
+                       (["--json-keys", "text", "more"], "--json-keys is not taken")):
+        with pytest.raises(SystemExit):
+            _run(tmp_path, byte_tokenizer, "qwen", *extra)
+        assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --prompt-type stays refused for pretraining data
+        pp.main(["--input", "x.jsonl", "--output-prefix", "o", "--prompt-type", "qwen"])
+    assert "--prompt-type is not implemented here" in capsys.readouterr().err
+
+
+def test_missing_output_key_names_the_line(tmp_path, byte_tokenizer, capsys):
+    rc, prefix = _run(tmp_path, byte_tokenizer, "qwen", records=[RECORDS[0], {"instruction": "a"}])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "alpaca.jsonl:2: no key 'output'" in err
+    assert not (tmp_path / "out" / "alpaca_packed_labels_document.bin").exists()
