@@ -35,8 +35,9 @@ MOE_OVERLAP = ("MindSpeed's overlap of the MoE token communication with expert c
                "drop it (the dispatcher's collectives run in order)")
 MOE_MINDSPEED = "MindSpeed-LLM's {} is not implemented here; drop it"
 CP = "context parallelism is not implemented here; use --context-parallel-size 1 with TP/PP/DP"
-INSTRUCTION = ("instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) is not implemented here; "
-               "pretrain on a .bin/.idx prefix written by `npu-compile preprocess`")
+INSTRUCTION = ("instruction data beyond padded samples (dynamic lengths, thinking templates, templates from a file, "
+               "other handlers) is not implemented here; -m megatron_glue.posttrain_gpt trains AlpacaStyle data padded "
+               "to --seq-length (docs/instruction_tuning.md)")
 PACKED = ("MindSpeed-LLM's packed instruction data (--pack / --neat-pack samples, a general attention mask) is not "
           "implemented here; pretraining rows pack documents already: --reset-attention-mask, --reset-position-ids "
           "and --eod-mask-loss are (Megatron-LM's meanings)")
