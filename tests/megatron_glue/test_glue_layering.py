@@ -8,8 +8,8 @@
                 surface, model provider and checkpoint layout)
 
 Above the rooms stand the package's face (`__init__.py`: adapt, quiet_megatron), its doors (the modules run with
-`-m`: pretrain_gpt, posttrain_gpt, demo) and the two paths the README documents (adaptations, distributed); they may import any
-room, no room imports them. Every other module lives in a room. No module takes a private name (`_x`) of another
+`-m`: pretrain_gpt, posttrain_gpt, demo) and the two paths the README documents (adaptations, distributed); they may
+import any room, no room imports them. Every other module lives in a room. No module takes a private name (`_x`) of another
 module of the package, by `from ... import _x` or by `module._x`.
 """
 
