@@ -17,8 +17,10 @@ both scripts give and their `--data-path` takes) with megatron-core's IndexedDat
 from the vocabulary size as Megatron does (MindSpeed-LLM writes int32 always; the tokens are the same). Records are
 tokenized by a pool of `--workers` processes, in order. `--n-subs N` cuts the records into consecutive subsets
 (MindSpeed-LLM's cut), writes each as its own dataset in the pool and merges them in order: the output is the same
-as without it. Flags of either script that are not implemented here (sentence splitting, partitions, worker
-search, instruction handlers, packing) are refused by name rather than ignored. A bad record stops the run with
+as without it. `--handler-name AlpacaStyleInstructionHandler --prompt-type NAME [--seq-length N]` writes
+MindSpeed-LLM's instruction data instead (megatron_glue/data/instruction.py, docs/instruction_tuning.md). Flags of
+either script that are not implemented here (sentence splitting, partitions, worker search, other instruction
+handlers, packing) are refused by name rather than ignored. A bad record stops the run with
 the file, the line (or row) and what is wrong; nothing is left at the output paths then (each file is written
 under a temporary name and renamed at the end). Blank lines are skipped.
 
