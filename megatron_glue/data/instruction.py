@@ -1,5 +1,6 @@
-"""Instruction-tuning data: MindSpeed-LLM's `AlpacaStyleInstructionHandler` with its prompt templates, for
-`npu-compile preprocess --handler-name AlpacaStyleInstructionHandler --prompt-type NAME [--seq-length N]`.
+"""Instruction-tuning data: MindSpeed-LLM's `AlpacaStyleInstructionHandler` and `SharegptStyleInstructionHandler`
+with their prompt templates, for `npu-compile preprocess --handler-name AlpacaStyleInstructionHandler
+--prompt-type NAME [--seq-length N]` (or SharegptStyleInstructionHandler).
 
 What MindSpeed-LLM's `preprocess_data.py` writes for that handler (mindspeed_llm/tasks/preprocess/data_handler.py,
 `LlamaFactoryInstructionHandler`, master c77308a): three indexed datasets, int32,
@@ -14,7 +15,7 @@ With `--seq-length N` a record is first cut to N tokens the way the template cut
 each (prompt, answer) pair gets a share of what is left proportional to its lengths, the answer at least 1), then a
 record of N tokens or more is dropped (`_serialize_to_disk`). Without it nothing is cut (the cut-off is 100000).
 
-Alpaca records (parser.py `InstructionDatasetAttr`): `instruction` and `input` (joined by a newline, the empty
+ShareGPT records: `InstructionEncoder._sharegpt`. Alpaca records (parser.py `InstructionDatasetAttr`): `instruction` and `input` (joined by a newline, the empty
 ones left out) make the user turn, `output` the answer; no history and no system column unless `--map-keys`
 (refused here), so the template's default system prompt is used.
 
@@ -34,7 +35,7 @@ from megatron_glue.data.tokenizer import DataError
 IGNORE_INDEX = -100  # data_handler.py `self.ignored_label`
 KEYS = ("input_ids", "attention_mask", "labels")  # data_handler.py LlamaFactoryInstructionHandler json_keys
 NO_CUTOFF = 100000  # data_handler.py: cutoff_len without --seq-length
-HANDLERS = ("AlpacaStyleInstructionHandler",)
+HANDLERS = ("AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler")
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,14 @@ def template_refusal(name: str | None) -> str | None:
 
 
 class InstructionEncoder:
-    """A record -> (input_ids, attention_mask, labels), MindSpeed-LLM's AlpacaStyleInstructionHandler with one
+    """A record -> (input_ids, attention_mask, labels), MindSpeed-LLM's Alpaca- or ShareGPT-style handler with one
     template over a local Hugging Face tokenizer folder."""
 
-    def __init__(self, tokenizer_dir: str, prompt_type: str, seq_length: int | None) -> None:
+    def __init__(self, tokenizer_dir: str, prompt_type: str, seq_length: int | None,
+                 handler: str = "AlpacaStyleInstructionHandler") -> None:
+        if handler not in HANDLERS:
+            raise DataError(f"--handler-name {handler}: not an instruction handler built here ({', '.join(HANDLERS)})")
+        self.sharegpt = handler == "SharegptStyleInstructionHandler"
         refusal = template_refusal(prompt_type)
         if refusal:
             raise DataError(refusal)
@@ -146,7 +151,42 @@ class InstructionEncoder:
                 ids += self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 
-    def messages(self, record: dict, where: str) -> list[str]:
+    def messages(self, record: dict, where: str) -> tuple[list[str], str]:
+        """(the turns, user first, alternating; the system prompt, "" for the template's default)."""
+        return self._sharegpt(record, where) if self.sharegpt else (self._alpaca(record, where), "")
+
+    @staticmethod
+    def _sharegpt(record: dict, where: str) -> tuple[list[str], str]:
+        """A ShareGPT record (utils.py convert_sharegpt_to_intermediate, parser.py tags): `conversations`, a list of
+        {"from": "human" | "gpt", "value": text}, human first, alternating, ending with gpt; a first message from
+        "system" is the system prompt. MindSpeed-LLM turns a record breaking these rules into an empty exchange
+        (data_handler.py `_tokenize_prompt`); here it is an error naming the record."""
+        messages = record.get("conversations")
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: expected a non-empty list under 'conversations' (a ShareGPT record); the "
+                             f"object has {sorted(record)}")
+        system, offset = "", 0
+        if isinstance(messages[0], dict) and messages[0].get("from") == "system":
+            system, messages, offset = messages[0].get("value", ""), messages[1:], 1
+        turns = []
+        for i, message in enumerate(messages):
+            want = "human" if i % 2 == 0 else "gpt"
+            if not isinstance(message, dict) or message.get("from") != want or not isinstance(message.get("value"),
+                                                                                            str):
+                got = message.get("from") if isinstance(message, dict) else type(message).__name__
+                extra = (" (observation and function_call turns are not implemented here)"
+                         if got in ("observation", "function_call") else "")
+                raise DataError(f"{where}: conversations[{i + offset}] should be {{\"from\": \"{want}\", "
+                                 f"\"value\": text}}, got from {got!r}{extra}")
+            turns.append(message["value"])
+        if len(turns) % 2:
+            raise DataError(f"{where}: the conversation ends with a human turn; it must end with a gpt answer")
+        if not isinstance(system, str):
+            raise DataError(f"{where}: the system message's value is a {type(system).__name__}, expected a string")
+        return turns, system
+
+    @staticmethod
+    def _alpaca(record: dict, where: str) -> list[str]:
         """The turns of an Alpaca record: [user, assistant] (utils.py convert_alpaca_to_intermediate)."""
         for key in ("instruction", "output"):
             if key not in record:
@@ -160,15 +200,16 @@ class InstructionEncoder:
 
     def encode(self, record: dict, where: str) -> dict[str, list[int]] | None:
         """The three rows of one record, or None where --seq-length drops it."""
-        turns = self.messages(record, where)
+        turns, system = self.messages(record, where)
         t = self.template
+        system = system or t.default_system
         encoded = []
         for i, content in enumerate(turns):
             ids = []
             if i == 0:
                 ids += self._ids(t.prefix)
-                if t.default_system:
-                    ids += self._ids(t.system, t.default_system)
+                if system:
+                    ids += self._ids(t.system, system)
             elif i % 2 == 0:
                 ids += self._ids(t.separator)
             ids += self._ids(t.user if i % 2 == 0 else t.assistant, content)
@@ -213,8 +254,8 @@ def output_prefixes(output_prefix: str) -> dict[str, str]:
 _worker: dict = {}
 
 
-def _init(tokenizer_dir: str, prompt_type: str, seq_length: int | None) -> None:
-    _worker["encoder"] = InstructionEncoder(tokenizer_dir, prompt_type, seq_length)
+def _init(tokenizer_dir: str, prompt_type: str, seq_length: int | None, handler: str) -> None:
+    _worker["encoder"] = InstructionEncoder(tokenizer_dir, prompt_type, seq_length, handler)
 
 
 def _encode_item(item) -> dict[str, list[int]] | None:
@@ -232,7 +273,8 @@ def _encode_item(item) -> dict[str, list[int]] | None:
 
 
 def write(files: list[str], output_prefix: str, *, tokenizer_dir: str, prompt_type: str, seq_length: int | None,
-          workers: int, log_interval: int, log, records) -> tuple[dict[str, str], int, int]:
+          workers: int, log_interval: int, log, records,
+          handler: str = "AlpacaStyleInstructionHandler") -> tuple[dict[str, str], int, int]:
     """Encodes the records of `files` (`records` yields them as preprocess reads them) into the three datasets;
     returns (key -> prefix, records written, records dropped by --seq-length). Files are written under temporary
     names and renamed at the end, as the pretraining path does."""
@@ -241,7 +283,7 @@ def write(files: list[str], output_prefix: str, *, tokenizer_dir: str, prompt_ty
 
     import numpy
 
-    _init(tokenizer_dir, prompt_type, seq_length)  # here first: a bad tokenizer is reported before any worker
+    _init(tokenizer_dir, prompt_type, seq_length, handler)  # here first: a bad tokenizer is reported before any worker
     from megatron_glue.capture import quiet_megatron
 
     with quiet_megatron():
@@ -261,7 +303,7 @@ def write(files: list[str], output_prefix: str, *, tokenizer_dir: str, prompt_ty
             encoded = map(_encode_item, items)
         else:
             context = multiprocessing.get_context("fork")
-            pool = context.Pool(workers, initializer=_init, initargs=(tokenizer_dir, prompt_type, seq_length))
+            pool = context.Pool(workers, initializer=_init, initargs=(tokenizer_dir, prompt_type, seq_length, handler))
             encoded = pool.imap(_encode_item, items, chunksize=32)
         for n, rows in enumerate(encoded, 1):
             if rows is None:

@@ -525,8 +525,7 @@ def _instruction_main(parser: argparse.ArgumentParser, args) -> int:
                      f"--tokenizer-name-or-path (a local Hugging Face tokenizer folder), as MindSpeed-LLM's")
     if args.json_keys != ["text"]:
         parser.error(f"--json-keys is not taken with --handler-name {name}: it writes input_ids, attention_mask "
-                     f"and labels always (MindSpeed-LLM overrides the flag); the record keys are instruction, "
-                     f"input, output")
+                     f"and labels always (MindSpeed-LLM overrides the flag)")
     if args.append_eod:
         parser.error(f"--append-eod is not implemented with --handler-name {name} (the template already ends "
                      f"each answer with its stop word)")
@@ -540,7 +539,8 @@ def _instruction_main(parser: argparse.ArgumentParser, args) -> int:
             files, args.output_prefix, tokenizer_dir=args.tokenizer_name_or_path, prompt_type=args.prompt_type,
             seq_length=None if args.seq_length is None else int(args.seq_length), workers=args.workers,
             log_interval=args.log_interval, log=sys.stderr,
-            records=lambda fs, _: _records(fs, ("instruction", "input", "output")))
+            handler=name, records=lambda fs, _: _records(fs, (
+                ("conversations",) if name == "SharegptStyleInstructionHandler" else ("instruction", "input", "output"))))
     except (ValueError, FileNotFoundError) as error:
         print(f"npu-compile preprocess: error: {error}", file=sys.stderr)
         return 1

@@ -144,8 +144,8 @@ def test_handler_name_only_for_preprocessed_pretraining_data(tmp_path):
         "GeneralPretrainHandler")
     assert error([*JOB, "--handler-name", "AlpacaStyleInstructionHandler"]) == PROG + (
         "--handler-name AlpacaStyleInstructionHandler: " + INSTRUCTION)  # instruction data: --is-instruction-dataset
-    assert error([*JOB, "--handler-name", "SharegptStyleInstructionHandler", "--is-instruction-dataset"]) == PROG + (
-        "--handler-name SharegptStyleInstructionHandler: " + INSTRUCTION)
+    assert error([*JOB, "--handler-name", "R1AlpacaStyleInstructionHandler", "--is-instruction-dataset"]) == PROG + (
+        "--handler-name R1AlpacaStyleInstructionHandler: " + INSTRUCTION)
     raw = tmp_path / "corpus.jsonl"
     raw.write_text('{"text": "a"}\n')
     flags = [f for f in JOB if f != "--mock-data"]

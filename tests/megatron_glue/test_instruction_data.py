@@ -242,3 +242,27 @@ def test_posttrain_compiled_equals_eager(byte_tokenizer, sft_data, tmp_path):
     assert_close(compiled.losses, eager.losses, what="losses")
     norms = [[r["grad_norm"] for r in run.rows("train")] for run in (compiled, eager)]
     assert_close(*norms, what="grad norms")
+
+
+def test_sharegpt_multi_turn_with_system(tmp_path, byte_tokenizer, capsys):
+    """Two exchanges and a system message through the qwen template: every answer kept in the labels (each ends
+    with <|im_end|>), every prompt turn -100, the turns after the first led by the template's separator."""
+    record = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                {"from": "gpt", "value": "Yo"}, {"from": "human", "value": "Bye"},
+                                {"from": "gpt", "value": "Ciao"}]}
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(record) + "\n" + json.dumps({"conversations": [{"from": "human", "value": "x"}]}) + "\n")
+    args = ["--input", str(data), "--tokenizer-name-or-path", byte_tokenizer, "--output-prefix",
+            str(tmp_path / "chat"), "--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "qwen"]
+    assert pp.main(args) == 1  # the second record ends with a human turn
+    assert "chat.jsonl:2: the conversation ends with a human turn" in capsys.readouterr().err
+    data.write_text(json.dumps(record) + "\n")
+    assert pp.main(args) == 0
+    got = _read(str(tmp_path / "chat"))
+    start, end = _sp("<|im_start|>"), _sp("<|im_end|>")
+    first = ([start] + _b("system\nBe brief.") + [end] + _b("\n") + [start] + _b("user\nHi") + [end] + _b("\n")
+             + [start] + _b("assistant\n"))
+    second = _b("\n") + [start] + _b("user\nBye") + [end] + _b("\n") + [start] + _b("assistant\n")
+    a1, a2 = _b("Yo") + [end], _b("Ciao") + [end]
+    assert got["input_ids"] == [first + a1 + second + a2]
+    assert got["labels"] == [[-100] * len(first) + a1 + [-100] * len(second) + a2]
