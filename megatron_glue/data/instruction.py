@@ -15,9 +15,9 @@ With `--seq-length N` a record is first cut to N tokens the way the template cut
 each (prompt, answer) pair gets a share of what is left proportional to its lengths, the answer at least 1), then a
 record of N tokens or more is dropped (`_serialize_to_disk`). Without it nothing is cut (the cut-off is 100000).
 
-ShareGPT records: `InstructionEncoder._sharegpt`. Alpaca records (parser.py `InstructionDatasetAttr`): `instruction` and `input` (joined by a newline, the empty
-ones left out) make the user turn, `output` the answer; no history and no system column unless `--map-keys`
-(refused here), so the template's default system prompt is used.
+ShareGPT records: `InstructionEncoder._sharegpt`. Alpaca records (parser.py `InstructionDatasetAttr`): `instruction`
+and `input` (joined by a newline, the empty ones left out) make the user turn, `output` the answer; no history and
+no system column unless `--map-keys` (refused here), so the template's default system prompt is used.
 
 The templates (configs/finetune/templates.json) are text slots around the content; each slot is tokenized on its
 own (`tokenizer.encode(slot, add_special_tokens=False)`), `bos_token`/`eos_token` slots are the tokenizer's ids.

@@ -539,8 +539,8 @@ def _instruction_main(parser: argparse.ArgumentParser, args) -> int:
             files, args.output_prefix, tokenizer_dir=args.tokenizer_name_or_path, prompt_type=args.prompt_type,
             seq_length=None if args.seq_length is None else int(args.seq_length), workers=args.workers,
             log_interval=args.log_interval, log=sys.stderr,
-            handler=name, records=lambda fs, _: _records(fs, (
-                ("conversations",) if name == "SharegptStyleInstructionHandler" else ("instruction", "input", "output"))))
+            handler=name, records=lambda fs, _: _records(fs, ("conversations",) if "Sharegpt" in name
+                                                          else ("instruction", "input", "output")))
     except (ValueError, FileNotFoundError) as error:
         print(f"npu-compile preprocess: error: {error}", file=sys.stderr)
         return 1

@@ -280,7 +280,8 @@ HF_MODEL_TYPE_ALIASES = {"qwen25": "qwen2.5"}
 # Raw data MindSpeed-LLM preprocesses at start (mindspeed_llm/tasks/preprocess/data_handler.py `_get_data_format`)
 RAW_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".csv", ".arrow")
 PRETRAIN_HANDLERS = ("GeneralPretrainHandler",)
-INSTRUCTION_HANDLERS = ("AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler")  # with --is-instruction-dataset (megatron_glue.posttrain_gpt)
+# taken with --is-instruction-dataset (megatron_glue.posttrain_gpt)
+INSTRUCTION_HANDLERS = ("AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler")
 # megatron-core's Llama 3 RoPE scaling (rotary_pos_embedding.py `_apply_scaling`): its fixed parameters
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
