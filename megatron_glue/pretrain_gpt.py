@@ -15,8 +15,9 @@ from megatron_glue.training import gpt
 def main(argv: list[str] | None = None) -> int:
     """The job, with MindSpeed-LLM's --enable-hf2mg-convert step (the converter's room) before it starts."""
     from megatron_glue.convert.at_start import before_start, refusal
+    from megatron_glue.training.sft import pretrain_refusal
 
-    return gpt.main(argv, before_start=before_start, refusals=(refusal,))
+    return gpt.main(argv, before_start=before_start, refusals=(refusal, pretrain_refusal))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ both scripts give and their `--data-path` takes) with megatron-core's IndexedDat
 from the vocabulary size as Megatron does (MindSpeed-LLM writes int32 always; the tokens are the same). Records are
 tokenized by a pool of `--workers` processes, in order. `--n-subs N` cuts the records into consecutive subsets
 (MindSpeed-LLM's cut), writes each as its own dataset in the pool and merges them in order: the output is the same
-as without it. Flags of either script that are not implemented here (sentence splitting, partitions, worker
-search, instruction handlers, packing) are refused by name rather than ignored. A bad record stops the run with
+as without it. `--handler-name AlpacaStyleInstructionHandler --prompt-type NAME [--seq-length N]` writes
+MindSpeed-LLM's instruction data instead (megatron_glue/data/instruction.py, docs/instruction_tuning.md). Flags of
+either script that are not implemented here (sentence splitting, partitions, worker search, other instruction
+handlers, packing) are refused by name rather than ignored. A bad record stops the run with
 the file, the line (or row) and what is wrong; nothing is left at the output paths then (each file is written
 under a temporary name and renamed at the end). Blank lines are skipped.
 
@@ -36,6 +38,7 @@ import sys
 import time
 from typing import Iterator, TextIO
 
+from megatron_glue.data.instruction import HANDLERS as INSTRUCTION_HANDLERS
 from megatron_glue.data.tokenizer import SUPPORTED, DataError, HuggingFaceTokenizer, build_tokenizer
 
 _LEVEL = "document"  # Megatron names outputs "<prefix>_<key>_<level>"; "sentence" only with --split-sentences
@@ -83,6 +86,7 @@ _MINDSPEED_REFUSED = {
                                  "blend instead"),
     "--dataset-impl": ("mmap", "dataset formats other than mmap, the only one megatron-core reads"),
 }
+_INSTRUCTION_FLAGS = ("--prompt-type", "--seq-length")  # taken with an instruction handler (instruction.py)
 _MINDSPEED_FLAG_ONLY = {"--pack", "--neat-pack", "--streaming"}
 
 
@@ -462,11 +466,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _handler_refusal(name: str) -> str | None:
-    if name in ("", PRETRAIN_HANDLER):  # MindSpeed-LLM: no --handler-name is GeneralPretrainHandler
+    if name in ("", PRETRAIN_HANDLER) or name in INSTRUCTION_HANDLERS:  # no --handler-name: GeneralPretrainHandler
         return None
     if name in _INSTRUCTION_HANDLERS:
         return (f"--handler-name {name} is not implemented here: it makes {_INSTRUCTION_FEATURE}; supported: "
-                f"{PRETRAIN_HANDLER}")
+                f"{PRETRAIN_HANDLER}, {', '.join(INSTRUCTION_HANDLERS)}")
     if name in _OTHER_PRETRAIN_HANDLERS:
         return (f"--handler-name {name} is not implemented here (its own record layout); supported: "
                 f"{PRETRAIN_HANDLER}, with --json-keys naming the text fields")
@@ -481,7 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and not (harmless is not None and str(value) == str(harmless)):
             parser.error(f"{flag} is not implemented here (Megatron-LM's tools/preprocess_data.py has it; this "
                          f"command tokenizes one document per line, in one partition)")
+    instruction = args.handler_name in INSTRUCTION_HANDLERS
     for flag, (harmless, feature) in _MINDSPEED_REFUSED.items():
+        if instruction and flag in _INSTRUCTION_FLAGS:
+            continue
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not (harmless is not None and str(value) == harmless):
             parser.error(f"{flag} is not implemented here (MindSpeed-LLM's preprocess_data.py has it, for "
@@ -489,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     refusal = _handler_refusal(args.handler_name)
     if refusal:
         parser.error(refusal)
+    if instruction:
+        return _instruction_main(parser, args)
     if args.tokenizer_type not in TOKENIZER_TYPES:
         parser.error(f"--tokenizer-type {args.tokenizer_type} is not implemented here (supported: "
                      f"{', '.join(TOKENIZER_TYPES)})")
@@ -501,6 +510,42 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"npu-compile preprocess: error: {error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _instruction_main(parser: argparse.ArgumentParser, args) -> int:
+    from megatron_glue.data import instruction
+
+    refusal = instruction.template_refusal(args.prompt_type)
+    if refusal:
+        parser.error(refusal)
+    name = args.handler_name
+    if args.tokenizer_type != "PretrainedFromHF" or not args.tokenizer_name_or_path:
+        parser.error(f"--handler-name {name} needs --tokenizer-type PretrainedFromHF with "
+                     f"--tokenizer-name-or-path (a local Hugging Face tokenizer folder), as MindSpeed-LLM's")
+    if args.json_keys != ["text"]:
+        parser.error(f"--json-keys is not taken with --handler-name {name}: it writes input_ids, attention_mask "
+                     f"and labels always (MindSpeed-LLM overrides the flag)")
+    if args.append_eod:
+        parser.error(f"--append-eod is not implemented with --handler-name {name} (the template already ends "
+                     f"each answer with its stop word)")
+    if args.n_subs != 1:
+        parser.error(f"--n-subs is not implemented with --handler-name {name}")
+    if args.workers < 1 or args.log_interval < 1:
+        parser.error("--workers and --log-interval must be >= 1")
+    try:
+        files = input_files(args.input)
+        prefixes, written, dropped = instruction.write(
+            files, args.output_prefix, tokenizer_dir=args.tokenizer_name_or_path, prompt_type=args.prompt_type,
+            seq_length=None if args.seq_length is None else int(args.seq_length), workers=args.workers,
+            log_interval=args.log_interval, log=sys.stderr,
+            handler=name, records=lambda fs, _: _records(fs, ("conversations",) if "Sharegpt" in name
+                                                          else ("instruction", "input", "output")))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"npu-compile preprocess: error: {error}", file=sys.stderr)
+        return 1
+    print(f"Wrote {written} records ({dropped} dropped: --seq-length {args.seq_length} or more tokens): "
+          + ", ".join(f"{p}.bin/.idx" for p in prefixes.values()), file=sys.stderr)
     return 0
 
 

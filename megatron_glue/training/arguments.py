@@ -35,8 +35,9 @@ MOE_OVERLAP = ("MindSpeed's overlap of the MoE token communication with expert c
                "drop it (the dispatcher's collectives run in order)")
 MOE_MINDSPEED = "MindSpeed-LLM's {} is not implemented here; drop it"
 CP = "context parallelism is not implemented here; use --context-parallel-size 1 with TP/PP/DP"
-INSTRUCTION = ("instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) is not implemented here; "
-               "pretrain on a .bin/.idx prefix written by `npu-compile preprocess`")
+INSTRUCTION = ("instruction data beyond padded samples (dynamic lengths, thinking templates, templates from a file, "
+               "other handlers) is not implemented here; -m megatron_glue.posttrain_gpt trains AlpacaStyle data padded "
+               "to --seq-length (docs/instruction_tuning.md)")
 PACKED = ("MindSpeed-LLM's packed instruction data (--pack / --neat-pack samples, a general attention mask) is not "
           "implemented here; pretraining rows pack documents already: --reset-attention-mask, --reset-position-ids "
           "and --eod-mask-loss are (Megatron-LM's meanings)")
@@ -94,7 +95,7 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--ulysses-degree-in-cp": 1}.items()},
     # instruction data, packing, preference data
     **{flag: (nargs, INSTRUCTION) for flag, nargs in {
-        "--stage": 1, "--is-instruction-dataset": 0, "--prompt-type": 1, "--prompt-type-path": 1,
+        "--prompt-type-path": 1,
         "--no-pad-to-seq-lengths": 0, "--variable-seq-lengths": 0, "--enable-thinking": 1, "--padded-samples": 0,
         "--pad-to-multiple-of": 1}.items()},
     **{flag: (nargs, PACKED) for flag, nargs in {
@@ -280,6 +281,8 @@ HF_MODEL_TYPE_ALIASES = {"qwen25": "qwen2.5"}
 # Raw data MindSpeed-LLM preprocesses at start (mindspeed_llm/tasks/preprocess/data_handler.py `_get_data_format`)
 RAW_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".csv", ".arrow")
 PRETRAIN_HANDLERS = ("GeneralPretrainHandler",)
+# taken with --is-instruction-dataset (megatron_glue.posttrain_gpt)
+INSTRUCTION_HANDLERS = ("AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler")
 # megatron-core's Llama 3 RoPE scaling (rotary_pos_embedding.py `_apply_scaling`): its fixed parameters
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -566,6 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--split", default=None, help="train,valid,test weights; default 969,30,1")
     g.add_argument("--data-cache-path", default=None)
+    # MindSpeed-LLM's posttrain_gpt.py instruction tuning (megatron_glue.posttrain_gpt, docs/instruction_tuning.md)
+    g.add_argument("--stage", default=None, help="post-training stage; sft with megatron_glue.posttrain_gpt")
+    g.add_argument("--is-instruction-dataset", action="store_true",
+                   help="--data-path names instruction data (npu-compile preprocess --handler-name "
+                        "AlpacaStyleInstructionHandler)")
+    g.add_argument("--prompt-type", default=None, help="the prompt template the data was written with")
     g.add_argument("--num-workers", type=int, default=0,
                    help="data loader worker processes (default 0 here: the loader reads in the training process; "
                         "Megatron-LM's default is 2)")
@@ -809,7 +818,8 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                     f"--{name.replace('_', '-')} {value:g}",
                     f"megatron-core's Llama 3 RoPE scaling fixes it at {LLAMA3_ROPE[name]:g}; other values are not "
                     "implemented here"))
-    if args.handler_name and args.handler_name not in PRETRAIN_HANDLERS:
+    if args.handler_name and args.handler_name not in PRETRAIN_HANDLERS + (
+            INSTRUCTION_HANDLERS if args.is_instruction_dataset else ()):
         lines.append(refusal(f"--handler-name {args.handler_name}", INSTRUCTION))
     raw = [p for p in args.data_path or () if _is_raw_data(p)]
     if raw:

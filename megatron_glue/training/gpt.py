@@ -247,7 +247,8 @@ def datasets_provider(args):
                           create_attention_mask=args.reset_attention_mask and not passes_lengths(args))
 
 
-def main(argv: list[str] | None = None, before_start=None, refusals=()) -> int:
+def main(argv: list[str] | None = None, before_start=None, refusals=(), datasets=datasets_provider,
+         name: str = "pretrain_gpt") -> int:
     """The job; `refusals` join the argument check (parse_args), and `before_start(args)`, when given, runs after
     it and before any process group (the door passes the converter's --enable-hf2mg-convert check and step: this
     room does not import the converter)."""
@@ -262,12 +263,12 @@ def main(argv: list[str] | None = None, before_start=None, refusals=()) -> int:
             before_start(args)
         set_vocabulary(args)
         with quiet_megatron():
-            training.pretrain(args, model_provider, forward_step, datasets_provider, loader_for(args, build_loader))
+            training.pretrain(args, model_provider, forward_step, datasets, loader_for(args, build_loader))
     except ArgumentError as e:
         print(e.message, file=sys.stderr)
         return 2
     except (CheckpointError, DataError, FileNotFoundError) as e:  # bad input found while setting up: one line, no traceback
-        print(f"pretrain_gpt: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 1
     finally:
         from megatron_glue.capture.distributed import end_process_group

@@ -16,7 +16,7 @@ import pytest
 
 from bench.mindspeed_census import scale_down
 from megatron_glue.training.arguments import (MOE_GROUPED_GEMM, MOE_PERMUTE_FUSION, NO_EFFECT, REFUSED, ArgumentError,
-                                             DialectError, build_parser,
+                                             DialectError, INSTRUCTION, build_parser,
                                              parse_args)
 from pretrain_runs import TINY, pretrain
 
@@ -146,9 +146,9 @@ def test_handler_name_only_for_preprocessed_pretraining_data(tmp_path):
     assert parse_args([*JOB, "--handler-name", "GeneralPretrainHandler", "--workers", "4"]).handler_name == (
         "GeneralPretrainHandler")
     assert error([*JOB, "--handler-name", "AlpacaStyleInstructionHandler"]) == PROG + (
-        "--handler-name AlpacaStyleInstructionHandler: instruction / fine-tuning data (MindSpeed-LLM's --stage, "
-        "prompt templates) is not implemented here; pretrain on a .bin/.idx prefix written by `npu-compile "
-        "preprocess`")
+        "--handler-name AlpacaStyleInstructionHandler: " + INSTRUCTION)  # instruction data: --is-instruction-dataset
+    assert error([*JOB, "--handler-name", "R1AlpacaStyleInstructionHandler", "--is-instruction-dataset"]) == PROG + (
+        "--handler-name R1AlpacaStyleInstructionHandler: " + INSTRUCTION)
     raw = tmp_path / "corpus.jsonl"
     raw.write_text('{"text": "a"}\n')
     flags = [f for f in JOB if f != "--mock-data"]
@@ -396,15 +396,14 @@ def test_no_effect_flags_parse_and_change_nothing_the_job_builds():
 # -- refused, all at once, and --help -------------------------------------------------------------------------------
 
 def test_every_refused_and_unknown_flag_at_once():
-    argv = [*JOB, "--num-experts", "8", "--moe-grouped-gemm", "--no-such-flag", "3", "--stage", "sft",
+    argv = [*JOB, "--num-experts", "8", "--moe-grouped-gemm", "--no-such-flag", "3", "--no-pad-to-seq-lengths",
             "--context-parallel-size", "2", "--lora-r", "8", "--no-such-switch"]
     with pytest.raises(DialectError) as info:
         parse_args(argv)
     assert info.value.message == "\n".join([
         PROG + "6 flags of this command line are refused or unknown:",
         "  --moe-grouped-gemm: " + MOE_GROUPED_GEMM,
-        "  --stage: instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) is not implemented "
-        "here; pretrain on a .bin/.idx prefix written by `npu-compile preprocess`",
+        "  --no-pad-to-seq-lengths: " + INSTRUCTION,
         "  --lora-r: LoRA is not implemented here; fine-tune all weights (--finetune)",
         "  --context-parallel-size 2: context parallelism is not implemented here; use --context-parallel-size 1 "
         "with TP/PP/DP",
@@ -494,4 +493,5 @@ def test_a_moe_fine_tuning_script_names_every_missing_feature_at_once():
     assert [line.split(":")[0].strip() for line in lines if "MindSpeed-LLM's top-k" in line or "grouped GEMM" in line
             or "MoE token communication" in line or "experts split over" in line] == [
         "--norm-topk-prob", "--moe-grouped-gemm", "--moe-permutation-async-comm", "--expert-tensor-parallel-size 2"]
-    assert sum("instruction / fine-tuning data" in line for line in lines) == 5  # 4 flags and the handler
+    # --stage sft, --is-instruction-dataset, --prompt-type and its handler are posttrain_gpt's; dynamic lengths not
+    assert [line.split(":")[0].strip() for line in lines if INSTRUCTION in line] == ["--no-pad-to-seq-lengths"]

@@ -8,8 +8,8 @@
                 surface, model provider and checkpoint layout)
 
 Above the rooms stand the package's face (`__init__.py`: adapt, quiet_megatron), its doors (the modules run with
-`-m`: pretrain_gpt, demo) and the two paths the README documents (adaptations, distributed); they may import any
-room, no room imports them. Every other module lives in a room. No module takes a private name (`_x`) of another
+`-m`: pretrain_gpt, posttrain_gpt, demo) and the two paths the README documents (adaptations, distributed); they may
+import any room, no room imports them. Every other module lives in a room. No module takes a private name (`_x`) of another
 module of the package, by `from ... import _x` or by `module._x`.
 """
 
@@ -24,7 +24,7 @@ MAY_IMPORT = {
     "training": {"capture", "data", "training"},
     "convert": {"capture", "data", "training", "convert"},
 }
-TOP = {"__init__.py", "pretrain_gpt.py", "demo.py", "adaptations.py", "distributed.py"}
+TOP = {"__init__.py", "pretrain_gpt.py", "posttrain_gpt.py", "demo.py", "adaptations.py", "distributed.py"}
 
 
 def _imports(path: Path) -> list[ast.stmt]:

@@ -37,8 +37,7 @@ def test_what_stays_refused_says_why():
            "mask) is not implemented here; pretraining rows pack documents already: --reset-attention-mask, " \
            "--reset-position-ids and --eod-mask-loss are (Megatron-LM's meanings)" in message
     assert "  --neat-pack: MindSpeed-LLM's packed instruction data" in message
-    assert "  --no-pad-to-seq-lengths: instruction / fine-tuning data (MindSpeed-LLM's --stage, prompt templates) " \
-           "is not implemented here" in message
+    assert "  --no-pad-to-seq-lengths: instruction data beyond padded samples (dynamic lengths, " in message
     assert error([*JOB, "--context-parallel-size", "2", "--reset-attention-mask"], world_size=2).endswith(
         "--context-parallel-size 2: context parallelism is not implemented here; use --context-parallel-size 1 "
         "with TP/PP/DP")

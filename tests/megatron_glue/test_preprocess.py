@@ -334,10 +334,10 @@ def test_pretrained_from_hf_tokenizer_errors_name_its_flag(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--handler-name", "AlpacaStyleInstructionHandler"],
-     "--handler-name AlpacaStyleInstructionHandler is not implemented here: it makes instruction-tuning data (prompt "
-     "templates, packed `_packed` outputs for MindSpeed-LLM's --is-instruction-dataset), a feature not built yet; "
-     "supported: GeneralPretrainHandler"),
+    (["--handler-name", "R1AlpacaStyleInstructionHandler"],
+     "--handler-name R1AlpacaStyleInstructionHandler is not implemented here: it makes instruction-tuning data "
+     "(prompt templates, packed `_packed` outputs for MindSpeed-LLM's --is-instruction-dataset), a feature not built "
+     "yet; supported: GeneralPretrainHandler, AlpacaStyleInstructionHandler, SharegptStyleInstructionHandler"),
     (["--handler-name", "AlpacaPretrainHandler"],
      "--handler-name AlpacaPretrainHandler is not implemented here (its own record layout); supported: "
      "GeneralPretrainHandler, with --json-keys naming the text fields"),
