@@ -54,6 +54,16 @@ def hf_config(name: str, **over):
                             eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                              "long_factor": LONG_FACTOR, "short_factor": SHORT_FACTOR})
+    elif name == "mixtral":  # 4 experts, top 2: softmax, top k, renormalised (megatron-core's default router)
+        cfg = tf.MixtralConfig(**common, num_key_value_heads=2, rms_norm_eps=1e-5, num_local_experts=4,
+                               num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0,
+                               tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 1000000.0})
+    elif name == "qwen3-moe":  # norm_topk_prob as the real Qwen3-MoEs; experts of 32, not intermediate_size
+        cfg = tf.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                           "rope_theta": 1000000.0})
     elif name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -65,6 +75,7 @@ def hf_config(name: str, **over):
 
 
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "seed-oss", "phi3.5", "gpt2")
+MOE_FAMILIES = ("mixtral", "qwen3-moe")  # tests/megatron_glue/test_convert_moe.py
 
 
 def save_random_hf(name: str, folder: str, seed: int = 0, **over):
@@ -158,7 +169,10 @@ def megatron_logits(runs: list[tuple], tp: int = 1, pp: int = 1, ckpt_format: st
 
         import megatron_glue
 
-        megatron_glue.adapt(("cpu", "compile"))  # what the in-process tests' megatron_cpu fixture applies
+        moe = any(run[1].get("num_local_experts") or run[1].get("num_experts") for run in runs)
+        # what the in-process tests' megatron_cpu fixture applies; an MoE model also the router's current-device
+        # stand-in ("sp") and the "moe" group (docs/moe.md)
+        megatron_glue.adapt(("cpu", "compile") + (("sp", "moe") if moe else ()))
         teardown_single_process()
         init_single_process()
         try:
