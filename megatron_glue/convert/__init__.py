@@ -33,7 +33,9 @@ PARAMS_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 SPECS = {"mindspeed_llm.tasks.models.spec.qwen3_spec": "--qk-layernorm"}
 # Flags of MindSpeed-LLM's convert_ckpt_v2.py / convert_ckpt.py that this converter refuses:
 # flag -> (argparse kind, the value that means "not used" (None: any use), the feature it needs)
-_MOE, _LORA = "mixture-of-experts models", "LoRA weights"
+_MOE = ("this mixture-of-experts layout (Mixtral, Qwen2-MoE and Qwen3-MoE convert with SequentialMLP experts at "
+        "expert-parallel size 1, every layer MoE)")
+_LORA = "LoRA weights"
 REFUSED = {
     "--noop-layers": (str, None, "noop layers (MindSpeed-LLM's empty layers that pad the pipeline)"),
     "--moe-grouped-gemm": (bool, None, _MOE), "--moe-tp-extend-ep": (bool, None, _MOE),

@@ -363,24 +363,47 @@ QWEN_MOE_CONFIG = LLAMA_CONFIG + (
     ("--moe-router-topk", "num_experts_per_tok"),
     ("--moe-router-pre-softmax", lambda c: not c.get("norm_topk_prob", False)),
 )
+# Qwen2-MoE: Qwen2's attention (q/k/v biases) with the MoE layer and a gated shared expert: transformers'
+# Qwen2MoeSparseMoeBlock adds sigmoid(shared_expert_gate(x)) x shared_expert(x) (a SwiGLU MLP of
+# shared_expert_intermediate_size) to the routed output; megatron-core 0.16's SharedExpertMLP with
+# moe_shared_expert_gate computes the same (shared_experts.py `forward`: sigmoid(linear(x, gate_weight)) x out).
+_Q2M = _layer_tensors("model.layers", {"sgate": "mlp.shared_expert.gate_proj.weight",
+                                       "sup": "mlp.shared_expert.up_proj.weight",
+                                       "sdown": "mlp.shared_expert.down_proj.weight",
+                                       "sg": "mlp.shared_expert_gate.weight"})
+QWEN2_MOE_TENSORS = _moe_tensors(LLAMA_TENSORS, _QM, "gate", "up", "down") + (
+    Tensor("mlp.shared_experts.linear_fc1.weight", (_Q2M["sgate"], _Q2M["sup"]), "gate_up", "glu"),
+    Tensor("mlp.shared_experts.linear_fc2.weight", (_Q2M["sdown"],), tp_dim=1),
+    Tensor("mlp.shared_experts.gate_weight", (_Q2M["sg"],)),
+)
+QWEN2_MOE = Family("qwen2_moe", ("qwen2_moe",), "Qwen2MoeForCausalLM", QWEN_MOE_CONFIG + (
+    ("--moe-shared-expert-intermediate-size", "shared_expert_intermediate_size"),
+    ("--moe-shared-expert-gate", lambda c: bool(c.get("shared_expert_intermediate_size"))),
+    ("--add-qkv-bias", lambda c: c.get("qkv_bias", True))),  # transformers 5's qkv_bias; earlier: always
+    LLAMA_FLAGS, QWEN2_MOE_TENSORS, LLAMA_REFUSE + (_MOE_DENSE_LAYERS,) + (
+        (lambda c: not c.get("shared_expert_intermediate_size"), "a Qwen2-MoE without a shared expert "
+         "(shared_expert_intermediate_size 0): transformers' block still adds the gated shared expert"),),
+    ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
 QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", QWEN_MOE_CONFIG,
                    LLAMA_FLAGS + ("--qk-layernorm",), _moe_tensors(QWEN3_TENSORS, _QM, "gate", "up", "down"),
                    LLAMA_REFUSE + (_MOE_DENSE_LAYERS,), ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
 
 FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "seed_oss": SEED_OSS, "phi3": PHI3,
-            "gpt2": GPT2, "mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}
+            "gpt2": GPT2, "mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE,
+            "qwen3_moe": QWEN3_MOE}
 # --model-type-hf values (MindSpeed-LLM's names: convert_ckpt_v2.py's and convert_ckpt.py's choices, and the
 # spellings of the models' own names) -> family. MindSpeed-LLM's Magistral is a Mistral-architecture checkpoint.
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "magistral": "mistral", "qwen2": "qwen2",
                "qwen2.5": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3", "seed-oss": "seed_oss", "phi3": "phi3",
-               "phi3.5": "phi3", "gpt2": "gpt2", "mixtral": "mixtral", "qwen3-moe": "qwen3_moe"}
+               "phi3.5": "phi3", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
+               "qwen3-moe": "qwen3_moe"}
 # MindSpeed-LLM's convert_ckpt.py (its 2.x scripts) says `--model-type-hf llama2` for every Llama-layout checkpoint,
 # Qwen 1.5 / 2 / 2.5 included (with --add-qkv-bias): the family is then config.json's, among these.
 LLAMA_LAYOUT = {"llama2": ("llama", "qwen2")}
 # MindSpeed-LLM's names of families not converted here, by the feature they need
 _NOT_CONVERTED = {
-    "a mixture-of-experts model other than Mixtral and Qwen3-MoE": (
-                           "qwen2-moe", "deepseek2", "deepseek2-lite", "deepseek3", "deepseek32", "deepseek4", "deepseek4_base", "glm45", "glm45-air", "glm5", "bailing_mini",
+    "a mixture-of-experts model other than Mixtral, Qwen2-MoE and Qwen3-MoE": (
+                           "deepseek2", "deepseek2-lite", "deepseek3", "deepseek32", "deepseek4", "deepseek4_base", "glm45", "glm45-air", "glm5", "bailing_mini",
                            "qwen3-next", "phi3.5-moe", "minicpm-moe", "longcat", "minimax_m2", "HYV3", "hunyuan"),
     "a state-space (Mamba) model": ("mamba2",),
 }

@@ -59,6 +59,11 @@ def hf_config(name: str, **over):
                                num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0,
                                tie_word_embeddings=False, rope_parameters={"rope_type": "default",
                                                                           "rope_theta": 1000000.0})
+    elif name == "qwen2-moe":  # q/k/v biases, a gated shared expert of 48; norm_topk_prob false (its default)
+        cfg = tf.Qwen2MoeConfig(**common, num_key_value_heads=2, rms_norm_eps=1e-6, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                norm_topk_prob=False, use_sliding_window=False, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     elif name == "qwen3-moe":  # norm_topk_prob as the real Qwen3-MoEs; experts of 32, not intermediate_size
         cfg = tf.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, num_experts=4,
                                 num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
@@ -75,7 +80,7 @@ def hf_config(name: str, **over):
 
 
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "seed-oss", "phi3.5", "gpt2")
-MOE_FAMILIES = ("mixtral", "qwen3-moe")  # tests/megatron_glue/test_convert_moe.py
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe")  # tests/megatron_glue/test_convert_moe.py
 
 
 def save_random_hf(name: str, folder: str, seed: int = 0, **over):

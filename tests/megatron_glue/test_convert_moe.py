@@ -1,5 +1,5 @@
-"""`npu-compile convert` of MoE families against transformers: a random-init Mixtral and Qwen3-MoE (softmax
-router, top 2 of 4 experts) converted to a torch_dist checkpoint and loaded by the training job's own load gives
+"""`npu-compile convert` of MoE families against transformers: a random-init Mixtral, Qwen2-MoE (gated shared
+expert, norm_topk_prob false) and Qwen3-MoE (softmax router, top 2 of 4 experts) converted to a torch_dist checkpoint and loaded by the training job's own load gives
 transformers' logits and routes every token to the same experts; converted back it is the original, bitwise.
 Qwen3-MoE without norm_topk_prob converts with --moe-router-pre-softmax (docs/convert.md, "Mixture of experts")."""
 
@@ -98,12 +98,16 @@ def test_moe_family_equals_transformers_and_routes_the_same(converted, name):
 def test_moe_flags(converted):
     flags = {name: open(os.path.join(mg, core.FLAGS_FILE)).read().split() for name, (_, mg, *_) in converted.items()}
     for name, want in (("mixtral", ["--num-experts", "4", "--moe-ffn-hidden-size", "96", "--moe-router-topk", "2"]),
+                       ("qwen2-moe", ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
+                                      "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "48",
+                                      "--moe-shared-expert-gate", "--add-qkv-bias"]),
                        ("qwen3-moe", ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2"])):
         i = flags[name].index("--num-experts")
         assert flags[name][i:i + len(want)] == want, name
     assert "--qk-layernorm" in flags["qwen3-moe"] and "--qk-layernorm" not in flags["mixtral"]
-    # both renormalise the top k: megatron-core's router without pre-softmax
-    assert not any("--moe-router-pre-softmax" in f for f in flags.values())
+    # Mixtral and Qwen3-MoE (norm_topk_prob) renormalise the top k: megatron-core's router without pre-softmax
+    assert "--moe-router-pre-softmax" not in flags["mixtral"] + flags["qwen3-moe"]
+    assert "--moe-shared-expert-gate" not in flags["mixtral"] + flags["qwen3-moe"]
 
 
 def test_moe_round_trip_is_bitwise(converted, tmp_path):
@@ -132,10 +136,11 @@ def test_moe_refusals(converted, tmp_path, capsys):
     hf, *_ = converted["qwen3-moe"]
     # a family not converted: named, with the ones that are
     assert main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir",
-                 str(tmp_path / "a"), "--model-type-hf", "qwen2-moe"]) != 0
+                 str(tmp_path / "a"), "--model-type-hf", "deepseek3"]) != 0
     err = capsys.readouterr().err
-    assert ("--model-type-hf qwen2-moe: not a family this converter has (qwen2-moe is a mixture-of-experts model "
-            "other than Mixtral and Qwen3-MoE: not converted here)") in err and "mixtral, qwen3-moe" in err
+    assert ("--model-type-hf deepseek3: not a family this converter has (deepseek3 is a mixture-of-experts model "
+            "other than Mixtral, Qwen2-MoE and Qwen3-MoE: not converted here)") in err
+    assert "mixtral, qwen2-moe, qwen3-moe" in err
     # the legacy format of an MoE model
     assert main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir",
                  str(tmp_path / "b"), "--ckpt-format", "torch"]) != 0
