@@ -242,3 +242,38 @@ def process_state_kept():
         registry.revert(*[n for n in registry.applied() if n not in before])
         if was_initialized:
             init_single_process()
+
+
+def _ep_worker(runs, ep: int, dispatcher: str):
+    from megatron_glue.capture.adaptations import groups_for
+    from megatron_glue.capture.distributed import init_distributed
+    from megatron_glue.capture import quiet_megatron
+    from megatron_glue.convert.core import architecture
+    from megatron_glue.convert.families import family_for
+    from megatron_glue.training import checkpointing, gpt, training
+
+    init_distributed(1, expert_model_parallel_size=ep, groups=groups_for(training=True))
+    out = []
+    for mg_dir, cfg, ids in runs:
+        args = architecture(family_for(None, cfg), cfg)
+        # the converted flags at EP=ep: every rank holds num_experts / ep experts (data parallel over the same ids)
+        args.expert_model_parallel_size, args.moe_token_dispatcher_type = ep, dispatcher
+        args.load, args.finetune = mg_dir, True
+        config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
+        with quiet_megatron():
+            model = gpt.model_provider(args, config).eval()
+        checkpointing.load_checkpoint(args, [model], None, None)
+        local = sorted({k.split(".local_experts.")[1].split(".")[0] for k in model.state_dict() if ".local_experts." in k})
+        b, s = ids.shape
+        with torch.no_grad():
+            logits = model(ids, torch.arange(s).expand(b, s), None)[..., : cfg["vocab_size"]]
+        out.append((logits, len(local)))
+    return out
+
+
+def megatron_logits_ep(runs: list[tuple], ep: int = 2, dispatcher: str = "allgather") -> list[list]:
+    """Each rank's (logits, local experts) of each (converted checkpoint, its HF config dict, token ids) loaded by
+    the job's load_checkpoint at expert-parallel size `ep` over `ep` gloo processes."""
+    from megatron_glue.capture.distributed import run_on_ranks
+
+    return run_on_ranks(_ep_worker, runs, ep, dispatcher, world_size=ep, timeout=600)

@@ -176,3 +176,17 @@ def test_qwen2_moe_refused_on_megatron_core_0_12(tmp_path, capsys):
                  str(tmp_path / "mg")]) != 0
     assert ("qwen2_moe config.json gives pretrain_gpt flags it refuses: pretrain_gpt: error: --moe-shared-expert-gate "
             "needs megatron-core 0.16") in capsys.readouterr().err
+
+
+@pytest.mark.gloo
+@pytest.mark.training
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_converted_moe_loads_at_expert_parallel_2(converted, dispatcher):
+    """The torch_dist checkpoint is expert-parallel-layout free: at EP=2 (2 gloo processes) each rank loads its 2 of
+    the 4 experts and the model gives transformers' logits on every rank."""
+    runs = [converted[n][1:4] for n in converted]
+    refs = [H.hf_logits(converted[n][0], converted[n][3]) for n in converted]
+    for rank in H.megatron_logits_ep(runs, 2, dispatcher):
+        for name, ref, (got, local) in zip(converted, refs, rank):
+            assert local == 2, name
+            assert (got - ref).abs().max().item() <= TOL * ref.abs().max().item(), name
