@@ -162,13 +162,15 @@ def _single_process():
 def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp: int = 1, pp: int = 1,
              num_layer_list: list[int] | None = None, divisible_by: int = 128,
              ckpt_format: str = "torch_dist", params_dtype: torch.dtype | None = None,
-             expect: dict[str, str] | None = None, tokenizer_model: str | None = None) -> argparse.Namespace:
+             expect: dict[str, str] | None = None, tokenizer_model: str | None = None,
+             ep: int = 1) -> argparse.Namespace:
     """Convert the HF model in `load_dir` into a Megatron checkpoint in `save_dir` (release; torch_dist, or with
     ckpt_format "torch" Megatron-LM's legacy files split for TP x PP, stages by `num_layer_list` or even; a
     torch_dist checkpoint is layout-free: `num_layer_list` is only checked against the model). Returns the job's
     args for it (`args.flags`: the architecture flags pretrain_gpt needs).
 
-    params_dtype: the checkpoint's dtype (default: the HF weights'). expect: {pretrain_gpt architecture flag: the
+    ep: the expert-parallel size it is meant for, checked against the experts (the checkpoint does not depend on
+    it). params_dtype: the checkpoint's dtype (default: the HF weights'). expect: {pretrain_gpt architecture flag: the
     command-line words that said the model has it}, checked. tokenizer_model: recorded in the checkpoint's args."""
 
     if ckpt_format not in ("torch_dist", "torch"):
@@ -185,6 +187,12 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
     args = architecture(family, cfg, tp, 1 if num_layer_list else pp, divisible_by, dtype)
     args.pipeline_model_parallel_size = pp
     _check_expected(family, args, expect)
+    experts = getattr(args, "num_experts", None)
+    if ep != 1 and not experts:
+        raise ConvertError(f"--target-expert-parallel-size {ep}: the {family.name} model has no experts; leave it 1")
+    if ep < 1 or experts and experts % ep:
+        raise ConvertError(f"--target-expert-parallel-size {ep}: the model's {experts} experts are not divisible by "
+                           f"{ep}; use a size that divides them")
     layers = args.num_layers
     if num_layer_list is not None:
         if len(num_layer_list) != pp or sum(num_layer_list) != layers or min(num_layer_list) < 1:

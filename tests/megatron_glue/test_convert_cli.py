@@ -291,10 +291,6 @@ def test_model_type_hf_names(hf, tmp_path, capsys):
     (["--moe-grouped-gemm"], "--moe-grouped-gemm is not implemented here: this converter does not convert "
                              "this mixture-of-experts layout (Mixtral, Qwen2-MoE and Qwen3-MoE convert with "
                              "SequentialMLP experts at expert-parallel size 1, every layer MoE)"),
-    (["--target-expert-parallel-size", "8"], "--target-expert-parallel-size is not implemented here: this converter "
-                                             "does not convert this mixture-of-experts layout (Mixtral, Qwen2-MoE "
-                                             "and Qwen3-MoE convert with SequentialMLP experts at expert-parallel "
-                                             "size 1, every layer MoE)"),
     (["--mtp-num-layers", "1"], "--mtp-num-layers is not implemented here: this converter does not convert "
                                 "multi-token prediction (MTP) layers"),
     (["--lora-r", "8"], "--lora-r is not implemented here: this converter does not convert LoRA weights"),

@@ -151,6 +151,21 @@ def test_moe_refusals(converted, tmp_path, capsys):
     assert ("--model-type-hf deepseek3: not a family this converter has (deepseek3 is a mixture-of-experts model "
             "other than Mixtral, Qwen2-MoE and Qwen3-MoE: not converted here)") in err
     assert "mixtral, qwen2-moe, qwen3-moe" in err
+    # --target-expert-parallel-size: checked against the experts (the torch_dist checkpoint does not depend on it)
+    assert main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir",
+                 str(tmp_path / "ep"), "--target-expert-parallel-size", "3"]) != 0
+    assert ("--target-expert-parallel-size 3: the model's 4 experts are not divisible by 3; use a size that divides "
+            "them") in capsys.readouterr().err
+    assert main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir",
+                 str(tmp_path / "ep"), "--target-expert-parallel-size", "2"]) == 0
+    assert ("note: --target-expert-parallel-size 2 leaves a torch_dist checkpoint as it is"
+            in capsys.readouterr().err)
+    dense = str(tmp_path / "llama")
+    H.save_random_hf("llama2", dense)
+    assert main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", dense, "--save-dir",
+                 str(tmp_path / "ep2"), "--target-expert-parallel-size", "2"]) != 0
+    assert ("--target-expert-parallel-size 2: the llama model has no experts; leave it 1"
+            in capsys.readouterr().err)
     # the legacy format of an MoE model
     assert main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir",
                  str(tmp_path / "b"), "--ckpt-format", "torch"]) != 0
