@@ -403,8 +403,8 @@ LLAMA_LAYOUT = {"llama2": ("llama", "qwen2")}
 # MindSpeed-LLM's names of families not converted here, by the feature they need
 _NOT_CONVERTED = {
     "a mixture-of-experts model other than Mixtral, Qwen2-MoE and Qwen3-MoE": (
-                           "deepseek2", "deepseek2-lite", "deepseek3", "deepseek32", "deepseek4", "deepseek4_base", "glm45", "glm45-air", "glm5", "bailing_mini",
-                           "qwen3-next", "phi3.5-moe", "minicpm-moe", "longcat", "minimax_m2", "HYV3", "hunyuan"),
+                           "deepseek2", "deepseek2-lite", "deepseek3", "deepseek32", "deepseek4", "deepseek4_base",
+                           "glm45", "glm45-air", "glm5", "bailing_mini", "qwen3-next", "phi3.5-moe", "minicpm-moe", "longcat", "minimax_m2", "HYV3", "hunyuan"),
     "a state-space (Mamba) model": ("mamba2",),
 }
 

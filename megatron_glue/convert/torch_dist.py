@@ -115,8 +115,9 @@ def tensor_metadata(folder: str) -> dict[str, tuple[tuple[int, ...], torch.dtype
 def load_slices(folder: str, wanted: dict[str, int | tuple[int, ...] | None], metadata: dict
                 ) -> dict[str, torch.Tensor]:
     """{key: tensor}: for a layer key (`decoder.layers.*`) the slice `wanted[key]` of its layer axis (a tuple: of
-    its leading axes, e.g. (layer, expert) for an MoE layer's experts), for the others the whole tensor. Read with torch.distributed.checkpoint's own reader: the chunks of the checkpoint
-    that overlap each slice (however TP/PP split it when saving) land in their place."""
+    its leading axes, e.g. (layer, expert) for an MoE layer's experts), for the others the whole tensor. Read with
+    torch.distributed.checkpoint's own reader: the chunks of the checkpoint that overlap each slice (however TP/PP
+    split it when saving) land in their place."""
     from torch.distributed.checkpoint import FileSystemReader, load as dcp_load
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata

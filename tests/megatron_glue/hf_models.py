@@ -263,7 +263,7 @@ def _ep_worker(runs, ep: int, dispatcher: str):
         with quiet_megatron():
             model = gpt.model_provider(args, config).eval()
         checkpointing.load_checkpoint(args, [model], None, None)
-        local = sorted({k.split(".local_experts.")[1].split(".")[0] for k in model.state_dict() if ".local_experts." in k})
+        local = {k.split(".local_experts.")[1].split(".")[0] for k in model.state_dict() if ".local_experts." in k}
         b, s = ids.shape
         with torch.no_grad():
             logits = model(ids, torch.arange(s).expand(b, s), None)[..., : cfg["vocab_size"]]

@@ -1,7 +1,8 @@
 """`npu-compile convert` of MoE families against transformers: a random-init Mixtral, Qwen2-MoE (gated shared
-expert, norm_topk_prob false) and Qwen3-MoE (softmax router, top 2 of 4 experts) converted to a torch_dist checkpoint and loaded by the training job's own load gives
-transformers' logits and routes every token to the same experts; converted back it is the original, bitwise.
-Qwen3-MoE without norm_topk_prob converts with --moe-router-pre-softmax (docs/convert.md, "Mixture of experts")."""
+expert, norm_topk_prob false) and Qwen3-MoE (softmax router, top 2 of 4 experts) converted to a torch_dist
+checkpoint and loaded by the training job's own load gives transformers' logits and routes every token to the
+same experts, at EP=1 and (over gloo) EP=2; converted back it is the original, bitwise. Qwen without
+norm_topk_prob converts with --moe-router-pre-softmax (docs/convert.md, "Mixture of experts")."""
 
 from __future__ import annotations
 
