@@ -254,7 +254,7 @@ def _ep_worker(runs, ep: int, dispatcher: str):
 
     init_distributed(1, expert_model_parallel_size=ep, groups=groups_for(training=True))
     out = []
-    for mg_dir, cfg, ids in runs:
+    for mg_dir, cfg, ids, *save_to in runs:
         args = architecture(family_for(None, cfg), cfg)
         # the converted flags at EP=ep: every rank holds num_experts / ep experts (data parallel over the same ids)
         args.expert_model_parallel_size, args.moe_token_dispatcher_type = ep, dispatcher
@@ -263,6 +263,9 @@ def _ep_worker(runs, ep: int, dispatcher: str):
         with quiet_megatron():
             model = gpt.model_provider(args, config).eval()
         checkpointing.load_checkpoint(args, [model], None, None)
+        if save_to:  # saved again by the job at this layout (iteration 1, no optimizer)
+            args.save, args.no_save_optim, args.no_save_rng = save_to[0], True, True
+            checkpointing.save_checkpoint(args, 1, [model], None, None, 0)
         local = {k.split(".local_experts.")[1].split(".")[0] for k in model.state_dict() if ".local_experts." in k}
         b, s = ids.shape
         with torch.no_grad():
@@ -272,8 +275,8 @@ def _ep_worker(runs, ep: int, dispatcher: str):
 
 
 def megatron_logits_ep(runs: list[tuple], ep: int = 2, dispatcher: str = "allgather") -> list[list]:
-    """Each rank's (logits, local experts) of each (converted checkpoint, its HF config dict, token ids) loaded by
-    the job's load_checkpoint at expert-parallel size `ep` over `ep` gloo processes."""
+    """Each rank's (logits, local experts) of each (converted checkpoint, its HF config dict, token ids[, folder to
+    save it to]) loaded by the job's load_checkpoint at expert-parallel size `ep` over `ep` gloo processes."""
     from megatron_glue.capture.distributed import run_on_ranks
 
     return run_on_ranks(_ep_worker, runs, ep, dispatcher, world_size=ep, timeout=600)

@@ -197,12 +197,19 @@ def test_qwen2_moe_refused_on_megatron_core_0_12(tmp_path, capsys):
 @pytest.mark.gloo
 @pytest.mark.training
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-def test_converted_moe_loads_at_expert_parallel_2(converted, dispatcher):
+def test_converted_moe_loads_at_expert_parallel_2(converted, dispatcher, tmp_path):
     """The torch_dist checkpoint is expert-parallel-layout free: at EP=2 (2 gloo processes) each rank loads its 2 of
-    the 4 experts and the model gives transformers' logits on every rank."""
-    runs = [converted[n][1:4] for n in converted]
+    the 4 experts and the model gives transformers' logits on every rank; the job saves it again at EP=2, and that
+    checkpoint converts back to the original HF weights, bitwise."""
+    runs = [(*converted[n][1:4], str(tmp_path / n / "saved")) for n in converted]
     refs = [H.hf_logits(converted[n][0], converted[n][3]) for n in converted]
     for rank in H.megatron_logits_ep(runs, 2, dispatcher):
         for name, ref, (got, local) in zip(converted, refs, rank):
             assert local == 2, name
             assert (got - ref).abs().max().item() <= TOL * ref.abs().max().item(), name
+    for name in converted:
+        hf, back = converted[name][0], str(tmp_path / name / "hf")
+        saved = str(tmp_path / name / "saved")
+        assert main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", saved, "--save-dir", back,
+                     "--hf-cfg-dir", hf]) == 0
+        _assert_same_weights(hf, back)
