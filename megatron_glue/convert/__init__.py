@@ -33,11 +33,13 @@ PARAMS_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 SPECS = {"mindspeed_llm.tasks.models.spec.qwen3_spec": "--qk-layernorm"}
 # Flags of MindSpeed-LLM's convert_ckpt_v2.py / convert_ckpt.py that this converter refuses:
 # flag -> (argparse kind, the value that means "not used" (None: any use), the feature it needs)
-_MOE, _LORA = "mixture-of-experts models", "LoRA weights"
+_MOE = ("this mixture-of-experts layout (Mixtral, Qwen2-MoE and Qwen3-MoE convert with SequentialMLP experts at "
+        "expert-parallel size 1, every layer MoE)")
+_LORA = "LoRA weights"
 REFUSED = {
     "--noop-layers": (str, None, "noop layers (MindSpeed-LLM's empty layers that pad the pipeline)"),
     "--moe-grouped-gemm": (bool, None, _MOE), "--moe-tp-extend-ep": (bool, None, _MOE),
-    "--target-expert-parallel-size": (int, "1", _MOE), "--expert-tensor-parallel-size": (int, None, _MOE),
+    "--expert-tensor-parallel-size": (int, None, _MOE),
     "--first-k-dense-replace": (int, None, _MOE),
     "--mtp-num-layers": (int, "0", "multi-token prediction (MTP) layers"),
     "--mla-mm-split": (bool, None, "multi-latent attention (MLA)"),
@@ -89,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf -> mg: the TP size the vocabulary is padded for and checked against (the torch_dist "
                         "checkpoint itself loads at any TP)")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1,
+                   help="hf -> mg, an MoE model: checked to divide the experts; no effect on the torch_dist "
+                        "checkpoint, whose expert axis is global (the job's --expert-model-parallel-size splits it "
+                        "when it loads)")
     p.add_argument("--num-layer-list", default=None,
                    help="uneven PP, layers per stage, e.g. 3,5: with --ckpt-format torch the files' stages; a "
                         "torch_dist checkpoint is layout-free (checked against the model, no effect on it)")
@@ -189,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             args = core.hf_to_mg(a.load_dir, a.save_dir, a.model_type_hf, a.target_tensor_parallel_size,
                                  a.target_pipeline_parallel_size, layer_list, a.make_vocab_size_divisible_by, fmt,
                                  dtype, _expected(a),
-                                 os.path.abspath(a.tokenizer_model) if a.tokenizer_model else None)
+                                 os.path.abspath(a.tokenizer_model) if a.tokenizer_model else None,
+                                 a.target_expert_parallel_size)
             if fmt == "torch_dist":
-                for flag, value in (("--num-layer-list", a.num_layer_list),
+                ep = a.target_expert_parallel_size
+                for flag, value in (("--target-expert-parallel-size", ep if ep != 1 else None),
+                                    ("--num-layer-list", a.num_layer_list),
                                     ("--num-layers-per-virtual-pipeline-stage", vpp)):
                     if value is not None:
                         print(f"npu-compile convert: note: {flag} {value} leaves a torch_dist checkpoint as it is "
@@ -205,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for flag, value, default in (("--target-tensor-parallel-size", a.target_tensor_parallel_size, 1),
                                          ("--target-pipeline-parallel-size", a.target_pipeline_parallel_size, 1),
+                                         ("--target-expert-parallel-size", a.target_expert_parallel_size, 1),
                                          ("--num-layer-list", a.num_layer_list, None),
                                          ("--num-layers-per-virtual-pipeline-stage",
                                           a.num_layers_per_virtual_pipeline_stage, None),

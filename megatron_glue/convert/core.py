@@ -164,19 +164,24 @@ def _single_process():
 def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp: int = 1, pp: int = 1,
              num_layer_list: list[int] | None = None, divisible_by: int = 128,
              ckpt_format: str = "torch_dist", params_dtype: torch.dtype | None = None,
-             expect: dict[str, str] | None = None, tokenizer_model: str | None = None) -> argparse.Namespace:
+             expect: dict[str, str] | None = None, tokenizer_model: str | None = None,
+             ep: int = 1) -> argparse.Namespace:
     """Convert the HF model in `load_dir` into a Megatron checkpoint in `save_dir` (release; torch_dist, or with
     ckpt_format "torch" Megatron-LM's legacy files split for TP x PP, stages by `num_layer_list` or even; a
     torch_dist checkpoint is layout-free: `num_layer_list` is only checked against the model). Returns the job's
     args for it (`args.flags`: the architecture flags pretrain_gpt needs).
 
-    params_dtype: the checkpoint's dtype (default: the HF weights'). expect: {pretrain_gpt architecture flag: the
+    ep: the expert-parallel size it is meant for, checked against the experts (the checkpoint does not depend on
+    it). params_dtype: the checkpoint's dtype (default: the HF weights'). expect: {pretrain_gpt architecture flag: the
     command-line words that said the model has it}, checked. tokenizer_model: recorded in the checkpoint's args."""
 
     if ckpt_format not in ("torch_dist", "torch"):
         raise ConvertError(f"--ckpt-format {ckpt_format!r}: choose torch_dist or torch")
     cfg = hf_io.read_config(load_dir)
     family = family_for(model_type_hf, cfg)
+    if ckpt_format == "torch" and any(r.expert for r in family.tensors):
+        raise ConvertError(f"--ckpt-format torch: the legacy format of an MoE model ({family.name}) is not written "
+                           "here; use --ckpt-format torch_dist (the job loads it at any layout)")
     reader = hf_io.HFReader(load_dir)
     first = family.tensors[0].hf[0]
     dtype = params_dtype or (reader.get(first).dtype if first in reader else torch.float32)
@@ -184,6 +189,12 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
     args = architecture(family, cfg, tp, 1 if num_layer_list else pp, divisible_by, dtype)
     args.pipeline_model_parallel_size = pp
     _check_expected(family, args, expect)
+    experts = getattr(args, "num_experts", None)
+    if ep != 1 and not experts:
+        raise ConvertError(f"--target-expert-parallel-size {ep}: the {family.name} model has no experts; leave it 1")
+    if ep < 1 or experts and experts % ep:
+        raise ConvertError(f"--target-expert-parallel-size {ep}: the model's {experts} experts are not divisible by "
+                           f"{ep}; use a size that divides them")
     layers = args.num_layers
     if num_layer_list is not None:
         if len(num_layer_list) != pp or sum(num_layer_list) != layers or min(num_layer_list) < 1:
@@ -227,20 +238,21 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
     done_layers: set = set()
     cache: dict = {}
 
-    def full(name: str, layer: int | None) -> torch.Tensor:
-        key = (name, layer)
+    def full(name: str, layer: int | None, expert: int | None = None) -> torch.Tensor:
+        key = (name, layer, expert)
         if key not in cache:
             row = by_name.get((name, layer is not None))
             if row is None:
                 raise ConvertError(f"megatron-core's {family.name} model has a tensor {name!r} that the family "
                                    "table does not produce; add a row for it")
             cache.clear()  # one converted tensor held at a time (the GLU fc1 is written as two chunks), let go
-            hf = [reader.get(n.format(i=layer)) for n in row.hf]  # before the next one's inputs are read
+            names = [n.format(i=layer, e=expert) for n in row.hf]
+            hf = [reader.get(n) for n in names]  # before the next one's inputs are read
             try:
                 t = TRANSFORMS[row.transform].to_mcore(hf, args).to(dtype)
             except ValueError as e:  # a transform's check of its input, e.g. the embedding's rows
-                raise ConvertError(f"{', '.join(n.format(i=layer) for n in row.hf)}: {e}")
-            want = shapes.get(f"{torch_dist.LAYERS}0.{name}" if layer is not None else name)
+                raise ConvertError(f"{', '.join(names)}: {e}")
+            want = shapes.get(f"{torch_dist.LAYERS}0.{name.format(e=expert)}" if layer is not None else name)
             if want is not None and tuple(t.shape) != want:
                 raise ConvertError(f"the {family.name} table's {row.transform!r} of {', '.join(row.hf)} gives "
                                    f"{name} the shape {tuple(t.shape)}; megatron-core's model has {want}")
@@ -248,10 +260,15 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
         return cache[key]
 
     def produce(key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
+        lead = 0  # leading axes of the key that index tensors (layer; layer and expert)
         if key.startswith(torch_dist.LAYERS):
             layer = offsets[0]
-            name = torch_dist.module_name(key[len(torch_dist.LAYERS):], args.normalization)
-            t = full(name, layer).unsqueeze(0)
+            sub = key[len(torch_dist.LAYERS):]
+            expert_name = torch_dist.expert_name(sub)
+            if expert_name is not None:
+                t, lead = full(expert_name, layer, offsets[1]).unsqueeze(0).unsqueeze(0), 2
+            else:
+                t, lead = full(torch_dist.module_name(sub, args.normalization), layer).unsqueeze(0), 1
             if layer not in done_layers:
                 done_layers.add(layer)
                 bar.update(1)
@@ -259,7 +276,7 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
             t = full(key, None)
         expect = tuple(t.shape)
         for dim, (o, s) in enumerate(zip(offsets, sizes)):
-            if dim > 0 or not key.startswith(torch_dist.LAYERS):
+            if dim >= lead:
                 t = t.narrow(dim, o, s)
         if len(expect) != len(sizes):
             raise ConvertError(f"{key}: the family table gives shape {expect[1:]}, megatron-core expects {sizes}")
@@ -289,9 +306,13 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
 def _check_names(reader, family, rows, args, layers) -> None:
     """Every tensor the table reads is in the checkpoint, and every tensor of the checkpoint is read."""
     wanted = set()
+    experts = range(getattr(args, "num_experts", None) or 0)
     for r in rows:
         for name in r.hf:
-            wanted |= {name.format(i=i) for i in range(layers)} if r.layer else {name}
+            if r.expert:
+                wanted |= {name.format(i=i, e=e) for i in range(layers) for e in experts}
+            else:
+                wanted |= {name.format(i=i) for i in range(layers)} if r.layer else {name}
     have = set(reader.names())
     missing = sorted(wanted - have)
     if missing:
@@ -354,7 +375,8 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
     _check_expected(family, args, expect)
     _check_same_architecture(args, saved, folder, hf_cfg_dir)
     rows = [r for r in family.tensors if _when(r, args)]
-    layer_rows = [r for r in rows if r.layer]
+    layer_rows = [r for r in rows if r.layer and not r.expert]
+    expert_rows = [r for r in rows if r.expert]
     top_rows = [r for r in rows if not r.layer]
     layers = args.num_layers
 
@@ -370,6 +392,9 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
             got = torch_dist.load_slices(folder, {k: layer for k in keys}, metadata)
             return {n: got[k] for n, k in zip(names, keys)}
     else:
+        if any(r.expert for r in rows):
+            raise ConvertError(f"{folder}: a --ckpt-format torch checkpoint of an MoE model ({family.name}) is not "
+                               "read here; save it as torch_dist (the job's --ckpt-format torch_dist) and convert that")
         read = legacy.reader(folder, family, args, saved)
 
     # the vocabulary is sliced to config.json's (the padding rows are Megatron's)
@@ -383,6 +408,11 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
         for r in layer_rows:
             for name, t in zip(r.hf, TRANSFORMS[r.transform].to_hf(got[r.mcore], args)):
                 out[name.format(i=layer)] = t if params_dtype is None else t.to(params_dtype)
+        for e in range(args.num_experts or 0) if expert_rows else ():
+            got = _read_expert(folder, metadata, [r.mcore for r in expert_rows], layer, e, args)
+            for r in expert_rows:
+                for name, t in zip(r.hf, TRANSFORMS[r.transform].to_hf(got[r.mcore], args)):
+                    out[name.format(i=layer, e=e)] = t if params_dtype is None else t.to(params_dtype)
         dtype = dtype or max(out.values(), key=torch.Tensor.numel).dtype  # the weights', not the norms'
         writer.write(out)
         del got, out
@@ -398,6 +428,19 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
     _write_config(cfg, family, hf_cfg_dir, save_dir, dtype)
     writer.close()
     return save_dir
+
+
+def _read_expert(folder: str, metadata: dict, names: list[str], layer: int, expert: int, args) -> dict:
+    """{per-expert name template: expert `expert`'s tensor of layer `layer`} from a torch_dist checkpoint."""
+    keys = [torch_dist.LAYERS + torch_dist.sharded_name(n, args.normalization) for n in names]
+    absent = [k for k in keys if k not in metadata]
+    if absent:
+        raise ConvertError(f"{folder} has no tensor {absent[0]!r}; is it an MoE model with SequentialMLP experts?")
+    shape = metadata[keys[0]][0]
+    if shape[1] != args.num_experts:
+        raise ConvertError(f"{folder} has {shape[1]} experts per layer; the config gives {args.num_experts}")
+    got = torch_dist.load_slices(folder, {k: (layer, expert) for k in keys}, metadata)
+    return {n: got[k] for n, k in zip(names, keys)}
 
 
 def _check_no_weights_in(save_dir: str) -> None:

@@ -32,6 +32,7 @@ class Tensor:
     tp_dim: Megatron's tensor-parallel split: 0 (ColumnParallel, embeddings), 1 (RowParallel), "glu" (fc1 of a
     gated MLP: rank r holds [gate_r; up_r]) or None (replicated).
     when: the architecture flag (an attribute of the job's args) that must be true for the tensor to exist.
+    expert: one tensor per routed expert of an MoE layer: mcore and hf names carry `{e}` for the expert index.
     """
 
     mcore: str
@@ -40,6 +41,7 @@ class Tensor:
     tp_dim: int | str | None = None
     layer: bool = True
     when: str | None = None
+    expert: bool = False
 
 
 # A config.json field -> flag value: a field name, or a function of the whole config.
@@ -354,21 +356,104 @@ GPT2 = Family(
     ignored_hf=("transformer.h.{i}.attn.bias", "transformer.h.{i}.attn.masked_bias", "lm_head.weight"),
 )
 
+# -- Mixture of experts: Mixtral, Qwen3-MoE ---------------------------------------------------------------------
+# The Llama attention with an MoE layer in place of the MLP: megatron-core's MoELayer (`--num-experts`), its
+# TopKRouter (`mlp.router.weight` [experts, hidden], no bias: HF's gate) and SequentialMLP experts, each a SwiGLU
+# MLP (`mlp.experts.local_experts.<e>.linear_fc1` = [gate; up], `linear_fc2` = down). The routing each family
+# computes (transformers' modeling files):
+# - Mixtral (MixtralSparseMoeBlock / MixtralTopKRouter): softmax over all experts, top k, the k weights divided by
+#   their sum. megatron-core's softmax router without --moe-router-pre-softmax takes the top k of the logits and
+#   softmaxes over those k (moe_utils.py `topk_routing_with_score_function`): the same weights (exp(l_i) / sum of
+#   the k exp(l_j)), the same experts.
+# - Qwen3-MoE / Qwen2-MoE: softmax over all experts, top k, divided by their sum only with norm_topk_prob. With
+#   norm_topk_prob the Mixtral case; without, --moe-router-pre-softmax (softmax over all experts, then top k,
+#   not renormalised).
+# The load-balancing loss (router_aux_loss_coef, output_router_logits) is a training setting: the job's
+# --moe-aux-loss-coeff decides it. Every layer must be an MoE layer here (Qwen's mlp_only_layers /
+# decoder_sparse_step != 1 are refused).
+
+_M = _layer_tensors("model.layers", {"router": "block_sparse_moe.gate.weight",
+                                     "w1": "block_sparse_moe.experts.{e}.w1.weight",
+                                     "w3": "block_sparse_moe.experts.{e}.w3.weight",
+                                     "w2": "block_sparse_moe.experts.{e}.w2.weight"})
+_QM = _layer_tensors("model.layers", {"router": "mlp.gate.weight", "gate": "mlp.experts.{e}.gate_proj.weight",
+                                      "up": "mlp.experts.{e}.up_proj.weight",
+                                      "down": "mlp.experts.{e}.down_proj.weight"})
+
+
+def _moe_tensors(dense: tuple[Tensor, ...], names: dict[str, str], gate: str, up: str, down: str) -> tuple:
+    """A dense family's rows with its MLP replaced by the router and the per-expert SwiGLU MLPs."""
+    rows = tuple(r for r in dense if not r.mcore.startswith("mlp."))
+    return rows + (
+        Tensor("mlp.router.weight", (names["router"],)),
+        Tensor("mlp.experts.local_experts.{e}.linear_fc1.weight", (names[gate], names[up]), "gate_up", expert=True),
+        Tensor("mlp.experts.local_experts.{e}.linear_fc2.weight", (names[down],), expert=True),
+    )
+
+
+_MOE_DENSE_LAYERS = (
+    lambda c: bool(c.get("mlp_only_layers")) or (c.get("decoder_sparse_step") or 1) != 1,
+    "mlp_only_layers / decoder_sparse_step != 1 (dense MLP layers among the MoE layers) are not converted here")
+_JITTER = (lambda c: bool(c.get("router_jitter_noise")),
+           "router_jitter_noise (training only) scales the MoE block's input in transformers, megatron-core's "
+           "--moe-input-jitter-eps the router's input only: not carried over")
+MIXTRAL_CONFIG = LLAMA_CONFIG + (
+    ("--num-experts", "num_local_experts"),
+    ("--moe-ffn-hidden-size", "intermediate_size"),
+    ("--moe-router-topk", "num_experts_per_tok"),
+)
+MIXTRAL = Family("mixtral", ("mixtral",), "MixtralForCausalLM", MIXTRAL_CONFIG, LLAMA_FLAGS,
+                 _moe_tensors(LLAMA_TENSORS, _M, "w1", "w3", "w2"), LLAMA_REFUSE, ignored_hf=LLAMA.ignored_hf,
+                 notes=(_SLIDING, _JITTER))
+QWEN_MOE_CONFIG = LLAMA_CONFIG + (
+    # the hub's Qwen MoE config.json files say num_experts; transformers 5 writes num_local_experts (attribute_map)
+    ("--num-experts", lambda c: c.get("num_experts") or c.get("num_local_experts")),
+    ("--moe-ffn-hidden-size", "moe_intermediate_size"),
+    ("--moe-router-topk", "num_experts_per_tok"),
+    ("--moe-router-pre-softmax", lambda c: not c.get("norm_topk_prob", False)),
+)
+# Qwen2-MoE: Qwen2's attention (q/k/v biases) with the MoE layer and a gated shared expert: transformers'
+# Qwen2MoeSparseMoeBlock adds sigmoid(shared_expert_gate(x)) x shared_expert(x) (a SwiGLU MLP of
+# shared_expert_intermediate_size) to the routed output; megatron-core 0.16's SharedExpertMLP with
+# moe_shared_expert_gate computes the same (shared_experts.py `forward`: sigmoid(linear(x, gate_weight)) x out).
+_Q2M = _layer_tensors("model.layers", {"sgate": "mlp.shared_expert.gate_proj.weight",
+                                       "sup": "mlp.shared_expert.up_proj.weight",
+                                       "sdown": "mlp.shared_expert.down_proj.weight",
+                                       "sg": "mlp.shared_expert_gate.weight"})
+QWEN2_MOE_TENSORS = _moe_tensors(LLAMA_TENSORS, _QM, "gate", "up", "down") + (
+    Tensor("mlp.shared_experts.linear_fc1.weight", (_Q2M["sgate"], _Q2M["sup"]), "gate_up", "glu"),
+    Tensor("mlp.shared_experts.linear_fc2.weight", (_Q2M["sdown"],), tp_dim=1),
+    Tensor("mlp.shared_experts.gate_weight", (_Q2M["sg"],)),
+)
+QWEN2_MOE = Family("qwen2_moe", ("qwen2_moe",), "Qwen2MoeForCausalLM", QWEN_MOE_CONFIG + (
+    ("--moe-shared-expert-intermediate-size", "shared_expert_intermediate_size"),
+    ("--moe-shared-expert-gate", lambda c: bool(c.get("shared_expert_intermediate_size"))),
+    ("--add-qkv-bias", lambda c: c.get("qkv_bias", True))),  # transformers 5's qkv_bias; earlier: always
+    LLAMA_FLAGS, QWEN2_MOE_TENSORS, LLAMA_REFUSE + (_MOE_DENSE_LAYERS,) + (
+        (lambda c: not c.get("shared_expert_intermediate_size"), "a Qwen2-MoE without a shared expert "
+         "(shared_expert_intermediate_size 0): transformers' block still adds the gated shared expert"),),
+    ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
+QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", QWEN_MOE_CONFIG,
+                   LLAMA_FLAGS + ("--qk-layernorm",), _moe_tensors(QWEN3_TENSORS, _QM, "gate", "up", "down"),
+                   LLAMA_REFUSE + (_MOE_DENSE_LAYERS,), ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
+
 FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "seed_oss": SEED_OSS, "phi3": PHI3,
-            "gpt2": GPT2, "gemma2": GEMMA2}
+            "gpt2": GPT2, "gemma2": GEMMA2, "mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE,
+            "qwen3_moe": QWEN3_MOE}
 # --model-type-hf values (MindSpeed-LLM's names: convert_ckpt_v2.py's and convert_ckpt.py's choices, and the
 # spellings of the models' own names) -> family. MindSpeed-LLM's Magistral is a Mistral-architecture checkpoint.
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "magistral": "mistral", "qwen2": "qwen2",
                "qwen2.5": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3", "seed-oss": "seed_oss", "phi3": "phi3",
-               "phi3.5": "phi3", "gpt2": "gpt2", "gemma2": "gemma2"}
+               "phi3.5": "phi3", "gpt2": "gpt2", "gemma2": "gemma2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
+               "qwen3-moe": "qwen3_moe"}
 # MindSpeed-LLM's convert_ckpt.py (its 2.x scripts) says `--model-type-hf llama2` for every Llama-layout checkpoint,
 # Qwen 1.5 / 2 / 2.5 included (with --add-qkv-bias): the family is then config.json's, among these.
 LLAMA_LAYOUT = {"llama2": ("llama", "qwen2")}
 # MindSpeed-LLM's names of families not converted here, by the feature they need
 _NOT_CONVERTED = {
-    "a mixture-of-experts model": ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek2", "deepseek2-lite", "deepseek3",
-                           "deepseek32", "deepseek4", "deepseek4_base", "glm45", "glm45-air", "glm5", "bailing_mini",
-                           "qwen3-next", "phi3.5-moe", "minicpm-moe", "longcat", "minimax_m2", "HYV3", "hunyuan"),
+    "a mixture-of-experts model other than Mixtral, Qwen2-MoE and Qwen3-MoE": (
+                           "deepseek2", "deepseek2-lite", "deepseek3", "deepseek32", "deepseek4", "deepseek4_base",
+                           "glm45", "glm45-air", "glm5", "bailing_mini", "qwen3-next", "phi3.5-moe", "minicpm-moe", "longcat", "minimax_m2", "HYV3", "hunyuan"),
     "a state-space (Mamba) model": ("mamba2",),
 }
 

@@ -37,7 +37,21 @@ def module_name(sharded: str, normalization: str) -> str:
     return sharded
 
 
+# megatron-core's SequentialMLP saves its local experts' tensors under one key with a global expert axis after the
+# layer axis (experts.py, `SequentialMLP.sharded_state_dict`: local_experts.<j> -> experts, offset by the rank's
+# first expert): the family tables name them per expert, EXPERT_MODULE with {e}
+EXPERT_KEY = "mlp.experts.experts."
+EXPERT_MODULE = "mlp.experts.local_experts.{e}."
+
+
+def expert_name(sharded: str) -> str | None:
+    """The family tables' per-expert name template of an expert key (after decoder.layers.), else None."""
+    return EXPERT_MODULE + sharded[len(EXPERT_KEY):] if sharded.startswith(EXPERT_KEY) else None
+
+
 def sharded_name(module: str, normalization: str) -> str:
+    if module.startswith(EXPERT_MODULE):
+        return EXPERT_KEY + module[len(EXPERT_MODULE):]
     for prefix, key in _keys_map(normalization).items():
         if module.startswith(prefix):
             return key + module[len(prefix):]
@@ -98,10 +112,12 @@ def tensor_metadata(folder: str) -> dict[str, tuple[tuple[int, ...], torch.dtype
             if isinstance(md, TensorStorageMetadata)}
 
 
-def load_slices(folder: str, wanted: dict[str, int | None], metadata: dict) -> dict[str, torch.Tensor]:
-    """{key: tensor}: for a layer key (`decoder.layers.*`) the slice `wanted[key]` of its layer axis, for the
-    others the whole tensor. Read with torch.distributed.checkpoint's own reader: the chunks of the checkpoint
-    that overlap each slice (however TP/PP split it when saving) land in their place."""
+def load_slices(folder: str, wanted: dict[str, int | tuple[int, ...] | None], metadata: dict
+                ) -> dict[str, torch.Tensor]:
+    """{key: tensor}: for a layer key (`decoder.layers.*`) the slice `wanted[key]` of its layer axis (a tuple: of
+    its leading axes, e.g. (layer, expert) for an MoE layer's experts), for the others the whole tensor. Read with
+    torch.distributed.checkpoint's own reader: the chunks of the checkpoint that overlap each slice (however TP/PP
+    split it when saving) land in their place."""
     from torch.distributed.checkpoint import FileSystemReader, load as dcp_load
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -114,7 +130,9 @@ def load_slices(folder: str, wanted: dict[str, int | None], metadata: dict) -> d
         if layer is None:
             targets[key] = ((0,) * len(shape), torch.empty(shape, dtype=dtype))
         else:
-            targets[key] = ((layer,) + (0,) * (len(shape) - 1), torch.empty((1, *shape[1:]), dtype=dtype))
+            lead = layer if isinstance(layer, tuple) else (layer,)
+            targets[key] = (lead + (0,) * (len(shape) - len(lead)),
+                            torch.empty((1,) * len(lead) + tuple(shape[len(lead):]), dtype=dtype))
 
     class SlicePlanner(DefaultLoadPlanner):
         def create_local_plan(self):
@@ -136,7 +154,10 @@ def load_slices(folder: str, wanted: dict[str, int | None], metadata: dict) -> d
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process reads, by design
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp_load({}, storage_reader=FileSystemReader(folder), planner=SlicePlanner(), no_dist=True)
-    out = {key: (t[0] if wanted[key] is not None else t) for key, (_, t) in targets.items()}
+    out = {}
+    for key, (_, t) in targets.items():
+        lead = wanted[key]
+        out[key] = t if lead is None else t.reshape(t.shape[len(lead) if isinstance(lead, tuple) else 1:])
     # SlicePlanner, a class, lives in a reference cycle until the garbage collector runs: emptied, its closure no
     # longer holds this layer's tensors once the caller lets go of them (else a few layers pile up in memory)
     targets.clear()

@@ -667,6 +667,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="the shared experts' total FFN size")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="the shared experts' output scaled by sigmoid(x . gate_weight) (megatron-core 0.16's "
+                        "moe_shared_expert_gate; Qwen2-MoE's shared_expert_gate); needs "
+                        "--moe-shared-expert-intermediate-size")
     g.add_argument("--n-shared-experts", type=int, default=None,
                    help="MindSpeed-LLM: shared experts, each of --moe-ffn-hidden-size (sets "
                         "--moe-shared-expert-intermediate-size when that is not given)")
@@ -1183,6 +1187,12 @@ def validate_moe(args: argparse.Namespace, fail) -> None:
     if args.n_shared_experts and args.moe_shared_expert_intermediate_size is None:
         # MindSpeed-LLM (mindspeed_llm/features_manager/moe/shared_expert.py, validate_args)
         args.moe_shared_expert_intermediate_size = args.n_shared_experts * args.moe_ffn_hidden_size
+    if args.moe_shared_expert_gate and not args.moe_shared_expert_intermediate_size:
+        fail("--moe-shared-expert-gate gates the shared experts: give --moe-shared-expert-intermediate-size (or "
+             "--n-shared-experts)")
+    if args.moe_shared_expert_gate and not megatron_core_in(">=0.16"):
+        fail("--moe-shared-expert-gate needs megatron-core 0.16 (TransformerConfig.moe_shared_expert_gate; 0.12 has "
+             "no gate on the shared experts)")
     types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
     if len(types) > 1 and not megatron_core_in(">=0.16"):
         fail(f"--moe-router-load-balancing-type {' '.join(types)}: several balancing losses at once need "

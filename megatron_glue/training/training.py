@@ -204,6 +204,8 @@ def moe_fields(args) -> dict:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         moe_grouped_gemm=False,
+        # 0.16's field; set only when asked (0.12's config has none; the parser refuses the flag there)
+        **({"moe_shared_expert_gate": True} if getattr(args, "moe_shared_expert_gate", False) else {}),
     )
 
 

@@ -61,6 +61,21 @@ def hf_config(name: str, **over):
                               attn_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh",
                               tie_word_embeddings=True, attention_dropout=0.0,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif name == "mixtral":  # 4 experts, top 2: softmax, top k, renormalised (megatron-core's default router)
+        cfg = tf.MixtralConfig(**common, num_key_value_heads=2, rms_norm_eps=1e-5, num_local_experts=4,
+                               num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0,
+                               tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 1000000.0})
+    elif name == "qwen2-moe":  # q/k/v biases, a gated shared expert of 48; norm_topk_prob false (its default)
+        cfg = tf.Qwen2MoeConfig(**common, num_key_value_heads=2, rms_norm_eps=1e-6, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                norm_topk_prob=False, use_sliding_window=False, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif name == "qwen3-moe":  # norm_topk_prob as the real Qwen3-MoEs; experts of 32, not intermediate_size
+        cfg = tf.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                           "rope_theta": 1000000.0})
     elif name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -72,6 +87,7 @@ def hf_config(name: str, **over):
 
 
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3", "seed-oss", "phi3.5", "gpt2")
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe")  # tests/megatron_glue/test_convert_moe.py
 
 
 def _sliding_window_built() -> bool:
@@ -175,7 +191,10 @@ def megatron_logits(runs: list[tuple], tp: int = 1, pp: int = 1, ckpt_format: st
 
         import megatron_glue
 
-        megatron_glue.adapt(("cpu", "compile"))  # what the in-process tests' megatron_cpu fixture applies
+        moe = any(run[1].get("num_local_experts") or run[1].get("num_experts") for run in runs)
+        # what the in-process tests' megatron_cpu fixture applies; an MoE model also the router's current-device
+        # stand-in ("sp") and the "moe" group (docs/moe.md)
+        megatron_glue.adapt(("cpu", "compile") + (("sp", "moe") if moe else ()))
         teardown_single_process()
         init_single_process()
         try:
@@ -240,3 +259,41 @@ def process_state_kept():
         registry.revert(*[n for n in registry.applied() if n not in before])
         if was_initialized:
             init_single_process()
+
+
+def _ep_worker(runs, ep: int, dispatcher: str):
+    from megatron_glue.capture.adaptations import groups_for
+    from megatron_glue.capture.distributed import init_distributed
+    from megatron_glue.capture import quiet_megatron
+    from megatron_glue.convert.core import architecture
+    from megatron_glue.convert.families import family_for
+    from megatron_glue.training import checkpointing, gpt, training
+
+    init_distributed(1, expert_model_parallel_size=ep, groups=groups_for(training=True))
+    out = []
+    for mg_dir, cfg, ids, *save_to in runs:
+        args = architecture(family_for(None, cfg), cfg)
+        # the converted flags at EP=ep: every rank holds num_experts / ep experts (data parallel over the same ids)
+        args.expert_model_parallel_size, args.moe_token_dispatcher_type = ep, dispatcher
+        args.load, args.finetune = mg_dir, True
+        config = training.transformer_config(args, types.SimpleNamespace(device=torch.device("cpu")))
+        with quiet_megatron():
+            model = gpt.model_provider(args, config).eval()
+        checkpointing.load_checkpoint(args, [model], None, None)
+        if save_to:  # saved again by the job at this layout (iteration 1, no optimizer)
+            args.save, args.no_save_optim, args.no_save_rng = save_to[0], True, True
+            checkpointing.save_checkpoint(args, 1, [model], None, None, 0)
+        local = {k.split(".local_experts.")[1].split(".")[0] for k in model.state_dict() if ".local_experts." in k}
+        b, s = ids.shape
+        with torch.no_grad():
+            logits = model(ids, torch.arange(s).expand(b, s), None)[..., : cfg["vocab_size"]]
+        out.append((logits, len(local)))
+    return out
+
+
+def megatron_logits_ep(runs: list[tuple], ep: int = 2, dispatcher: str = "allgather") -> list[list]:
+    """Each rank's (logits, local experts) of each (converted checkpoint, its HF config dict, token ids[, folder to
+    save it to]) loaded by the job's load_checkpoint at expert-parallel size `ep` over `ep` gloo processes."""
+    from megatron_glue.capture.distributed import run_on_ranks
+
+    return run_on_ranks(_ep_worker, runs, ep, dispatcher, world_size=ep, timeout=600)

@@ -278,10 +278,11 @@ def test_model_type_hf_names(hf, tmp_path, capsys):
                   capsys)[1].startswith("--post-norm: the llama model has no post norm (its architecture flags: ")
     assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "llama3"), capsys) == (
         1, "--model-type-hf llama3 expects config.json model_type llama, the config says 'qwen2'")
-    known = "llama2, llama3, mistral, magistral, qwen2, qwen2.5, qwen25, qwen3, seed-oss, phi3, phi3.5, gpt2, gemma2"
-    assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "qwen3-moe"), capsys) == (
-        2, f"--model-type-hf qwen3-moe: not a family this converter has (qwen3-moe is a mixture-of-experts model: not "
-           f"converted here); it converts {known}")
+    known = ("llama2, llama3, mistral, magistral, qwen2, qwen2.5, qwen25, qwen3, seed-oss, phi3, phi3.5, gpt2, "
+             "gemma2, mixtral, qwen2-moe, qwen3-moe")
+    assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "deepseek3"), capsys) == (
+        2, f"--model-type-hf deepseek3: not a family this converter has (deepseek3 is a mixture-of-experts model "
+           f"other than Mixtral, Qwen2-MoE and Qwen3-MoE: not converted here); it converts {known}")
     assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "chatglm3"), capsys) == (
         2, f"--model-type-hf chatglm3: not a family this converter has; it converts {known}")
 
@@ -290,9 +291,8 @@ def test_model_type_hf_names(hf, tmp_path, capsys):
     (["--noop-layers", "1"], "--noop-layers is not implemented here: this converter does not convert noop layers "
                              "(MindSpeed-LLM's empty layers that pad the pipeline)"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm is not implemented here: this converter does not convert "
-                             "mixture-of-experts models"),
-    (["--target-expert-parallel-size", "8"], "--target-expert-parallel-size is not implemented here: this converter "
-                                             "does not convert mixture-of-experts models"),
+                             "this mixture-of-experts layout (Mixtral, Qwen2-MoE and Qwen3-MoE convert with "
+                             "SequentialMLP experts at expert-parallel size 1, every layer MoE)"),
     (["--mtp-num-layers", "1"], "--mtp-num-layers is not implemented here: this converter does not convert "
                                 "multi-token prediction (MTP) layers"),
     (["--lora-r", "8"], "--lora-r is not implemented here: this converter does not convert LoRA weights"),

@@ -55,6 +55,22 @@ def test_mindspeed_llm_shared_experts_and_first_dense_layers():
         .moe_shared_expert_intermediate_size == 48  # given wins, as in MindSpeed-LLM
 
 
+def test_shared_expert_gate():
+    """--moe-shared-expert-gate (Qwen2-MoE's gated shared expert): megatron-core 0.16's moe_shared_expert_gate, a
+    gate_weight [1, hidden] in the shared experts; refused without shared experts and on 0.12."""
+    from megatron_glue.training.training import moe_fields
+
+    assert "moe_shared_expert_gate" not in moe_fields(_args())
+    assert "--moe-shared-expert-gate gates the shared experts: give --moe-shared-expert-intermediate-size" in \
+        _error("--moe-shared-expert-gate")
+    if not megatron_core_in(">=0.16"):
+        assert "--moe-shared-expert-gate needs megatron-core 0.16" in _error(
+            "--moe-shared-expert-gate", "--moe-shared-expert-intermediate-size", "48")
+        return
+    args = _args("--moe-shared-expert-gate", "--moe-shared-expert-intermediate-size", "48")
+    assert moe_fields(args)["moe_shared_expert_gate"] is True
+
+
 def test_expert_parallel_sizes_are_checked_against_experts_and_world():
     assert _args("--expert-model-parallel-size", "2", world_size=2).expert_model_parallel_size == 2
     assert "--num-experts 4 is not divisible by --expert-model-parallel-size 3" in _error(
