@@ -76,13 +76,19 @@ def megatrons_own_rng_tracker() -> None:
 
 @contextlib.contextmanager
 def adaptations_reverted(*names: str):
-    """Run a block with the named adaptations taken off (to show each is needed), then put them back."""
-    was_applied = [n for n in names if n in registry.applied()]
-    registry.revert(*was_applied)
+    """Run a block with the named adaptations taken off (to show each is needed), then put them back. An
+    adaptation applied later over the same target (one wrapping the other) comes off with it and back after."""
+    applied = list(registry.applied())
+    was_applied = [n for n in names if n in applied]
+    targets = {registry.get(n).target for n in was_applied}
+    start = min((applied.index(n) for n in was_applied), default=len(applied))
+    off = set(was_applied) | {n for n in applied[start:] if registry.get(n).target in targets}
+    taken = [n for n in applied if n in off]  # application order
+    registry.revert(*taken)
     try:
         yield
     finally:
-        registry.apply(*was_applied)
+        registry.apply(*taken)
 
 
 # -- as a pytest plugin ------------------------------------------------------------------------------------
