@@ -79,21 +79,15 @@ def prepare(folder: Path) -> None:
     """data/corpus_text_document (.bin/.idx) and tokenizer/ (an HF tokenizer folder) in `folder`: a byte-level
     BPE of VOCAB tokens trained on the project's own text, saved as transformers' PreTrainedTokenizerFast, and the
     text tokenized by it (`npu-compile preprocess`'s PretrainedFromHF, with the end-of-document token)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_glue.data.demo_data import EOD_TOKEN, corpus_documents
+    from megatron_glue.data.demo_data import EOD_TOKEN, byte_level_bpe, corpus_documents
     from megatron_glue.data.preprocess import preprocess
 
     if (folder / "data" / "corpus_text_document.idx").exists():
         return
     texts = [d["text"] for d in corpus_documents()]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainer=trainers.BpeTrainer(
-        vocab_size=VOCAB, min_frequency=2, special_tokens=[EOD_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bpe = byte_level_bpe(texts, VOCAB)
     PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOD_TOKEN).save_pretrained(folder / "tokenizer")
     (folder / "data").mkdir(exist_ok=True)
     corpus = folder / "data" / "corpus.jsonl"

@@ -32,10 +32,9 @@ DOCUMENT_CHARS = 600
 _VERSION = 2  # bump when what is made from the same sources changes
 
 
-def train_bpe(texts: list[str], out_dir: str, vocab_size: int = DEMO_VOCAB_SIZE) -> tuple[str, str]:
-    """Train a byte-level BPE (GPT-2's scheme, `<|endoftext|>` as its one special token) on `texts` and write
-    GPT-2's vocab.json + merges.txt into out_dir; returns their paths. Same texts, same files: the trainer is
-    deterministic (checked across processes, whose hash seeds differ)."""
+def byte_level_bpe(texts: list[str], vocab_size: int = DEMO_VOCAB_SIZE):
+    """A byte-level BPE (GPT-2's scheme, `<|endoftext|>` as its one special token) trained on `texts`: a
+    `tokenizers.Tokenizer`. The trainer is deterministic (checked across processes, whose hash seeds differ)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -46,6 +45,13 @@ def train_bpe(texts: list[str], out_dir: str, vocab_size: int = DEMO_VOCAB_SIZE)
         # every byte in the base vocabulary, so any text tokenizes (no unknown token, as in GPT-2)
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def train_bpe(texts: list[str], out_dir: str, vocab_size: int = DEMO_VOCAB_SIZE) -> tuple[str, str]:
+    """`byte_level_bpe` of `texts`, written as GPT-2's vocab.json + merges.txt into out_dir; returns their paths.
+    Same texts, same files."""
+    tok = byte_level_bpe(texts, vocab_size)
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         written = tok.model.save(tmp)  # vocab.json and merges.txt ("#version: 0.2" header), GPT-2's layout
