@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+from megatron_glue.training import monitor
 
 
 def is_rank0() -> bool:
@@ -33,11 +34,7 @@ def print_rank0(message: str) -> None:
 
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory of this process: the accelerator's allocator where there is one, else the resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    if device.type == "npu":
-        return torch.npu.max_memory_allocated(device) / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return monitor.peak_bytes(monitor.memory_bytes(device)) / 2 ** 20
 
 
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
@@ -153,16 +150,14 @@ class TensorBoard:
 
 
 def memory_figures(device: torch.device) -> dict[str, float]:
-    """--log-memory-to-tensorboard: the allocator's statistics under Megatron-LM's tags on an accelerator
-    (torch.cuda / torch.npu memory_stats); on the CPU, which has no caching allocator, the process's peak resident
-    set as mem-max-allocated-bytes alone."""
-    if device.type in ("cuda", "npu"):
-        stats = getattr(torch, device.type).memory_stats(device)
-        return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
-                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
-                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
-                "mem-allocated-count": stats["allocation.all.current"]}
-    return {"mem-max-allocated-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    """--log-memory-to-tensorboard: the allocator's statistics under Megatron-LM's tags on an accelerator; on the
+    CPU, which has no caching allocator, the process's peak resident set as mem-max-allocated-bytes alone."""
+    figures = monitor.memory_bytes(device)
+    if "max_allocated" in figures:
+        return {"mem-reserved-bytes": figures["reserved"], "mem-allocated-bytes": figures["allocated"],
+                "mem-max-allocated-bytes": figures["max_allocated"],
+                "mem-allocated-count": figures["allocation_count"]}
+    return {"mem-max-allocated-bytes": figures["max_rss"]}
 
 
 def arguments_lines(args, title: str = "arguments") -> str:

@@ -1,9 +1,10 @@
 """What the device is doing while the job trains: its memory, and its utilization sampled in the background.
 
 On an accelerator, the allocator's figures, the four Megatron-LM's `report_memory` prints (allocated, max
-allocated, reserved, max reserved; megatron/training/utils/common_utils.py `report_memory`): on an NPU through
-torch_npu's own functions (`torch.npu.memory_allocated`, `max_memory_allocated`, `memory_reserved`,
-`max_memory_reserved`: torch_npu 2.13.0 wheel, torch_npu/npu/memory.py:451,469,491,507) and utilization through
+allocated, reserved, max reserved; megatron/training/utils/common_utils.py `report_memory`) and the count
+Megatron-LM's TensorBoard adds, all from one reader of the allocator's statistics: on an NPU torch_npu's
+`torch.npu.memory_stats` (torch_npu 2.13.0 wheel, torch_npu/npu/memory.py:276; its memory_allocated and
+max_memory_... at :451-526 read the same keys) and utilization through
 `torch.npu.utilization(device)` (torch_npu/npu/__init__.py:626, the device's comprehensive utilization rate, %).
 On a CPU there is no device allocator: the process's resident set (now and at its peak) and the process's CPU
 utilization (CPU time over wall time, % of one core), labelled "cpu" so they are never read as a device's.
@@ -28,16 +29,35 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def memory_bytes(device: torch.device) -> dict[str, int]:
+    """This process's memory, the one reader behind the log line, the metrics JSONL and TensorBoard.
+
+    On an accelerator, its allocator's statistics (`memory_stats`; torch_npu 2.13.0 wheel, torch_npu/npu/memory.py:276,
+    the keys torch.cuda's allocator uses): allocated, max_allocated, reserved, max_reserved, allocation_count. On a
+    CPU, which has no caching allocator: rss and max_rss, the process's resident set now and at its peak."""
+    if device.type in ("npu", "cuda"):
+        stats = getattr(torch, device.type).memory_stats(device)
+        return {"allocated": stats.get("allocated_bytes.all.current", 0),
+                "max_allocated": stats.get("allocated_bytes.all.peak", 0),
+                "reserved": stats.get("reserved_bytes.all.current", 0),
+                "max_reserved": stats.get("reserved_bytes.all.peak", 0),
+                "allocation_count": stats.get("allocation.all.current", 0)}
+    return {"rss": _rss_bytes(),
+            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+
+
+def peak_bytes(figures: dict[str, int]) -> int:
+    """The peak of `memory_bytes`' figures: the allocator's peak allocation, or the CPU's peak resident set."""
+    return figures["max_allocated"] if "max_allocated" in figures else figures["max_rss"]
+
+
 def memory_mb(device: torch.device) -> dict[str, float]:
     """This process's memory figures in MB, named as the log and the metrics JSONL show them."""
+    figures = memory_bytes(device)
     if device.type in ("npu", "cuda"):
-        mod = torch.npu if device.type == "npu" else torch.cuda
-        return {"memory allocated (MB)": mod.memory_allocated(device) / MB,
-                "memory max allocated (MB)": mod.max_memory_allocated(device) / MB,
-                "memory reserved (MB)": mod.memory_reserved(device) / MB,
-                "memory max reserved (MB)": mod.max_memory_reserved(device) / MB}
-    return {"cpu rss (MB)": _rss_bytes() / MB,
-            "cpu max rss (MB)": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+        return {f"memory {key.replace('_', ' ')} (MB)": figures[key] / MB
+                for key in ("allocated", "max_allocated", "reserved", "max_reserved")}
+    return {"cpu rss (MB)": figures["rss"] / MB, "cpu max rss (MB)": figures["max_rss"] / MB}
 
 
 def report_memory_line(name: str, device: torch.device, rank: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+import types
 
 import pytest
 import torch
@@ -54,3 +55,67 @@ def test_job_logs_memory_and_utilization(tmp_path):
     # the first iteration compiles for seconds: the sampler has values for it
     assert 0 < train[0]["cpu utilization (%)"] <= 100 * torch.get_num_threads() + 50
     assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+class _FakeNpu:
+    """torch.npu as the job calls it on an NPU: `memory_stats` and `utilization`, with the keys its allocator uses."""
+
+    def __init__(self):
+        self.calls = []
+
+    def memory_stats(self, device):
+        self.calls.append(("memory_stats", device))
+        return {"allocated_bytes.all.current": 3 * monitor.MB, "allocated_bytes.all.peak": 5 * monitor.MB,
+                "reserved_bytes.all.current": 8 * monitor.MB, "reserved_bytes.all.peak": 9 * monitor.MB,
+                "allocation.all.current": 7}
+
+    def utilization(self, device):
+        self.calls.append(("utilization", device))
+        return 42
+
+
+@pytest.mark.any_megatron_line
+def test_npu_path_reads_the_allocator_and_its_names_are_torch_npus(monkeypatch):
+    """The NPU path is not run here (no NPU): run against a stand-in for torch.npu, and the names it calls read from
+    the torch-npu 2.13.0 wheel (torch_npu/npu/memory.py and torch_npu/npu/__init__.py), with the statistics keys
+    torch_npu's own accessors read."""
+    import ast
+    import zipfile
+
+    from lowering.wheel import wheel_path
+
+    from megatron_glue.training import log
+
+    fake = _FakeNpu()
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    npu = types.SimpleNamespace(type="npu", index=0)  # torch.device("npu") needs torch_npu's backend registered
+    assert monitor.memory_mb(npu) == {"memory allocated (MB)": 3.0, "memory max allocated (MB)": 5.0,
+                                      "memory reserved (MB)": 8.0, "memory max reserved (MB)": 9.0}
+    assert log.peak_memory_mb(npu) == 5.0
+    assert log.memory_figures(npu) == {"mem-reserved-bytes": 8 * monitor.MB, "mem-allocated-bytes": 3 * monitor.MB,
+                                       "mem-max-allocated-bytes": 5 * monitor.MB, "mem-allocated-count": 7}
+    assert monitor.report_memory_line("(after 1 iterations)", npu, 0) == (
+        "[Rank 0] (after 1 iterations) memory (MB) | allocated: 3.00 | max allocated: 5.00 | reserved: 8.00 | "
+        "max reserved: 9.00")
+    sampler = monitor.Utilization(npu, interval_s=0.01)
+    try:
+        deadline = time.perf_counter() + 5
+        while ("utilization", npu) not in fake.calls and time.perf_counter() < deadline:
+            time.sleep(0.01)
+    finally:
+        sampler.close()
+    assert sampler.name == "npu utilization (%)" and ("utilization", npu) in fake.calls
+
+    with zipfile.ZipFile(wheel_path()) as whl:
+        memory_py = whl.read("torch_npu/npu/memory.py").decode()
+        init_py = whl.read("torch_npu/npu/__init__.py").decode()
+
+    def defs(source):
+        return {n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+
+    assert "memory_stats" in defs(memory_py) and "utilization" in defs(init_py)
+    called = {name for name, _ in fake.calls}
+    assert called == {"memory_stats", "utilization"}
+    for key in ("allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current",
+                "reserved_bytes.all.peak"):  # what torch_npu's memory_allocated / max_memory_... read
+        assert f'memory_stats(device=device).get("{key}", 0)' in memory_py, key
