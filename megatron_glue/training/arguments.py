@@ -146,12 +146,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
                             "over DP with --use-distributed-optimizer"),
     "--swap-optimizer-times": (1, "MindSpeed's swap of optimizer state to host memory is not implemented here; "
                                   "shard it over DP with --use-distributed-optimizer"),
-    "--o2-optimizer": (0, "MindSpeed-LLM's O2 (bf16 Adam moments) is not implemented here: megatron-core's form of "
-                          "it (--use-precision-aware-optimizer) needs Transformer Engine's FusedAdam, which is "
-                          "CUDA-only; --reuse-fp32-param and --use-distributed-optimizer cut optimizer memory instead"),
-    "--o2-gradient": (0, "MindSpeed-LLM's O2 (bf16 main gradients) is not implemented here: megatron-core's form of "
-                         "it (--use-precision-aware-optimizer) needs Transformer Engine's FusedAdam, which is "
-                         "CUDA-only; --reuse-fp32-param and --use-distributed-optimizer cut optimizer memory instead"),
     "--noop-layers": (1, NOOP_LAYERS),
     "--schedules-method": (1, "MindSpeed's DualPipeV schedule is not implemented here; Megatron's 1F1B (with "
                               "--num-layers-per-virtual-pipeline-stage, interleaved) is"),
@@ -527,7 +521,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="gradients accumulated and reduced in fp32 (with --bf16 the default, as in Megatron-LM)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="Megatron-LM's: with --bf16, gradients accumulated and reduced in bf16 (megatron-core's DDP "
+                        "gradient buffer in the parameters' dtype) instead of fp32")
+    g.add_argument("--o2-gradient", action="store_true",
+                   help="MindSpeed-LLM's O2 half-precision gradients: --grad-reduce-in-bf16 (2 bytes x parameters "
+                        "less); needs --bf16 (megatron_glue/training/o2.py)")
+    g.add_argument("--o2-optimizer", action="store_true",
+                   help="MindSpeed-LLM's O2 half-precision optimizer: Adam's two moments kept in bf16 between steps, "
+                        "each step computed in fp32 by torch's Adam (4 bytes x parameters / DP less with "
+                        "--use-distributed-optimizer); needs --bf16 and --optimizer adam (megatron_glue/training/o2.py)")
     g.add_argument("--reuse-fp32-param", action="store_true",
                    help="MindSpeed's: the fp32 master weights share the bf16 weights' memory (each kept as its bf16 "
                         "rounding, the model weight, plus a 16-bit residual), saving 2 bytes x parameters / DP per "
@@ -951,6 +956,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.fp16 and args.bf16:
         fail("--fp16 and --bf16 are exclusive; pick one")
     args.params_dtype = "float16" if args.fp16 else "bfloat16" if args.bf16 else "float32"
+    validate_gradient_precision(args, fail)
 
     if args.hidden_size % args.num_attention_heads:
         fail(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
@@ -1301,6 +1307,26 @@ def validate_recompute_activation_function(args: argparse.Namespace, fail) -> No
     if fusions != "all" and not (fusions.get(rule, True) if isinstance(fusions, dict) else rule in fusions):
         fail(f"--recompute-activation-function recomputes the backend's fused activation op, and "
              f"--npu-compile-options 'fusions' leaves its rule \"{rule}\" out; add it, or drop the flag")
+
+
+def validate_gradient_precision(args: argparse.Namespace, fail) -> None:
+    """The gradients' dtype as Megatron-LM sets it (megatron/training/arguments.py `validate_args`, the `if args.bf16`
+    branch): under --bf16 accumulated and reduced in fp32 unless --grad-reduce-in-bf16; MindSpeed-LLM's O2 flags on
+    top (o2.py)."""
+    if args.o2_gradient:
+        args.grad_reduce_in_bf16 = True
+    for flag in ("o2_gradient", "o2_optimizer", "grad_reduce_in_bf16"):
+        if getattr(args, flag) and not args.bf16:  # MindSpeed-LLM's _validate_o2 too
+            fail(f"--{flag.replace('_', '-')} keeps bf16 {'Adam moments' if flag == 'o2_optimizer' else 'gradients'}:"
+                 f" it needs --bf16")
+    if args.o2_optimizer and args.optimizer != "adam":
+        fail(f"--o2-optimizer keeps Adam's moments in bf16; --optimizer {args.optimizer} has none: use --optimizer "
+             f"adam or drop --o2-optimizer")
+    if args.bf16:
+        if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+            fail(f"--{'o2-gradient' if args.o2_gradient else 'grad-reduce-in-bf16'} and "
+                 f"--accumulate-allreduce-grads-in-fp32 ask for bf16 and fp32 gradients; pick one")
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
 
 
 def validate_reuse_fp32_param(args: argparse.Namespace, fail) -> None:

@@ -282,13 +282,15 @@ def moe_dynamo_config() -> None:
 def model_state_bytes(chunk, args) -> int:
     """Bytes of one chunk's parameters, gradients and optimizer state on this rank, as megatron-core keeps them:
     parameters in bf16/fp16 or fp32; gradients in fp32 with --accumulate-allreduce-grads-in-fp32 (or fp32
-    training), else in the parameters' dtype; Adam's two fp32 moments (SGD's one momentum) plus an fp32 master
+    training), else in the parameters' dtype; Adam's two fp32 moments (bf16 with --o2-optimizer; SGD's one
+    momentum) plus an fp32 master
     copy of half-precision parameters, divided over the data-parallel ranks with --use-distributed-optimizer."""
     n = sum(p.numel() for p in chunk.parameters())
     half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     param = 2 if half else 4
     grad = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) or not half else 2
-    state = (8 if getattr(args, "optimizer", "adam") == "adam" else 4) + (4 if half else 0)
+    moments = 4 if getattr(args, "o2_optimizer", False) else 8  # two fp32 moments, or bf16 with --o2-optimizer
+    state = (moments if getattr(args, "optimizer", "adam") == "adam" else 4) + (4 if half else 0)
     if getattr(args, "use_distributed_optimizer", False):
         from megatron.core import parallel_state
 
@@ -375,6 +377,12 @@ def build_optimizer(args, chunks, config):
            if "overlap_param_gather" in OptimizerConfig.__dataclass_fields__ else {}))
     with quiet_megatron():
         optimizer = get_megatron_optimizer(opt_config, chunks)
+    if getattr(args, "o2_optimizer", False):  # MindSpeed-LLM's O2: Adam's moments in bf16
+        from megatron_glue.training import o2
+
+        inner = o2.enable(optimizer)
+        print_rank0(f" --o2-optimizer: Adam moment bytes on rank 0 {o2.moment_bytes(inner, torch.float32)} -> "
+                    f"{o2.moment_bytes(inner, torch.bfloat16)} (bf16 between steps)")
     if args.reuse_fp32_param:  # MindSpeed's: the fp32 master weights kept as bf16 weights + 16-bit residuals
         from megatron_glue.training import reuse_fp32_param
 
