@@ -1,14 +1,18 @@
-"""Launch `megatron_glue.pretrain_gpt` as a user does (torchrun for several processes), and read what it wrote.
+"""Launch `megatron_glue.pretrain_gpt` (each rank forked from a preloaded interpreter, zygote.py; or as a user does,
+torchrun for several processes), and read what it wrote.
 
 Each run writes its metrics JSONL (full-precision losses) to its own folder; `Run.losses` reads them back.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,11 +49,59 @@ def env() -> dict:
                 TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
 
 
+class _Zygote:
+    """This test process's fork server (zygote.py), started at its first launch."""
+
+    def __init__(self):
+        self.proc = None
+        self.lock = threading.Lock()
+
+    def _start(self):
+        log = tempfile.NamedTemporaryFile("w+", prefix="zygote-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py"))], env=env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        ready = json.loads(self.proc.stdout.readline() or "{}")
+        if not ready.get("ready"):
+            self.proc.kill()
+            self.proc = None
+            raise RuntimeError(f"the test launcher (tests/megatron_glue/zygote.py) did not start: "
+                               f"{ready.get('error') or Path(log.name).read_text()[-3000:]}")
+        atexit.register(self.proc.kill)
+
+    def run(self, folder: Path, module: str, args: list[str], nproc: int, timeout: float) -> Run:
+        stdout, stderr = folder / f".launch-{os.getpid()}.out", folder / f".launch-{os.getpid()}.err"
+        for path in (stdout, stderr):
+            path.write_text("")
+        request = dict(cwd=str(folder), env=env(), module=module, args=args, nproc=nproc, timeout=timeout,
+                       stdout=str(stdout), stderr=str(stderr))
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            answer = json.loads(self.proc.stdout.readline())
+        output = stdout.read_text() + stderr.read_text()
+        stdout.unlink()
+        stderr.unlink()
+        return Run(answer["returncode"], output, folder)
+
+
+_ZYGOTE = _Zygote()
+
+
 def pretrain(folder: Path, *flags: str, nproc: int = 1, base=TINY, timeout: float = 600,
-             module: str = "megatron_glue.pretrain_gpt", prefix: list[str] | None = None) -> Run:
-    """Run the job in `folder` (created), metrics to folder/metrics.jsonl; returns the finished Run."""
+             module: str = "megatron_glue.pretrain_gpt", prefix: list[str] | None = None,
+             launcher: str = "fork") -> Run:
+    """Run the job in `folder` (created), metrics to folder/metrics.jsonl; returns the finished Run.
+
+    launcher "fork": each rank forked from an interpreter that has imported the job's modules (zygote.py);
+    "torchrun": `python -m torch.distributed.run` (one process: `python -m`), as a user launches it."""
     folder.mkdir(parents=True, exist_ok=True)
     args = [*base, *flags, "--metrics-file", str(folder / "metrics.jsonl")]
+    if launcher not in ("fork", "torchrun"):
+        raise ValueError(f"launcher {launcher!r}: 'fork' or 'torchrun'")
+    if prefix is None and launcher == "fork":
+        return _ZYGOTE.run(folder, module, args, nproc, timeout)
     if prefix is not None:
         command = [*prefix, *args]
     elif nproc == 1:
