@@ -255,6 +255,44 @@ def test_evaluation_over_a_padded_vocabulary(converted, hf_dir, data_prefix, cac
     assert job["validation"] - plain > 0.05  # measured +0.145
 
 
+# -- a TensorFlow-written GPT-2 -------------------------------------------------------------------------------
+
+TF_GPT2 = Path(__file__).parent / "fixtures" / "tf_gpt2"  # vocabulary 512, as the tokenizer's (test_convert_tf.py)
+
+
+@pytest.fixture(scope="module")
+def tf_gpt2(tmp_path_factory) -> dict[str, Path]:
+    """fixtures/tf_gpt2/tf (written by TensorFlow) converted with --load-model-type tf, and the transformers folder
+    of the same weights (transformers' own TF loader made it) with --load-model-type hf."""
+    from megatron_glue.convert import main
+
+    out = {}
+    with hf_models.process_state_kept():
+        for kind in ("tf", "hf"):
+            out[kind] = tmp_path_factory.mktemp(f"gpt2_{kind}")
+            assert main(["--load-model-type", kind, "--save-model-type", "mg", "--load-dir", str(TF_GPT2 / kind),
+                         "--save-dir", str(out[kind])]) == 0
+    return out
+
+
+@pytest.mark.training
+@pytest.mark.any_megatron_line
+def test_a_tensorflow_gpt2_evaluates_to_its_hf_conversion_loss(tf_gpt2, hf_dir, data_prefix, cache, tmp_path):
+    """The job evaluates the TF conversion and the HF conversion to the same validation and test losses (1e-6), and
+    those are transformers' on the same samples."""
+    from transformers import GPT2LMHeadModel
+
+    losses = {}
+    for kind, mg in tf_gpt2.items():
+        flags, _, losses[kind] = _evaluate(tmp_path / kind, mg, hf_dir, data_prefix, cache, "--no-npu-compile")
+    model = GPT2LMHeadModel.from_pretrained(TF_GPT2 / "hf", dtype=torch.float32).eval()
+    want = hf_loss(model, job_batches(job_args(flags), 1, EVAL_ITERS))
+    print(f"TF GPT-2: job {losses['tf']}, its HF conversion {losses['hf']}, transformers (validation) {want:.7f}")
+    for kind in ("validation", "test"):
+        assert relative(losses["tf"][kind], losses["hf"][kind]) <= 1e-6, kind
+    assert relative(losses["tf"]["validation"], want) <= 1e-6
+
+
 # -- fine-tuning -----------------------------------------------------------------------------------------------
 
 @pytest.mark.training
