@@ -75,6 +75,11 @@ def test_dtypes_and_crc_against_tensorflows_own_definitions():
     data = (FIXTURE / "tf" / "model.ckpt.data-00000-of-00001").read_bytes()[:5000]
     assert tf_bundle.crc32c(data) == tb.crc32c(data)
     assert tf_bundle.unmask(tb.masked_crc32c(data)) == tb.crc32c(data)
+    # a tensor of a megabyte and more runs numpy's chunked CRC (the fixture's are smaller): an odd length, so
+    # that the tail after the chunks is bytes too
+    big = torch.randint(0, 256, (16384 * 66 + 1,), generator=torch.Generator().manual_seed(0),
+                        dtype=torch.uint8).numpy().tobytes()
+    assert tf_bundle.crc32c(big) == tb.crc32c(big)
 
 
 def test_the_tf_conversion_is_the_hf_conversion(tmp_path, capsys):
