@@ -102,6 +102,19 @@ def test_the_tf_conversion_is_the_hf_conversion(tmp_path, capsys):
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_the_legacy_format_too(tmp_path):
+    """--ckpt-format torch at TP=2: the per-rank files of the tf and hf conversions hold the same tensors."""
+    for kind in ("tf", "hf"):
+        assert main(_convert(FIXTURE / kind, tmp_path / kind, kind, "--ckpt-format", "torch",
+                             "--target-tensor-parallel-size", "2")) == 0
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        a, b = (torch.load(tmp_path / kind / "release" / rank / "model_optim_rng.pt", weights_only=False)["model"]
+                for kind in ("tf", "hf"))
+        assert list(a) == list(b)
+        for name, t in a.items():
+            assert (t is None and b[name] is None) or torch.equal(t, b[name]), (rank, name)
+
+
 def test_a_checkpoint_missing_a_tensor_names_it(tmp_path, capsys):
     folder = FIXTURE / "tf_missing"
     assert _fails(_convert(folder, tmp_path), capsys) == (
