@@ -4,6 +4,10 @@
         [--model-type-hf llama3] [--target-tensor-parallel-size 2] [--target-pipeline-parallel-size 2]
     npu-compile convert --load-model-type mg --save-model-type hf --load-dir MG_DIR --save-dir HF_OUT \\
         [--hf-cfg-dir HF_DIR]
+    npu-compile convert --load-model-type tf --save-model-type mg --load-dir GPT2_TF_DIR --save-dir MG_DIR
+
+`--load-model-type tf`: OpenAI's GPT-2 TensorFlow checkpoints (model.ckpt.* + hparams.json), read without
+TensorFlow (`tf_bundle`) as the transformers GPT-2 they convert to (`tf_io`), then as hf -> mg.
 
 hf -> mg writes Megatron-LM's layout (`latest_checkpointed_iteration.txt` = release, `release/` in
 megatron-core's torch_dist format, which reshards to any TP/PP when loaded; or with `--ckpt-format torch` the legacy
@@ -61,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Convert HuggingFace <-> Megatron (megatron-core GPTModel) checkpoints, "
                                    "streamed layer by layer. Takes the flags of MindSpeed-LLM's convert_ckpt_v2.py "
                                    "and convert_ckpt.py scripts for the dense families.")
-    p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
+    p.add_argument("--load-model-type", choices=["hf", "mg", "tf"], required=True,
+                   help="hf: a transformers folder; mg: a Megatron checkpoint; tf: OpenAI's GPT-2 TensorFlow "
+                        "checkpoint (model.ckpt.index, model.ckpt.data-*, hparams.json), to mg")
     p.add_argument("--save-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
@@ -164,14 +170,19 @@ def _freed_memory_back_to_the_os() -> None:
 def main(argv: list[str] | None = None) -> int:
     from megatron_glue.training.arguments import ArgumentError
     from megatron_glue.convert import core, hf_io, legacy
+    from megatron_glue.convert.tf_bundle import TFCheckpointError
 
     _freed_memory_back_to_the_os()
     try:
         a = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         _refusals(a)
-        if (a.load_model_type, a.save_model_type) not in (("hf", "mg"), ("mg", "hf")):
+        if (a.load_model_type, a.save_model_type) not in (("hf", "mg"), ("mg", "hf"), ("tf", "mg")):
             raise ArgumentError(f"npu-compile convert: error: --load-model-type {a.load_model_type} --save-model-type "
-                                f"{a.save_model_type}: converts hf -> mg or mg -> hf")
+                                f"{a.save_model_type}: converts hf -> mg, mg -> hf or tf -> mg")
+        if a.load_model_type == "tf" and a.model_type_hf not in (None, "gpt2"):
+            raise ArgumentError(f"npu-compile convert: error: --load-model-type tf --model-type-hf {a.model_type_hf}: "
+                                "TensorFlow checkpoints are read in OpenAI's GPT-2 layout only; give "
+                                "--model-type-hf gpt2 or leave it out")
         layer_list = None
         if a.num_layer_list is not None:
             try:
@@ -182,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         dtype = getattr(torch, PARAMS_DTYPES[a.params_dtype]) if a.params_dtype else None
-        if a.load_model_type == "hf":
+        if a.load_model_type in ("hf", "tf"):
             if a.hf_cfg_dir is not None:
-                raise ArgumentError("npu-compile convert: error: --hf-cfg-dir is for mg -> hf; hf -> mg reads "
-                                    "--load-dir's config.json")
+                raise ArgumentError(f"npu-compile convert: error: --hf-cfg-dir is for mg -> hf; {a.load_model_type} "
+                                    f"-> mg reads --load-dir's {'config' if a.load_model_type == 'hf' else 'hparams'}"
+                                    ".json")
             fmt = a.ckpt_format or "torch_dist"
             vpp = a.num_layers_per_virtual_pipeline_stage
             if vpp is not None:
@@ -196,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                                  a.target_pipeline_parallel_size, layer_list, a.make_vocab_size_divisible_by, fmt,
                                  dtype, _expected(a),
                                  os.path.abspath(a.tokenizer_model) if a.tokenizer_model else None,
-                                 a.target_expert_parallel_size)
+                                 a.target_expert_parallel_size, a.load_model_type)
             if fmt == "torch_dist":
                 ep = a.target_expert_parallel_size
                 for flag, value in (("--target-expert-parallel-size", ep if ep != 1 else None),
@@ -229,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as e:
         print(e.message, file=sys.stderr)
         return 2
-    except (core.ConvertError, ConfigError, hf_io.HFCheckpointError, legacy.LegacyCheckpointError) as e:
+    except (core.ConvertError, ConfigError, hf_io.HFCheckpointError, legacy.LegacyCheckpointError,
+            TFCheckpointError) as e:
         print(f"npu-compile convert: error: {e}", file=sys.stderr)
         return 1
     return 0
@@ -250,7 +263,12 @@ def _check_vpp(a, vpp: int, layer_list, fmt: str) -> None:
         raise ArgumentError(f"npu-compile convert: error: {flag} and --num-layer-list: give one of them "
                             "(Megatron-LM splits virtual stages evenly)")
     pp = a.target_pipeline_parallel_size
-    cfg = hf_io.read_config(a.load_dir)
+    if a.load_model_type == "tf":
+        from megatron_glue.convert import tf_io
+
+        cfg = tf_io.gpt2_config(a.load_dir)
+    else:
+        cfg = hf_io.read_config(a.load_dir)
     family = family_for(a.model_type_hf, cfg)
     flags = core.architecture_flags(family, cfg)
     num_layers = int(flags[flags.index("--num-layers") + 1])

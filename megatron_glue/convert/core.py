@@ -165,7 +165,7 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
              num_layer_list: list[int] | None = None, divisible_by: int = 128,
              ckpt_format: str = "torch_dist", params_dtype: torch.dtype | None = None,
              expect: dict[str, str] | None = None, tokenizer_model: str | None = None,
-             ep: int = 1) -> argparse.Namespace:
+             ep: int = 1, source: str = "hf") -> argparse.Namespace:
     """Convert the HF model in `load_dir` into a Megatron checkpoint in `save_dir` (release; torch_dist, or with
     ckpt_format "torch" Megatron-LM's legacy files split for TP x PP, stages by `num_layer_list` or even; a
     torch_dist checkpoint is layout-free: `num_layer_list` is only checked against the model). Returns the job's
@@ -173,16 +173,23 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
 
     ep: the expert-parallel size it is meant for, checked against the experts (the checkpoint does not depend on
     it). params_dtype: the checkpoint's dtype (default: the HF weights'). expect: {pretrain_gpt architecture flag: the
-    command-line words that said the model has it}, checked. tokenizer_model: recorded in the checkpoint's args."""
+    command-line words that said the model has it}, checked. tokenizer_model: recorded in the checkpoint's args.
+    source: "hf", a transformers folder, or "tf", OpenAI's GPT-2 TensorFlow checkpoint read as the transformers
+    GPT-2 it converts to (`tf_io`)."""
 
     if ckpt_format not in ("torch_dist", "torch"):
         raise ConvertError(f"--ckpt-format {ckpt_format!r}: choose torch_dist or torch")
-    cfg = hf_io.read_config(load_dir)
+    if source == "tf":
+        from megatron_glue.convert import tf_io
+
+        cfg = tf_io.gpt2_config(load_dir)
+    else:
+        cfg = hf_io.read_config(load_dir)
     family = family_for(model_type_hf, cfg)
     if ckpt_format == "torch" and any(r.expert for r in family.tensors):
         raise ConvertError(f"--ckpt-format torch: the legacy format of an MoE model ({family.name}) is not written "
                            "here; use --ckpt-format torch_dist (the job loads it at any layout)")
-    reader = hf_io.HFReader(load_dir)
+    reader = tf_io.TFGPT2Reader(load_dir) if source == "tf" else hf_io.HFReader(load_dir)
     first = family.tensors[0].hf[0]
     dtype = params_dtype or (reader.get(first).dtype if first in reader else torch.float32)
     # an uneven --num-layer-list need not divide the layers evenly: the job's even-split check is not asked
@@ -315,14 +322,16 @@ def _check_names(reader, family, rows, args, layers) -> None:
                 wanted |= {name.format(i=i) for i in range(layers)} if r.layer else {name}
     have = set(reader.names())
     missing = sorted(wanted - have)
+    # a TensorFlow checkpoint's names are its own (tf_io.TFGPT2Reader.source_name), not transformers'
+    source = getattr(reader, "source_name", lambda n: n)
     if missing:
-        raise ConvertError(f"{reader.folder}: the {family.name} table reads {missing[0]!r}"
+        raise ConvertError(f"{reader.folder}: the {family.name} table reads {source(missing[0])!r}"
                            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the checkpoint "
-                           "does not have; is --model-type-hf right?")
+                           f"does not have; {getattr(reader, 'missing_hint', 'is --model-type-hf right?')}")
     ignored = {n.format(i=i) for n in family.ignored_hf for i in range(layers)}
     extra = sorted(have - wanted - ignored)
     if extra:
-        raise ConvertError(f"{reader.folder}: the checkpoint has {extra[0]!r}"
+        raise ConvertError(f"{reader.folder}: the checkpoint has {source(extra[0])!r}"
                            f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which the {family.name} "
                            "table has no place for; converting would drop it")
 

@@ -58,7 +58,8 @@ def test_an_unknown_flag(hf, tmp_path, capsys):
 def test_hf_to_hf(hf, tmp_path, capsys):
     argv = ["--load-model-type", "hf", "--save-model-type", "hf", "--load-dir", hf["llama3"], "--save-dir",
             str(tmp_path)]
-    assert _fails(argv, capsys) == (2, "--load-model-type hf --save-model-type hf: converts hf -> mg or mg -> hf")
+    assert _fails(argv, capsys) == (2, "--load-model-type hf --save-model-type hf: converts hf -> mg, mg -> hf or "
+                                       "tf -> mg")
 
 
 def test_a_folder_without_config_json(tmp_path, capsys):

@@ -206,31 +206,58 @@ def test_evaluation_equals_transformers(tp, converted, hf_dir, data_prefix, cach
 
 
 OTHERS = ("llama2", "mistral", "qwen2", "qwen2.5", "gpt2")  # with llama3 above: every family
+# vocabulary 512, as the tokenizer's: a GPT-2 written by TensorFlow (tf/) and the same weights as a transformers
+# folder (hf/, made by transformers' own TF loader); the gpt2 case below is that folder (test_convert_tf.py)
+TF_GPT2 = Path(__file__).parent / "fixtures" / "tf_gpt2"
 
 
 @pytest.fixture(scope="module")
 def other_families(hf_dir, tmp_path_factory) -> dict:
-    """The other families at the tokenizer's vocabulary, converted here: name -> (mg folder, transformers model)."""
+    """The other families at the tokenizer's vocabulary, converted here: name -> (mg folder, transformers model).
+    GPT-2 is fixtures/tf_gpt2/hf; "gpt2-tf" its TensorFlow original, converted with --load-model-type tf."""
+    from transformers import GPT2LMHeadModel
+
     from megatron_glue.convert import core
 
     out = {}
     with hf_models.process_state_kept():
         for i, name in enumerate(OTHERS):
             folder = tmp_path_factory.mktemp(name.replace(".", "_"))
-            model = hf_models.save_random_hf(name, str(folder / "hf"), seed=10 + i, vocab_size=VOCAB)
-            core.hf_to_mg(str(folder / "hf"), str(folder / "mg"), name)
+            if name == "gpt2":
+                model = GPT2LMHeadModel.from_pretrained(TF_GPT2 / "hf", dtype=torch.float32).eval()
+                core.hf_to_mg(str(TF_GPT2 / "hf"), str(folder / "mg"), name)
+            else:
+                model = hf_models.save_random_hf(name, str(folder / "hf"), seed=10 + i, vocab_size=VOCAB)
+                core.hf_to_mg(str(folder / "hf"), str(folder / "mg"), name)
             out[name] = (folder / "mg", model)
+        folder = tmp_path_factory.mktemp("gpt2_tf")
+        core.hf_to_mg(str(TF_GPT2 / "tf"), str(folder / "mg"), source="tf")
+        out["gpt2-tf"] = (folder / "mg", out["gpt2"][1])
     return out
+
+
+@pytest.fixture(scope="module")
+def evaluations() -> dict:
+    """The job's evaluations of other_families, by name, each run once for the tests that read it."""
+    return {}
+
+
+def _evaluate_family(name, other_families, evaluations, hf_dir, data_prefix, cache, tmp_path):
+    if name not in evaluations:
+        evaluations[name] = _evaluate(tmp_path, other_families[name][0], hf_dir, data_prefix, cache,
+                                      "--no-npu-compile")
+    return evaluations[name]
 
 
 @pytest.mark.training
 @pytest.mark.any_megatron_line  # the families' loading on 0.12.1 is test_convert.py's; this is the job's reduction
 @pytest.mark.parametrize("name", OTHERS)
-def test_every_family_evaluates_to_transformers_loss(name, other_families, hf_dir, data_prefix, cache, tmp_path):
+def test_every_family_evaluates_to_transformers_loss(name, other_families, evaluations, hf_dir, data_prefix, cache,
+                                                     tmp_path):
     """Each family through pretrain_gpt --load --finetune --skip-train (eager: the compiled evaluation is
     llama3's above): the validation lm loss is transformers' on the same samples."""
-    mg, model = other_families[name]
-    flags, _, job = _evaluate(tmp_path, mg, hf_dir, data_prefix, cache, "--no-npu-compile")
+    model = other_families[name][1]
+    flags, _, job = _evaluate_family(name, other_families, evaluations, hf_dir, data_prefix, cache, tmp_path)
     want = hf_loss(model, job_batches(job_args(flags), 1, EVAL_ITERS))
     print(f"{name}: job {job['validation']:.7f}, transformers {want:.7f}, "
           f"relative {relative(job['validation'], want):.1e}")
@@ -253,6 +280,24 @@ def test_evaluation_over_a_padded_vocabulary(converted, hf_dir, data_prefix, cac
           f"transformers with 88 zero logits {padded:.7f}")
     assert relative(job["validation"], padded) <= 1e-5
     assert job["validation"] - plain > 0.05  # measured +0.145
+
+
+@pytest.mark.training
+@pytest.mark.any_megatron_line
+def test_a_tensorflow_gpt2_evaluates_to_its_hf_conversion_loss(other_families, evaluations, hf_dir, data_prefix,
+                                                               cache, tmp_path):
+    """The job evaluates the TensorFlow checkpoint's conversion (--load-model-type tf) to the validation and test
+    losses of its HF conversion (the gpt2 case above: one launch shared), within 1e-6, and to transformers'."""
+    losses = {}
+    for name in ("gpt2-tf", "gpt2"):
+        flags, _, losses[name] = _evaluate_family(name, other_families, evaluations, hf_dir, data_prefix, cache,
+                                                  tmp_path / name)
+    want = hf_loss(other_families["gpt2"][1], job_batches(job_args(flags), 1, EVAL_ITERS))
+    print(f"TF GPT-2: job {losses['gpt2-tf']}, its HF conversion {losses['gpt2']}, transformers (validation) "
+          f"{want:.7f}")
+    for kind in ("validation", "test"):
+        assert relative(losses["gpt2-tf"][kind], losses["gpt2"][kind]) <= 1e-6, kind
+    assert relative(losses["gpt2-tf"]["validation"], want) <= 1e-6
 
 
 # -- fine-tuning -----------------------------------------------------------------------------------------------
