@@ -83,3 +83,39 @@ def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher
     assert "npu_compile.grouped_matmul" not in report.lowered_ops
     weight_grads = [u for u in report.unfused if u["rule"] == "grouped_matmul"]
     assert [u["reason"].split(" weight-gradient")[0] for u in weight_grads] == [str(2 * EXPERTS)], weight_grads
+
+
+# -- the flags: Megatron-LM's --moe-grouped-gemm names the grouped_matmul rule -------------------------------------
+
+def _parse(*flags, world_size=1):
+    from megatron_glue.training.arguments import parse_args
+    from pretrain_runs import TINY
+
+    return parse_args([*TINY, "--train-iters", "2", "--num-experts", "4", "--disable-bias-linear", *flags],
+                      world_size=world_size)
+
+
+def test_moe_grouped_gemm_is_the_grouped_matmul_rule():
+    """On by default (fusions "all"); a `fusions` list without it gets it added, as each MindSpeed switch adds its
+    rules; megatron-core's own GroupedMLP stays off (it needs the CUDA grouped_gemm package): SequentialMLP is
+    built and the rule groups its matmuls."""
+    from megatron_glue.training.training import moe_fields
+
+    args = _parse("--moe-grouped-gemm")
+    assert args.moe_grouped_gemm and args.npu_compile_options.get("fusions", "all") == "all"
+    assert moe_fields(args)["moe_grouped_gemm"] is False
+    listed = _parse("--moe-grouped-gemm", "--npu-compile-options", '{"fusions": ["swiglu"]}')
+    assert listed.npu_compile_options["fusions"] == ["swiglu", "grouped_matmul"]
+    switched_off = _parse("--moe-grouped-gemm", "--npu-compile-options", '{"fusions": {"grouped_matmul": false}}')
+    assert switched_off.npu_compile_options["fusions"] == {"grouped_matmul": True}
+
+
+def test_moe_grouped_gemm_without_the_compiler_is_refused():
+    from megatron_glue.training.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError) as info:
+        _parse("--moe-grouped-gemm", "--no-npu-compile")
+    assert info.value.message.endswith(
+        "--moe-grouped-gemm is the backend's grouped_matmul fusion (megatron-core's own grouped GEMM needs a CUDA "
+        "package), which --no-npu-compile turns off; drop one of them")
+    _parse("--no-npu-compile")  # without the flag: the eager experts
