@@ -163,3 +163,39 @@ def test_the_switch(scalars):
     (report,) = reports
     assert report.fusions.get("grouped_matmul", 0) == 0
     assert "npu_compile.grouped_matmul" not in report.lowered_ops
+
+
+def test_under_a_memory_budget_the_grouped_graph_still_equals_eager(scalars):
+    """memory_budget 0.3: the min-cut may recompute around the grouped matmuls (priced as matmuls by the cost
+    model); the result is eager's."""
+    torch.manual_seed(0)
+    module = Experts(True)
+    x, c = _inputs()
+    want, want_grads = _run(module, x, c)
+    module.zero_grad(set_to_none=True)
+    compiled = torch.compile(module, backend="ascend", fullgraph=True,
+                             options={"fusions": ["grouped_matmul"], "memory_budget": 0.3, "cache": False})
+    with collect() as reports:
+        got, got_grads = _run(compiled, _inputs()[0], c)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    (report,) = reports
+    assert report.fusions["grouped_matmul"] == 4
+
+
+def test_the_cost_model_counts_a_grouped_matmul_as_its_experts_matmuls():
+    from npu_compile.device.cost import flops
+
+    graph = torch.fx.Graph()
+    xs = [graph.placeholder(f"x{i}") for i in range(2)]
+    ws = [graph.placeholder(f"w{i}") for i in range(2)]
+    for node, val in zip(xs + ws, [torch.empty(3, 8), torch.empty(5, 8), torch.empty(16, 8), torch.empty(16, 8)]):
+        node.meta["val"] = val
+    gmm = graph.call_function(torch.ops.npu_compile.grouped_matmul.default, (xs, ws), {"transpose_weight": True})
+    gmm.meta["val"] = [torch.empty(3, 16), torch.empty(5, 16)]
+    grad = graph.call_function(torch.ops.npu_compile.grouped_matmul_weight_grad.default, (xs, xs),
+                               {"transpose_weight": False})
+    grad.meta["val"] = [torch.empty(8, 8), torch.empty(8, 8)]
+    assert flops(gmm) == 2 * (3 + 5) * 8 * 16
+    assert flops(grad) == 2 * (3 + 5) * 8 * 8
