@@ -1,8 +1,8 @@
 """Mixture of experts: ``grouped_matmul``, the routed experts' matmuls as one op, in namespace npu_compile.
 
-    grouped_matmul(x, weight, transpose_weight)   y_i = x_i @ weight_i      (weight_iᵀ when transpose_weight)
+    grouped_matmul(x, weight, *, transpose_weight)   y_i = x_i @ weight_i   (weight_iᵀ when transpose_weight)
                                                    ~ npu_grouped_matmul(x, weight, split_item=0, group_type=-1)
-    grouped_matmul_weight_grad(x, grad_y, transpose_weight)
+    grouped_matmul_weight_grad(x, grad_y, *, transpose_weight)
                                                    g_i = x_iᵀ @ grad_y_i     (its transpose when transpose_weight)
 
 Lists in, list out: one matmul per expert, each x_i [m_i, k] with its own row count m_i (the tokens routed to
@@ -16,7 +16,9 @@ rows laid end to end, with the cumulative row counts as offsets. On a CPU it tak
 and only strides that are multiples of 16 bytes (``strides should be multiple of 16 bytes`` otherwise: k and n
 multiples of 4 in fp32, of 8 in 16-bit types); other shapes and float64 (gradcheck) take one ``mm`` per expert.
 The backward ops are the same matmuls, grads flowing back: grad_x = grouped_matmul(grad_y, weight, not transpose),
-grad_weight = grouped_matmul_weight_grad.
+grad_weight = grouped_matmul_weight_grad. ``transpose_weight`` is keyword-only: torch 2.13's autograd wrapper for
+ops taking tensor lists mis-counts a trailing positional non-tensor argument (torch/_library/autograd.py, the
+backward's "same structure as the inputs" check), so the backward could not return its None.
 """
 
 from __future__ import annotations
