@@ -172,13 +172,15 @@ def groups(gm: torch.fx.GraphModule, communicator: Callable[[Any], str] | None =
 
 def rules_digest() -> str:
     """A digest of the fusion rules registered now, in the order they apply: names and what defines each."""
-    from npu_compile.passes import RULES
+    from npu_compile.passes import GRAPH_RULES, RULES
 
     h = hashlib.sha256()
     for name, rules in RULES.items():
         h.update(f"{name}\0{len(rules)}\0".encode())
         for rule in rules:
             h.update(rule_digest(rule).encode())
+    for name, graph_rule in GRAPH_RULES.items():  # after the pattern rules, as they apply
+        h.update(f"graph rule {name}\0{rule_digest(graph_rule)}\0".encode())
     return h.hexdigest()
 
 
@@ -186,7 +188,7 @@ _rule_digests: dict[int, tuple[Any, str]] = {}  # id(rule) -> (rule, digest): th
 
 
 def rule_digest(rule: Any) -> str:
-    """A digest of one ``passes.Rule``: every field, functions by their source (or code), defaults and closures."""
+    """A digest of one ``passes.Rule`` (or ``GraphRule``): every field, functions by their source (or code), defaults and closures."""
     known = _rule_digests.get(id(rule))
     if known is None or known[0] is not rule:
         fields = {f.name: _stable(getattr(rule, f.name), set()) for f in dataclasses.fields(rule)}

@@ -26,9 +26,9 @@ import sys
 # -- refused: the feature each flag belongs to, and what to do instead -------------------------------------------------
 
 # MoE is megatron-core's MoELayer (docs/moe.md); these parts of it, or of MindSpeed's MoE, are not implemented here
-MOE_GROUPED_GEMM = ("grouped GEMM of the experts is not implemented here (megatron-core's needs the CUDA grouped_gemm "
-                    "package or Transformer Engine; the backend's grouped-matmul fusion is not built yet); drop it: "
-                    "the experts run one after another (SequentialMLP)")
+MOE_GROUPED_GEMM = ("the grouped GEMM's weight-gradient accumulation into the main grads is not implemented here "
+                    "(MindSpeed's fused GMM backward); drop it: --moe-grouped-gemm is the backend's grouped_matmul "
+                    "fusion, whose weight gradients megatron-core's DDP accumulates as for any linear")
 MOE_PERMUTE_FUSION = ("fused token permute / unpermute is not implemented here (megatron-core's is Transformer "
                       "Engine's, CUDA-only); drop it")
 MOE_OVERLAP = ("MindSpeed's overlap of the MoE token communication with expert compute is not implemented here; "
@@ -62,7 +62,6 @@ MG_CONVERT = ("converting to HF at each save is not implemented here; convert a 
 # experts) and are accepted, as there. --num-experts and megatron-core's MoE settings are implemented (the parser's
 # "mixture of experts" group)
 MOE_REFUSED: dict[str, tuple[int | str, str]] = {
-    "--moe-grouped-gemm": (0, MOE_GROUPED_GEMM),
     "--gemm-gradient-accumulation-fusion": (0, MOE_GROUPED_GEMM),
     "--moe-permute-fusion": (0, MOE_PERMUTE_FUSION),
     "--use-fused-moe-token-permute-and-unpermute": (0, MOE_PERMUTE_FUSION),
@@ -235,6 +234,10 @@ MINDSPEED_FUSIONS = {
     "use_fused_layer_norm": ("add_layer_norm",),
     "use_fused_swiglu": ("swiglu",),
     "use_fused_rotary_pos_emb": ("rotary",),
+    # Megatron-LM's --moe-grouped-gemm: megatron-core's GroupedMLP needs the CUDA grouped_gemm package
+    # (transformer/moe/experts.py:81), so the job keeps SequentialMLP (moe_grouped_gemm=False) and the flag names the
+    # rule that turns its per-expert matmuls into one npu_grouped_matmul (docs/moe.md, "Fusions")
+    "moe_grouped_gemm": ("grouped_matmul",),
 }
 
 # MindSpeed-LLM's --spec modules: the ones whose local-layer spec (no experts) is megatron-core's own local layer,
@@ -1113,6 +1116,9 @@ def validate(args: argparse.Namespace) -> None:
         options = npu_config.validate(args.npu_compile_options)
     except npu_config.OptionError as e:
         fail(f"--npu-compile-options: {e}")
+    if args.moe_grouped_gemm and args.num_experts and not args.npu_compile:
+        fail("--moe-grouped-gemm is the backend's grouped_matmul fusion (megatron-core's own grouped GEMM needs a "
+             "CUDA package), which --no-npu-compile turns off; drop one of them")
     if args.use_ascend_mc2:  # MC2 is the compiler's, and only the npu targets have its ops: never a silent no-op
         if not args.npu_compile:
             fail("--use-ascend-mc2 is done by the compiler (option mc2='on'), which --no-npu-compile turns off; "

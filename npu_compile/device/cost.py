@@ -1,6 +1,7 @@
 """Per-node cost in microseconds on a :class:`~npu_compile.device.profile.DeviceProfile`.
 
-- Matmul-class ops (mm, addmm, bmm, baddbmm, ``npu_compile.fused_attention`` and its backward, anything in
+- Matmul-class ops (mm, addmm, bmm, baddbmm, ``npu_compile.fused_attention`` and its backward,
+  ``npu_compile.grouped_matmul`` and its weight gradient, anything in
   torch's flop registry): FLOPs counted from the shapes in ``node.meta["val"]`` over the cube rate, against
   the bytes they move over HBM bandwidth; the larger wins (roofline).
 - Everything else that computes: bytes moved over HBM bandwidth against one vector op per output element.
@@ -93,6 +94,8 @@ def flops(node: torch.fx.Node) -> int:
             return _attention_flops(node, backward=False)
         if target._opname == "fused_attention_backward":
             return _attention_flops(node, backward=True)
+        if target._opname in ("grouped_matmul", "grouped_matmul_weight_grad"):
+            return _grouped_matmul_flops(node)
         return 0
     # Anything else torch knows the FLOPs of (convolution, SDPA, ...): its own formula, on the fake values.
     key = getattr(target, "overloadpacket", None)
@@ -105,6 +108,25 @@ def flops(node: torch.fx.Node) -> int:
         except Exception:  # a formula that wants arguments this node lacks: treat as elementwise
             return 0
     return 0
+
+
+def _grouped_matmul_flops(node: torch.fx.Node) -> int:
+    """One matmul per expert: 2·m_i·k·n each (grouped_matmul: x_i [m_i, k] → [m_i, n]; its weight gradient:
+    x_i [m_i, k], grad_y_i [m_i, n] → [k, n] either way round). Data-dependent token counts by their hints."""
+    x, other = (node.args[0], node.args[1]) if len(node.args) > 1 else ([], [])
+    outs = node.meta.get("val")
+    if not isinstance(outs, (list, tuple)):
+        return 0
+    total = 0
+    for a, out in zip(x, outs):
+        shape = _shape(a)
+        if not shape or not isinstance(out, torch.Tensor):
+            return 0
+        if node.target._opname == "grouped_matmul":
+            total += 2 * shape[0] * shape[1] * _hint(out.shape[1])
+        else:
+            total += 2 * shape[0] * _hint(out.shape[0]) * _hint(out.shape[1])
+    return total
 
 
 def bytes_moved(node: torch.fx.Node) -> int:

@@ -6,20 +6,24 @@ that should claim shared ops first (an add feeding a norm) is imported first.
 """
 
 from npu_compile.passes.engine import (
+    GRAPH_RULES,
     INFERENCE,
     RULES,
     TRAINING,
+    GraphRule,
     Rule,
     apply_rules,
     decompositions,
+    register_graph_rule,
     register_rule,
     rule_names,
     unregister_rule,
 )
 
-__all__ = ["INFERENCE", "RULES", "TRAINING", "Rule", "apply_rules", "decompositions", "register_rule", "rule_names", "unregister_rule"]
+__all__ = ["GRAPH_RULES", "INFERENCE", "RULES", "TRAINING", "GraphRule", "Rule", "apply_rules", "decompositions", "register_graph_rule", "register_rule", "rule_names", "unregister_rule"]
 
 # Rule families, in the order their rules apply.
 from npu_compile.passes import attention, norms, activations, rotary, dropout_add  # noqa: E402,F401
 from npu_compile.passes import cross_entropy  # noqa: E402,F401
 from npu_compile.passes import varlen_attention  # noqa: E402,F401  (after attention: it takes what attention fused)
+from npu_compile.passes import moe  # noqa: E402,F401  (a graph rule: runs after every pattern rule)

@@ -285,6 +285,28 @@ class Rule:
 
 
 RULES: dict[str, list[Rule]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphRule:
+    """A fusion no fixed pattern can state (a loop unrolled over a data-dependent number of pieces, such as an MoE
+    layer's experts): a function that rewrites the graph itself. ``apply(graph, mode)`` returns (sites fused,
+    ``unfused`` entries: each site it declined, with the reason). Same switch (``options["fusions"]``) and
+    report.json key as a pattern rule; applied after every pattern rule."""
+
+    name: str
+    apply: Callable[[torch.fx.Graph, str], tuple[int, list[dict[str, str]]]]
+    modes: tuple[str, ...] = (TRAINING, INFERENCE)
+
+
+GRAPH_RULES: dict[str, GraphRule] = {}
+
+
+def register_graph_rule(rule: GraphRule) -> GraphRule:
+    if rule.name in RULES:
+        raise ValueError(f"rule name {rule.name!r} is a pattern rule's already")
+    GRAPH_RULES[rule.name] = rule
+    return rule
 _groups: dict[tuple[str, str], "_Group"] = {}  # the traced variants of each (rule name, mode), in rule order
 _rejections: dict[str, str] = {}  # output node name -> why extra_check declined it (this apply only)
 
@@ -318,7 +340,7 @@ def unregister_rule(name: str) -> None:
 
 
 def rule_names() -> tuple[str, ...]:
-    return tuple(RULES)
+    return (*RULES, *GRAPH_RULES)
 
 
 def undecided_on_data_dependent_sizes(check: Callable[[Match], bool | str], match: Match) -> bool | str:
@@ -657,6 +679,12 @@ def apply_rules(gm: torch.fx.GraphModule, enabled: Callable[[str], bool], mode: 
                 # replacement erase that node twice; the second time it only warns.
                 warnings.filterwarnings("ignore", message=r"erase_node\(.*\) on an already erased node")
                 counts[name] = _group(name, mode).apply(gm.graph)
+    declined: list[dict[str, str]] = []
+    for name, graph_rule in GRAPH_RULES.items():
+        if mode in graph_rule.modes:
+            if enabled(name):
+                counts[name], unfused_here = graph_rule.apply(gm.graph, mode)
+                declined += [{**u, "rule": name} for u in unfused_here]
     if any(counts.values()):
         stable_topological_sort(gm.graph)  # multi-output replacements can land before their inputs
         gm.graph.eliminate_dead_code()
@@ -664,7 +692,7 @@ def apply_rules(gm: torch.fx.GraphModule, enabled: Callable[[str], bool], mode: 
         save_random_values(gm.graph)
     gm.graph.lint()
     gm.recompile()
-    return counts, _unfused(gm.graph, enabled, mode)
+    return counts, _unfused(gm.graph, enabled, mode) + declined
 
 
 def _unfused(graph: torch.fx.Graph, enabled: Callable[[str], bool], mode: str) -> list[dict[str, str]]:

@@ -46,6 +46,8 @@ _ops = torch.ops.npu_compile
 CHEAP_FUSED = ("rms_norm", "add_rms_norm", "add_layer_norm", "bias_gelu", "swiglu", "rotary", "bias_dropout_add")
 # Fused ops whose outputs are always saved.
 SAVED_FUSED = ("fused_attention",)
+# Matmuls as mm is: compute-intensive, not recomputed under a budget unless the min-cut finds it pays
+MATMUL_FUSED = ("grouped_matmul", "grouped_matmul_weight_grad")
 # Option ``recompute``: op kinds whose outputs the backward always recomputes (MUST_RECOMPUTE), at any budget.
 ALWAYS_RECOMPUTED = {"activation": ("bias_gelu", "swiglu")}
 
@@ -128,7 +130,7 @@ def _op_types() -> partitioners.OpTypes:
         base,
         fusible_ops=base.fusible_ops | cheap,
         recomputable_ops=base.recomputable_ops | cheap,
-        compute_intensive_ops=base.compute_intensive_ops | _packets(SAVED_FUSED),
+        compute_intensive_ops=base.compute_intensive_ops | _packets(SAVED_FUSED) | _packets(MATMUL_FUSED),
     )
 
 

@@ -107,7 +107,29 @@ def _documents() -> torch.Tensor:
     return torch.tensor([3, 12, 12, 16, 32, 32, 32, 32])
 
 
+def _grouped_matmul(transpose: bool) -> Callable:
+    def fn(*tensors):
+        half = len(tensors) // 2
+        return tuple(F.grouped_matmul(list(tensors[:half]), list(tensors[half:]), transpose_weight=transpose))
+    return fn
+
+
+def _experts(rows: tuple[int, ...], transpose: bool, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Tokens per expert (rows), hidden H, expert width 2H: x_i [rows_i, H], weights [2H, H] (transposed) or
+    [H, 2H]."""
+    shape = (2 * H, H) if transpose else (H, 2 * H)
+    return [*(_t(r, H, dtype=dtype) for r in rows), *((_t(*shape, dtype=dtype) / 4).detach().requires_grad_()
+                                                     for _ in rows)]
+
+
+GROUPED_MATMUL = ("npu.npu_grouped_matmul",)
+
+
 CASES: dict[str, Case] = {
+    "grouped_matmul_transposed_weights": Case(
+        _grouped_matmul(True), lambda: _experts((5, 0, 11, 3), True), GROUPED_MATMUL),
+    "grouped_matmul_bf16": Case(
+        _grouped_matmul(False), lambda: _experts((4, 9, 2), False, torch.bfloat16), GROUPED_MATMUL, tolerance=2e-2),
     "varlen_attention_sbnd_gqa": Case(_varlen("sbnd"), lambda: [*_qkv("sbnd"), _documents()], V3),
     "varlen_attention_bsnd_eager": Case(_varlen("bsnd"), lambda: [*_qkv("bsnd", dv=8), _documents()], V3, EAGER),
     "attention_sbnd_causal_gqa": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION),

@@ -401,3 +401,34 @@ def test_tnd_refusals():
         npu.npu_fusion_attention(q, k, k, N, "TND", softmax_layout="TND")
     with pytest.raises(NotImplementedError, match="softmax_layout '' in TND"):
         npu.npu_fusion_attention(q, k, k, N, "TND", actual_seq_qlen=[8], actual_seq_kvlen=[8])
+
+
+# ---- grouped matmul ---------------------------------------------------------------------------------------
+
+def test_grouped_matmul_list_form_is_one_matmul_per_group():
+    """The documented example's shapes (DOCS, npu_grouped_matmul: three groups of different k and n, with bias),
+    scaled down: y_i = x_i × weight_i + bias_i, shaped as META gives (x_i's rows, weight_i's n), in x's dtype."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [((4, 4), (4, 4)), ((16, 4), (4, 16)), ((8, 16), (16, 2))]
+    x = [torch.randn(*a, generator=gen, dtype=torch.bfloat16) for a, _ in shapes]
+    w = [torch.randn(*b, generator=gen, dtype=torch.bfloat16) for _, b in shapes]
+    bias = [torch.randn(b[1], generator=gen, dtype=torch.bfloat16) for _, b in shapes]
+    ys = npu.npu_grouped_matmul(x, w, bias=bias, split_item=0, group_type=-1)
+    for y, a, b, c in zip(ys, x, w, bias):
+        assert y.dtype == torch.bfloat16 and y.shape == (a.shape[0], b.shape[1])
+        torch.testing.assert_close(y.float(), (a.double() @ b.double() + c.double()).float(), rtol=2e-2, atol=2e-2)
+    # a transposed weight (a view) is taken as its values
+    wt = [torch.randn(b[1], b[0], generator=gen).t() for _, b in shapes]
+    xs = [a.float() for a in x]
+    for y, a, b in zip(npu.npu_grouped_matmul(xs, wt, group_type=-1), xs, wt):
+        torch.testing.assert_close(y, a @ b)
+
+
+def test_grouped_matmul_forms_not_emulated_are_refused():
+    x, w = [torch.randn(3, 4)], [torch.randn(4, 5)]
+    with pytest.raises(NotImplementedError, match="npu-sim does not emulate npu_grouped_matmul with group_list"):
+        npu.npu_grouped_matmul(x, w, group_list=torch.tensor([3]), split_item=3, group_type=0)
+    with pytest.raises(NotImplementedError, match="npu-sim does not emulate quantized npu_grouped_matmul"):
+        npu.npu_grouped_matmul(x, w, scale=[torch.ones(5, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"npu-sim: x\[0\] \(3, 4\) torch.float32 and weight\[0\] \(5, 4\)"):
+        npu.npu_grouped_matmul(x, [torch.randn(5, 4)])

@@ -97,6 +97,9 @@ def _fits(value: Any, schema_type: torch._C.JitType) -> bool:
         # a host int read in the graph (the dropout seed) has no FakeTensor; a symbolic size is a SymInt node
         return type_str in ("int", "SymInt") and (value.target is torch.ops.aten._local_scalar_dense.default
                                                   or isinstance(value.meta.get("val"), torch.SymInt))
+    if type_str == "List[Tensor]":  # npu_grouped_matmul's lists
+        return isinstance(value, (list, tuple)) and all(
+            isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor) for v in value)
     if type_str in ("List[int]", "List[SymInt]"):
         return isinstance(value, (list, tuple)) and all(
             _fits(v, torch._C.IntType.get()) if isinstance(v, torch.fx.Node) else

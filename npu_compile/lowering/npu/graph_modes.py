@@ -35,6 +35,7 @@ GE_CONVERTERS = frozenset({
     "npu_fusion_attention", "npu_fusion_attention_grad", "npu_rms_norm", "npu_rms_norm_backward",
     "npu_add_rms_norm", "npu_gelu", "npu_gelu_backward", "npu_fast_gelu", "npu_fast_gelu_backward",
     "npu_swiglu", "npu_swiglu_backward", "npu_rotary_mul", "npu_rotary_mul_backward",
+    "npu_grouped_matmul",  # custom/grouped_matmul.py
     # MC2: torchair 2.13 registers GE converters for all three (ge_converter/custom/all_gather_matmul.py,
     # matmul_reduce_scatter.py, matmul_all_reduce.py).
     "npu_all_gather_base_mm", "npu_mm_reduce_scatter_base", "npu_mm_all_reduce_base",

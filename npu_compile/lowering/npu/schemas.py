@@ -89,6 +89,16 @@ EMULATED: dict[str, str] = {
         "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') "
         "-> (Tensor, Tensor, Tensor)"
     ),
+    # One independent matmul per list entry (x, weight and y lists): the routed experts (lowering/npu/moe.py).
+    "npu_grouped_matmul": (
+        "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
+        "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, "
+        "Tensor[]? per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, "
+        "Tensor[]? activation_quant_scale=None, Tensor[]? activation_quant_offset=None, int? split_item=0, "
+        "int? group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
+        "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
+        "int? per_token_scale_dtype=None) -> Tensor[]"
+    ),
 }
 
 # MC2 (matmul fused with a collective): npu-sim runs them over the c10d process group their `hcom` names.

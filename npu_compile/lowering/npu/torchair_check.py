@@ -201,6 +201,42 @@ def _torch_npu_stub() -> types.ModuleType:
     return m
 
 
+def _float4_names_stub() -> types.ModuleType:
+    """The bare ``torch_npu`` of aclgraph's code generation (an Atlas A2 device name, so torchair's ``is_arch35()``
+    answers False as it does without torch_npu), with both fp4 dtype names."""
+    m = _torch_npu_stub()
+    m.float4_e1m2fn_x2 = None
+    return m
+
+
+# Converters of the wheel that ``import torch_npu`` while they run (ge_converter/custom/grouped_matmul.py: the fp4
+# dtype names, compared only with the x_dtype / weight_dtype arguments, which we never pass; and, through
+# _utils/check_platform.is_arch35, the device name). torch_npu is put in sys.modules for the converter's call alone:
+# torchair switches its pattern passes on when it finds it there, and those need npu ops npu-sim does not define.
+NEEDS_TORCH_NPU_NAMES = ("npu_grouped_matmul",)
+
+
+def _with_torch_npu_names(torchair: Any) -> None:
+    for name in NEEDS_TORCH_NPU_NAMES:
+        op = getattr(torch.ops.npu, name).default
+        wrapped = getattr(op, "_ge_converter", None)
+        if wrapped is None:
+            continue
+        wheel_converter = getattr(wrapped, "__wrapped__", wrapped)
+
+        def converter(*args: Any, meta_outputs: Any = None, _wheel: Any = wheel_converter, **kwargs: Any) -> Any:
+            added = "torch_npu" not in sys.modules
+            if added:
+                sys.modules["torch_npu"] = _float4_names_stub()
+            try:
+                return _wheel(*args, meta_outputs=meta_outputs, **kwargs)
+            finally:
+                if added:
+                    sys.modules.pop("torch_npu", None)
+
+        torchair.register_fx_node_ge_converter(op)(converter)
+
+
 def _import_torchair(root: Path) -> Any:
     sys.path.insert(0, str(root))
     sys.modules["torchair.core._torchair"] = _stub_module()
@@ -375,6 +411,7 @@ def _child(conn: Any, root: str, items: list[Graph], probes: list[Any]) -> None:
             from npu_compile.lowering.npu import ge_converters  # noqa: PLC0415
 
             ge_converters.register(torchair)
+            _with_torch_npu_names(torchair)
             # ge graphs first, without torch_npu (with it, torchair's pattern passes would switch on and ask for
             # npu ops npu-sim does not define); then aclgraph's, which import it
             order = sorted(range(len(items)), key=lambda i: items[i].graph_mode == "aclgraph")

@@ -13,6 +13,7 @@ compilation of it.
     activations  npu_gelu, npu_fast_gelu, npu_swiglu (+ backwards)
     rotary       npu_rotary_mul (+ backward)
     cross_entropy  npu_cross_entropy_loss (+ backward)
+    moe          npu_grouped_matmul (list form)
     mc2          npu_all_gather_base_mm, npu_mm_reduce_scatter_base, npu_mm_all_reduce_base
 
 The kernels are written from the documented semantics (docs/npu_ops.md), densely and in fp32, and share no
@@ -35,12 +36,12 @@ from npu_compile.lowering.npu import graph_modes
 from npu_compile.lowering.npu import mc2 as npu_mc2
 from npu_compile.lowering.npu.schemas import SCHEMAS, TAGS
 from npu_compile.lowering.npu_sim import activations, attention, mc2, norms, rotary
-from npu_compile.lowering.npu_sim import cross_entropy
+from npu_compile.lowering.npu_sim import cross_entropy, moe
 from npu_compile.lowering.npu_sim.common import dense_outputs
 
 # op name -> (CPU kernel, fake kernel): every op of npu/schemas.py
 KERNELS = {**attention.KERNELS, **norms.KERNELS, **activations.KERNELS, **rotary.KERNELS, **mc2.KERNELS,
-           **cross_entropy.KERNELS}
+           **cross_entropy.KERNELS, **moe.KERNELS}
 _library: torch.library.Library | None = None
 
 

@@ -1,0 +1,78 @@
+"""MoE on the npu targets: grouped_matmul → npu_grouped_matmul in its list form (x, weight and y lists, one
+independent matmul per expert: ``split_item=0``, ``group_type=-1``).
+
+Sources (torch-npu 2.13.0 wheel, docs/npu_ops.md "Mixture of experts"): the schema is the codegen yaml's
+``npu_grouped_matmul``; what it computes and its limits are torch_npu/_op_plugin_docs.py, npu_grouped_matmul:
+y_i = x_i × weight_i; lists of at most 128 tensors; float16, bfloat16 or float32 (x, weight and y one dtype);
+with group_type -1 only split_item 0 or 1, x_i of one rank (2 to 6), weight_i 2-D, group_list None; weights may
+be transposed, all or none; x may not; every x_i's and weight_i's last dim below 65536 (the "InnerLimit").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, aten, dtype_problem, fused, npu_op
+from npu_compile.config import Options
+
+MAX_GROUPS = 128
+INNER_LIMIT = 65536
+
+
+def check_grouped_matmul(c: Call) -> str | None:
+    xs, ws = c["x"], c["weight"]
+    if len(xs) > MAX_GROUPS:
+        return f"npu_grouped_matmul takes at most {MAX_GROUPS} tensors per list, got {len(xs)} experts"
+    vals = [n.meta.get("val") for n in (*xs, *ws)]
+    dtype = vals[0].dtype
+    if problem := dtype_problem("npu_grouped_matmul", dtype):
+        return problem
+    if any(v.dtype != dtype for v in vals):
+        return "npu_grouped_matmul takes x and weight of one dtype"
+    for v in vals[:len(xs)]:
+        if not v.is_contiguous():
+            return f"npu_grouped_matmul takes no transposed x; an input has strides {tuple(v.stride())}"
+    w = vals[len(xs)]
+    inner = [w.shape[0] if c["transpose_weight"] else w.shape[1], vals[0].shape[-1]]
+    if any(type(s) is int and s >= INNER_LIMIT for s in inner):
+        return f"npu_grouped_matmul needs every last dim below {INNER_LIMIT}, got {inner}"
+    return None
+
+
+def emit_grouped_matmul(em: Emitter, c: Call, opts: Options) -> Outputs:
+    ws = [em(aten.t.default, w) for w in c["weight"]] if c["transpose_weight"] else list(c["weight"])
+    return (em(npu_op("npu_grouped_matmul"), list(c["x"]), ws, split_item=0, group_type=-1),)
+
+
+def _weight_grad_operands(c: Call) -> tuple[list, list]:
+    """(a, b) with each weight's gradient a_iᵀ @ b_i."""
+    return (list(c["grad_y"]), list(c["x"])) if c["transpose_weight"] else (list(c["x"]), list(c["grad_y"]))
+
+
+def check_weight_grad(c: Call) -> str | None:
+    a, b = _weight_grad_operands(c)
+    if len(a) > MAX_GROUPS:
+        return f"npu_grouped_matmul takes at most {MAX_GROUPS} tensors per list, got {len(a)} experts"
+    vals = [n.meta.get("val") for n in (*a, *b)]
+    if problem := dtype_problem("npu_grouped_matmul", vals[0].dtype):
+        return problem
+    if any(v.dtype != vals[0].dtype for v in vals):
+        return "npu_grouped_matmul takes x and weight of one dtype"
+    return None
+
+
+def emit_weight_grad(em: Emitter, c: Call, opts: Options) -> Outputs:
+    """g_i = a_iᵀ @ b_i as npu_grouped_matmul's independent matmuls, a_iᵀ made contiguous (it takes no transposed
+    x); each group's k is that expert's token count (the documented example's groups differ in k too)."""
+    a, b = _weight_grad_operands(c)
+    xs = [em(aten.clone.default, em(aten.t.default, t), memory_format=torch.contiguous_format) for t in a]
+    return (em(npu_op("npu_grouped_matmul"), xs, b, split_item=0, group_type=-1),)
+
+
+ROWS = {
+    fused.grouped_matmul.default: Mapping(("npu_grouped_matmul",), check_grouped_matmul, emit_grouped_matmul),
+    fused.grouped_matmul_weight_grad.default: Mapping(
+        ("npu_grouped_matmul",), check_weight_grad, emit_weight_grad,
+        note=lambda c: "grouped_matmul_weight_grad: each expert's x transposed by a copy (npu_grouped_matmul takes "
+                       "no transposed x)"),
+}

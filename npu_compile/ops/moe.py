@@ -1,0 +1,129 @@
+"""Mixture of experts: ``grouped_matmul``, the routed experts' matmuls as one op, in namespace npu_compile.
+
+    grouped_matmul(x, weight, *, transpose_weight)   y_i = x_i @ weight_i   (weight_iᵀ when transpose_weight)
+                                                   ~ npu_grouped_matmul(x, weight, split_item=0, group_type=-1)
+    grouped_matmul_weight_grad(x, grad_y, *, transpose_weight)
+                                                   g_i = x_iᵀ @ grad_y_i     (its transpose when transpose_weight)
+
+Lists in, list out: one matmul per expert, each x_i [m_i, k] with its own row count m_i (the tokens routed to
+expert i: a data-dependent size under Dynamo), every weight_i of one shape ([k, n], or [n, k] when
+``transpose_weight``), one dtype. This is npu_grouped_matmul's "multi-multi-multi" form (x, weight and y all lists,
+group_type -1: torch_npu/_op_plugin_docs.py, npu_grouped_matmul), so a graph's per-expert matmuls become one call
+with no concatenation and no copies.
+
+Reference kernel: torch's grouped matmul (``torch._grouped_mm``, what ``F.grouped_mm`` calls) over the experts'
+rows laid end to end, with the cumulative row counts as offsets. On a CPU it takes float32, bfloat16 and float16,
+and only strides that are multiples of 16 bytes (``strides should be multiple of 16 bytes`` otherwise: k and n
+multiples of 4 in fp32, of 8 in 16-bit types); other shapes and float64 (gradcheck) take one ``mm`` per expert.
+The backward ops are the same matmuls, grads flowing back: grad_x = grouped_matmul(grad_y, weight, not transpose),
+grad_weight = grouped_matmul_weight_grad. ``transpose_weight`` is keyword-only: torch 2.13's autograd wrapper for
+ops taking tensor lists mis-counts a trailing positional non-tensor argument (torch/_library/autograd.py, the
+backward's "same structure as the inputs" check), so the backward could not return its None.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(x: list[Tensor], weight: list[Tensor], transpose_weight: bool) -> None:
+    if len(x) != len(weight) or not x:
+        raise ValueError(f"grouped_matmul takes one weight per input: {len(x)} inputs, {len(weight)} weights")
+    shape, dtype = tuple(weight[0].shape), weight[0].dtype
+    if len(shape) != 2:
+        raise ValueError(f"grouped_matmul takes 2-D weights, got {shape}")
+    k = shape[1] if transpose_weight else shape[0]
+    for i, (a, w) in enumerate(zip(x, weight)):
+        if tuple(w.shape) != shape or w.dtype != dtype:
+            raise ValueError(f"grouped_matmul takes weights of one shape and dtype: weight[{i}] is "
+                             f"{tuple(w.shape)} {w.dtype}, weight[0] {shape} {dtype}")
+        if a.dim() != 2 or a.dtype != dtype or a.shape[1] != k:
+            raise ValueError(f"grouped_matmul: x[{i}] {tuple(a.shape)} {a.dtype} must be [rows, {k}] {dtype} "
+                             f"(weight {shape}, transpose_weight={transpose_weight})")
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    """Whether torch._grouped_mm takes these on this device: every non-unit stride a multiple of 16 bytes."""
+    return all(t.dtype in _GROUPED_MM_DTYPES and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride())
+               for t in tensors)
+
+
+def _offsets(rows: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
+
+
+def _grouped(x: list[Tensor], weight: list[Tensor], transpose_weight: bool) -> list[Tensor]:
+    w = torch.stack(weight)  # [E, k, n] (or [E, n, k])
+    if transpose_weight:
+        w = w.transpose(1, 2)
+    rows = [a.shape[0] for a in x]
+    xs = torch.cat(x) if len(x) > 1 else x[0].contiguous()
+    if xs.shape[0] == 0 or not _aligned(xs, w):
+        return [a @ (b.t() if transpose_weight else b) for a, b in zip(x, weight)]
+    y = torch._grouped_mm(xs, w, offs=_offsets(rows, xs.device))
+    return [part.clone() for part in y.split(rows)]  # outputs of their own (no two alias one buffer)
+
+
+@torch.library.custom_op("npu_compile::grouped_matmul", mutates_args=())
+def grouped_matmul(x: list[Tensor], weight: list[Tensor], *, transpose_weight: bool = False) -> list[Tensor]:
+    """[x_i @ weight_i] (weight_iᵀ with transpose_weight), each [m_i, n] in the inputs' dtype."""
+    _check(x, weight, transpose_weight)
+    return _grouped(x, weight, transpose_weight)
+
+
+@grouped_matmul.register_fake
+def _(x, weight, *, transpose_weight=False):
+    _check(x, weight, transpose_weight)
+    n = weight[0].shape[0] if transpose_weight else weight[0].shape[1]
+    return [a.new_empty((a.shape[0], n)) for a in x]
+
+
+@torch.library.custom_op("npu_compile::grouped_matmul_weight_grad", mutates_args=())
+def grouped_matmul_weight_grad(x: list[Tensor], grad_y: list[Tensor], *,
+                               transpose_weight: bool = False) -> list[Tensor]:
+    """Each weight's gradient: x_iᵀ @ grad_y_i [k, n], or grad_y_iᵀ @ x_i [n, k] with transpose_weight; a sum over
+    the expert's rows (an expert without tokens gets zeros)."""
+    if len(x) != len(grad_y) or not x:
+        raise ValueError(f"grouped_matmul_weight_grad: {len(x)} inputs, {len(grad_y)} gradients")
+    a, b = (grad_y, x) if transpose_weight else (x, grad_y)
+    rows = [t.shape[0] for t in a]
+    lhs = torch.cat(a).t() if len(a) > 1 else a[0].t()  # [k, Σm]: grouped along the reduced dim
+    rhs = torch.cat(b) if len(b) > 1 else b[0].contiguous()
+    if lhs.shape[1] > 0 and _aligned(lhs, rhs) and lhs.dtype == rhs.dtype:
+        out = torch._grouped_mm(lhs, rhs, offs=_offsets(rows, lhs.device))  # [E, k, n]
+        return [g.clone() for g in out.unbind(0)]  # outputs of their own
+    return [p.t() @ q for p, q in zip(a, b)]
+
+
+@grouped_matmul_weight_grad.register_fake
+def _(x, grad_y, *, transpose_weight=False):
+    a, b = (grad_y, x) if transpose_weight else (x, grad_y)
+    return [p.new_empty((p.shape[1], q.shape[1])) for p, q in zip(a, b)]
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    x, weight = inputs
+    transpose_weight = keyword_only_inputs.get("transpose_weight", False)
+    ctx.save_for_backward(*x, *weight)
+    ctx.experts, ctx.transpose_weight = len(x), transpose_weight
+
+
+def _backward(ctx, grad_y):
+    grad_y = list(grad_y)
+    saved = ctx.saved_tensors
+    x, weight = list(saved[:ctx.experts]), list(saved[ctx.experts:])
+    grad_y = [g if g is not None else a.new_zeros((a.shape[0], w.shape[0] if ctx.transpose_weight else w.shape[1]))
+              for g, a, w in zip(grad_y, x, weight)]
+    needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x = grad_w = None
+    if any(needs_x):
+        grad_x = torch.ops.npu_compile.grouped_matmul(grad_y, weight, transpose_weight=not ctx.transpose_weight)
+    if any(needs_w):
+        grad_w = torch.ops.npu_compile.grouped_matmul_weight_grad(x, grad_y, transpose_weight=ctx.transpose_weight)
+    return grad_x, grad_w
+
+
+grouped_matmul.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,178 @@
+"""Fusion rule ``grouped_matmul``: the routed experts' matmuls of an MoE layer become one ``npu_compile.grouped_matmul``.
+
+megatron-core's ``SequentialMLP`` (what runs without its CUDA grouped-GEMM package: ``--moe-grouped-gemm`` off,
+``megatron/core/transformer/moe/experts.py``) splits the permuted tokens by the tokens each expert got and runs each
+expert's MLP in a Python loop:
+
+    tokens_list = torch.split(permuted_local_hidden_states, tokens_per_expert)     # sizes: .tolist()
+    for expert, tokens in zip(self.local_experts, tokens_list): fc1 → activation (× probs) → fc2
+    output_local = torch.cat(outputs)
+
+Under Dynamo (``capture_scalar_outputs``) the sizes are unbacked symbols u_0 … u_{E-1} and the loop is unrolled, so
+the joint graph holds, per expert, ``mm(x_i, t(W1_i))`` and ``mm(h_i, t(W2_i))`` forward and ``mm(g_i, W2_i)``,
+``mm(g'_i, W1_i)`` for the inputs' gradients, each with u_i rows. No fixed pattern states that (the expert count
+is the model's, the rows are data-dependent), so this rule is a graph rule (``engine.GraphRule``): it finds each
+``split_with_sizes`` over unbacked sizes (a *family*: one MoE layer's experts), takes the matmuls whose rows are
+one of the family's sizes and whose other operand is 2-D and static (a weight, or its ``t()``), and groups them by
+(family, weight transposed or not, weight shape, dtype), one matmul per expert, in graph order (the k-th of each
+expert together: fc1 before fc2 when their weights have one shape). Each group becomes one
+``grouped_matmul(x, weights, transpose_weight=...)`` whose outputs replace the matmuls. A site is one group.
+
+Nothing here reads a data-dependent size: sizes are compared as symbols (the same symbol or not), never evaluated,
+so no guard is added. Declined with the reason (report.json ``unfused``): a family where the experts do not all
+have the matmul (a weight shape one expert lacks), a group where one expert's matmul feeds another's (grouping
+would make a cycle), and, by design, the weights' gradients ``mm(t(g_i), x_i)`` (a reduction over the u_i rows:
+npu_grouped_matmul groups along m only — group_type -1 and 0 are what A2 takes, torch_npu/_op_plugin_docs.py,
+npu_grouped_matmul), which stay one ``mm`` per expert.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch
+from torch.fx import Graph, Node
+
+import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile.*)
+from npu_compile.passes.engine import GraphRule, register_graph_rule
+
+NAME = "grouped_matmul"
+aten = torch.ops.aten
+
+
+def _unbacked_symbol(size):
+    """The sympy symbol of a size that is one unbacked symbol alone, else None (no guard: only its expression is
+    looked at)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not isinstance(size, torch.SymInt):
+        return None
+    expr = size.node.expr
+    return expr if expr.is_Symbol and free_unbacked_symbols(size) else None
+
+
+def families(graph: Graph) -> dict:
+    """symbol -> (family id, expert index), for each ``split_with_sizes`` whose sizes are distinct unbacked
+    symbols: the tokens per expert of one MoE layer (several splits by the same sizes are one family)."""
+    found: dict = {}
+    for node in graph.find_nodes(op="call_function", target=aten.split_with_sizes.default):
+        sizes = node.args[1] if len(node.args) > 1 else node.kwargs.get("split_sizes")
+        if not isinstance(sizes, (list, tuple)) or len(sizes) < 2:
+            continue
+        symbols = [_unbacked_symbol(s.meta.get("val")) if isinstance(s, Node) else None for s in sizes]
+        if any(s is None for s in symbols) or len(set(symbols)) != len(symbols) or any(s in found for s in symbols):
+            continue
+        family = tuple(symbols)
+        for i, s in enumerate(symbols):
+            found[s] = (family, i)
+    return found
+
+
+def _static_2d(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 2 and all(type(s) is int for s in val.shape)
+
+
+def _expert_matmul(node: Node, sizes: dict):
+    """(family, expert, weight node, transpose_weight) of ``mm(x_i, W)`` / ``mm(x_i, t(W))`` with x_i's rows an
+    expert's token count and W static, else None."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    val = a.meta.get("val") if isinstance(a, Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return None
+    where = sizes.get(_unbacked_symbol(val.shape[0]))
+    if where is None:
+        return None
+    if isinstance(b, Node) and b.target is aten.t.default and _static_2d(b.args[0]):
+        return (*where, b.args[0], True)
+    if _static_2d(b):
+        return (*where, b, False)
+    return None
+
+
+def _weight_gradient(node: Node, sizes: dict) -> bool:
+    """``mm(t(g_i), x_i)``: a sum over an expert's token rows (a weight's gradient)."""
+    if len(node.args) != 2:
+        return False
+    a = node.args[0]
+    val = a.meta.get("val") if isinstance(a, Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 2 and _unbacked_symbol(val.shape[1]) in sizes
+
+
+def _feeds_another(members: list[Node]) -> bool:
+    """Whether a member's output reaches another member (grouping them would make a cycle)."""
+    targets, seen, stack = set(members), set(), [u for m in members for u in m.users]
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack += list(n.users)
+    return False
+
+
+def _group(graph: Graph, members: list[Node], weights: list[Node], transpose: bool) -> None:
+    xs = [m.args[0] for m in members]
+    with graph.inserting_before(members[0]):
+        call = graph.call_function(torch.ops.npu_compile.grouped_matmul.default, (xs, weights),
+                                   {"transpose_weight": transpose})
+        call.meta.update({k: members[0].meta[k] for k in ("stack_trace", "nn_module_stack") if k in members[0].meta})
+        call.meta["val"] = [m.meta["val"] for m in members]
+        for i, m in enumerate(members):
+            item = graph.call_function(operator.getitem, (call, i))
+            item.meta = {**m.meta}
+            m.replace_all_uses_with(item)
+    for m in members:
+        graph.erase_node(m)
+
+
+def apply(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
+    sizes = families(graph)
+    if not sizes:
+        return 0, []
+    groups: dict = defaultdict(lambda: defaultdict(list))  # (family, transpose, shape, dtype) -> expert -> [(mm, W)]
+    declined: list[dict[str, str]] = []
+    weight_grads: dict = defaultdict(int)
+    for node in graph.find_nodes(op="call_function", target=aten.mm.default):
+        hit = _expert_matmul(node, sizes)
+        if hit is None:
+            if _weight_gradient(node, sizes):
+                weight_grads[sizes[_unbacked_symbol(node.args[0].meta["val"].shape[1])][0]] += 1
+            continue
+        family, expert, weight, transpose = hit
+        w = weight.meta["val"]
+        groups[(family, transpose, tuple(w.shape), w.dtype)][expert].append((node, weight))
+    count = 0
+    for (family, transpose, shape, dtype), by_expert in groups.items():
+        names = ", ".join(str(s) for s in family)
+        counts = [len(by_expert.get(e, ())) for e in range(len(family))]
+        if len(set(counts)) != 1:
+            for e in by_expert.values():
+                for node, _ in e:
+                    declined.append({"op": str(node.target), "node": node.name, "reason": (
+                        f"the experts of ({names}) do not all have a matmul with a {list(shape)} weight "
+                        f"(per expert: {counts}); left one mm per expert")})
+            continue
+        for k in range(counts[0]):
+            members = [by_expert[e][k][0] for e in range(len(family))]
+            weights = [by_expert[e][k][1] for e in range(len(family))]
+            if _feeds_another(members):
+                declined += [{"op": str(m.target), "node": m.name, "reason": (
+                    f"one expert's matmul feeds another's among ({names}): grouping them would make a cycle")}
+                    for m in members]
+                continue
+            _group(graph, members, weights, transpose)
+            count += 1
+    for family, n in weight_grads.items():
+        declined.append({"op": "aten.mm.default", "node": "", "reason": (
+            f"{n} weight-gradient matmuls of the experts ({', '.join(map(str, family))}) sum over each expert's "
+            "tokens: npu_grouped_matmul groups along m only (group_type -1 or 0 on A2); left one mm per expert")})
+    return count, declined
+
+
+register_graph_rule(GraphRule(NAME, apply))

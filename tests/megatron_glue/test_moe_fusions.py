@@ -1,0 +1,121 @@
+"""The MoE fusions on megatron-core's own MoE transformer layer (SequentialMLP experts, the router, the token
+dispatcher), compiled with backend="ascend" for npu-sim: fusion counts, the npu ops the graphs run, 0 breaks with
+the aux loss on, and output and every gradient equal to eager. On both megatron-core lines (make test-mcore012
+runs this file on 0.12.1). Only the MoE rules are switched on: the others (attention, norms, ...) have their own
+tests, and tracing their patterns would cost this file a minute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_glue.capture.adaptations import groups_for, registry
+
+EXPERTS = 4
+MOE_RULES = ["grouped_matmul"]
+
+
+@pytest.fixture
+def moe_adapted(megatron_cpu, fresh_dynamo):
+    before = set(registry.applied())
+    registry.apply_groups(groups_for(training=True))  # as the job
+    yield
+    registry.revert(*[n for n in registry.applied() if n not in before])
+
+
+def _layer(dispatcher: str, glu: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_glue.capture import quiet_megatron
+
+    with quiet_megatron():
+        config = TransformerConfig(
+            num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=EXPERTS,
+            moe_router_topk=2, moe_ffn_hidden_size=48, add_bias_linear=False, gated_linear_unit=glu,
+            activation_func=F.silu if glu else F.gelu, bias_activation_fusion=False, masked_softmax_fusion=False,
+            bias_dropout_fusion=False, apply_rope_fusion=False, use_cpu_initialization=True, hidden_dropout=0.0,
+            attention_dropout=0.0, moe_aux_loss_coeff=1.0, moe_token_dispatcher_type=dispatcher)
+        torch.manual_seed(0)
+        return build_module(get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm"), config=config,
+                            layer_number=1)
+
+
+def _run(layer, module):
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out, _ = module(x, attention_mask=None)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([0.25]))  # as the schedule: after the forward
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+    grads = {"input": x.grad.clone(), **{n: p.grad.clone() for n, p in layer.named_parameters()}}
+    layer.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("dispatcher,glu", [("allgather", True), ("alltoall", False)])
+def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher, glu):
+    import torch._dynamo.utils as dynamo_utils
+
+    from npu_compile.debug.report import collect
+
+    from megatron_glue.training.training import moe_dynamo_config
+
+    layer = _layer(dispatcher, glu)
+    want, want_grads = _run(layer, layer)
+    moe_dynamo_config()
+    dynamo_utils.counters.clear()
+    compiled = torch.compile(layer, backend="ascend",
+                             options={"target": "npu-sim", "fusions": MOE_RULES, "cache": False})
+    with collect() as reports:
+        got, got_grads = _run(layer, compiled)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    (report,) = reports
+    assert report.graph_breaks == 0
+    # fc1 and fc2 forward, and their inputs' gradients: one npu_grouped_matmul each, every expert in it
+    assert report.fusions["grouped_matmul"] == 4
+    assert report.lowered_ops["npu.npu_grouped_matmul"] == 4
+    assert "npu_compile.grouped_matmul" not in report.lowered_ops
+    weight_grads = [u for u in report.unfused if u["rule"] == "grouped_matmul"]
+    assert [u["reason"].split(" weight-gradient")[0] for u in weight_grads] == [str(2 * EXPERTS)], weight_grads
+
+
+# -- the flags: Megatron-LM's --moe-grouped-gemm names the grouped_matmul rule -------------------------------------
+
+def _parse(*flags, world_size=1):
+    from megatron_glue.training.arguments import parse_args
+    from pretrain_runs import TINY
+
+    return parse_args([*TINY, "--train-iters", "2", "--num-experts", "4", "--disable-bias-linear", *flags],
+                      world_size=world_size)
+
+
+def test_moe_grouped_gemm_is_the_grouped_matmul_rule():
+    """On by default (fusions "all"); a `fusions` list without it gets it added, as each MindSpeed switch adds its
+    rules; megatron-core's own GroupedMLP stays off (it needs the CUDA grouped_gemm package): SequentialMLP is
+    built and the rule groups its matmuls."""
+    from megatron_glue.training.training import moe_fields
+
+    args = _parse("--moe-grouped-gemm")
+    assert args.moe_grouped_gemm and args.npu_compile_options.get("fusions", "all") == "all"
+    assert moe_fields(args)["moe_grouped_gemm"] is False
+    listed = _parse("--moe-grouped-gemm", "--npu-compile-options", '{"fusions": ["swiglu"]}')
+    assert listed.npu_compile_options["fusions"] == ["swiglu", "grouped_matmul"]
+    switched_off = _parse("--moe-grouped-gemm", "--npu-compile-options", '{"fusions": {"grouped_matmul": false}}')
+    assert switched_off.npu_compile_options["fusions"] == {"grouped_matmul": True}
+
+
+def test_moe_grouped_gemm_without_the_compiler_is_refused():
+    from megatron_glue.training.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError) as info:
+        _parse("--moe-grouped-gemm", "--no-npu-compile")
+    assert info.value.message.endswith(
+        "--moe-grouped-gemm is the backend's grouped_matmul fusion (megatron-core's own grouped GEMM needs a CUDA "
+        "package), which --no-npu-compile turns off; drop one of them")
+    _parse("--no-npu-compile")  # without the flag: the eager experts

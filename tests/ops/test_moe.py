@@ -1,0 +1,117 @@
+"""npu_compile::grouped_matmul (and its weight-gradient op) against one torch.mm per expert, in fp64."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.library import opcheck
+
+import npu_compile.ops  # noqa: F401  (importing registers the ops)
+
+from .helpers import assert_matches, fuzz_settings
+
+ops = torch.ops.npu_compile
+
+
+@st.composite
+def expert_cases(draw):
+    experts = draw(st.integers(1, 5))
+    return dict(
+        rows=draw(st.lists(st.integers(0, 9), min_size=experts, max_size=experts)),  # an expert may get no token
+        k=draw(st.sampled_from([3, 8, 16])),  # 3: strides torch._grouped_mm refuses (one mm per expert then)
+        n=draw(st.sampled_from([5, 8, 24])),
+        transpose=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _inputs(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    k, n = case["k"], case["n"]
+    x = [torch.randn(r, k, generator=gen) for r in case["rows"]]
+    w = [torch.randn(*((n, k) if case["transpose"] else (k, n)), generator=gen) for _ in case["rows"]]
+    return x, w
+
+
+def check_grouped_matmul(case):
+    x, w = _inputs(case)
+    dtype, transpose = case["dtype"], case["transpose"]
+    xs = [t.to(dtype).requires_grad_() for t in x]
+    ws = [t.to(dtype).requires_grad_() for t in w]
+    ys = ops.grouped_matmul(xs, ws, transpose_weight=transpose)
+    # the reference: one mm per expert in fp64 on the same (rounded) inputs
+    x64 = [t.detach().double().requires_grad_() for t in xs]
+    w64 = [t.detach().double().requires_grad_() for t in ws]
+    refs = [a @ (b.t() if transpose else b) for a, b in zip(x64, w64)]
+    assert len(ys) == len(refs)
+    for y, ref in zip(ys, refs):
+        assert y.dtype == dtype and y.shape == ref.shape and y.is_contiguous()
+        assert_matches(y, ref, dtype, "y")
+    grads = [torch.randn(r.shape, generator=torch.Generator().manual_seed(case["seed"] + 1), dtype=torch.float64)
+             for r in refs]
+    got = torch.autograd.grad(ys, xs + ws, [g.to(dtype) for g in grads], allow_unused=True)
+    want = torch.autograd.grad(refs, x64 + w64, grads, allow_unused=True)
+    for g, want_g, inp in zip(got, want, xs + ws):
+        assert g is not None and g.dtype == dtype and g.shape == inp.shape
+        assert_matches(g, want_g, dtype, "grad")
+
+
+@settings(max_examples=30)
+@given(expert_cases())
+def test_grouped_matmul_is_one_mm_per_expert(case):
+    check_grouped_matmul(case)
+
+
+@pytest.mark.fuzz
+@fuzz_settings()
+@given(expert_cases())
+def test_grouped_matmul_is_one_mm_per_expert_fuzz(case):
+    check_grouped_matmul(case)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_grouped_matmul_gradcheck_and_opcheck(transpose):
+    gen = torch.Generator().manual_seed(0)
+    shape = (6, 4) if transpose else (4, 6)
+    x = [torch.randn(r, 4, generator=gen, dtype=torch.float64, requires_grad=True) for r in (3, 0, 2)]
+    w = [torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    f = lambda *t: tuple(ops.grouped_matmul(list(t[:3]), list(t[3:]), transpose_weight=transpose))  # noqa: E731
+    assert torch.autograd.gradcheck(f, (*x, *w))
+    x32 = [t.detach().float().requires_grad_() for t in x]
+    w32 = [t.detach().float().requires_grad_() for t in w]
+    opcheck(ops.grouped_matmul, (x32, w32), {"transpose_weight": transpose})
+    opcheck(ops.grouped_matmul_weight_grad, ([t.detach() for t in x32], [torch.randn(r, 6) for r in (3, 0, 2)]),
+            {"transpose_weight": transpose})
+
+
+def test_grouped_matmul_runs_on_torchs_grouped_mm_where_it_can():
+    """Aligned fp32 / bf16 shapes take torch._grouped_mm (one call for every expert); the values are the
+    per-expert mm's."""
+    calls = []
+    real = torch._grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    x = [torch.randn(r, 8) for r in (3, 5)]
+    w = [torch.randn(8, 16) for _ in range(2)]
+    torch._grouped_mm = counting
+    try:
+        ys = ops.grouped_matmul(x, w)
+    finally:
+        torch._grouped_mm = real
+    assert calls == [torch.Size([8, 8])]
+    for y, a, b in zip(ys, x, w):
+        torch.testing.assert_close(y, a @ b)
+
+
+def test_bad_inputs_name_what_is_wrong():
+    x, w = [torch.randn(3, 4)], [torch.randn(4, 5), torch.randn(4, 5)]
+    with pytest.raises(ValueError, match=r"one weight per input: 1 inputs, 2 weights"):
+        ops.grouped_matmul(x, w)
+    with pytest.raises(ValueError, match=r"weights of one shape and dtype: weight\[1\] is \(4, 6\)"):
+        ops.grouped_matmul(x * 2, [torch.randn(4, 5), torch.randn(4, 6)])
+    with pytest.raises(ValueError, match=r"x\[0\] \(3, 4\) torch.float32 must be \[rows, 5\] torch.float32"):
+        ops.grouped_matmul(x, [torch.randn(4, 5)], transpose_weight=True)

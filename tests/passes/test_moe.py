@@ -1,0 +1,201 @@
+"""Rule grouped_matmul on experts written as megatron-core's SequentialMLP writes them: a split by data-dependent
+token counts (``.tolist()``: unbacked symbols under Dynamo), one fc1 → activation → fc2 per expert, a cat. The
+megatron-core layers themselves: tests/megatron_glue/test_moe_fusions.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from npu_compile.debug.report import collect
+
+H, FFN, EXPERTS, TOKENS = 16, 24, 4, 20
+
+
+class Experts(torch.nn.Module):
+    """fc1 [(2)F, H] and fc2 [H, F] per expert, applied as ``linear`` (mm with the weight's t()), as Megatron's
+    linears are; ``glu``: silu(a)·b over fc1's halves (SwiGLU), else gelu. ``chain``: the second expert's input
+    is scaled by the first expert's output sum (a dependency between experts, which the rule must not group)."""
+
+    def __init__(self, glu: bool, ffn: int = FFN, widths: tuple[int, ...] | None = None, chain: bool = False):
+        super().__init__()
+        widths = widths or (ffn,) * EXPERTS
+        self.glu, self.chain = glu, chain
+        self.fc1 = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(w * (2 if glu else 1), H) / 4) for w in widths])
+        self.fc2 = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(H, w) / 4) for w in widths])
+
+    def forward(self, x, tokens_per_expert):
+        outs = []
+        for i, tokens in enumerate(torch.split(x, tokens_per_expert.tolist())):
+            if self.chain and outs:
+                tokens = tokens * outs[-1].sum()
+            h = F.linear(tokens, self.fc1[i])
+            if self.glu:
+                a, b = torch.chunk(h, 2, dim=-1)
+                h = F.silu(a) * b
+            else:
+                h = F.gelu(h)
+            outs.append(F.linear(h, self.fc2[i]))
+        return torch.cat(outs)
+
+
+def _inputs(counts=(7, 0, 9, 4), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(counts), H, generator=gen, requires_grad=True), torch.tensor(counts)
+
+
+def _run(module, x, counts):
+    out = module(x, counts)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    grads = [x.grad, *(p.grad for p in module.parameters())]
+    return out.detach(), [g.clone() for g in grads]
+
+
+def _compiled(module, target="reference", fusions=("grouped_matmul",)):
+    return torch.compile(module, backend="ascend", fullgraph=True,
+                         options={"target": target, "fusions": list(fusions), "cache": False})
+
+
+@pytest.fixture
+def scalars(fresh_dynamo):
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        yield
+
+
+def _compare(module, target="reference", counts=(7, 0, 9, 4)):
+    x, c = _inputs(counts)
+    want, want_grads = _run(module, x, c)
+    module.zero_grad(set_to_none=True)
+    x2, _ = _inputs(counts)
+    with collect() as reports:
+        got, got_grads = _run(_compiled(module, target), x2, c)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    (report,) = reports
+    return report
+
+
+@pytest.mark.parametrize("glu", [True, False])
+def test_experts_take_one_grouped_matmul_per_layer_and_direction(scalars, glu):
+    """fc1 and fc2 forward, and both inputs' gradients: four grouped matmuls; the weights' gradients (a sum over
+    each expert's tokens) stay one mm per expert, with the reason; output and every gradient equal eager."""
+    torch.manual_seed(0)
+    report = _compare(Experts(glu))
+    assert report.fusions["grouped_matmul"] == 4
+    assert report.lowered_ops.get("npu_compile.grouped_matmul") == 4
+    assert report.lowered_ops.get("aten.mm") == 2 * EXPERTS  # the weight gradients
+    (declined,) = [u for u in report.unfused if u["rule"] == "grouped_matmul"]
+    assert declined["reason"].startswith(f"{2 * EXPERTS} weight-gradient matmuls of the experts (u")
+    assert report.graph_breaks == 0
+
+
+def test_fc1_and_fc2_of_one_shape_are_grouped_apart(scalars):
+    """Without GLU and F = H, fc1's and fc2's weights have one shape: the k-th matmul of each expert are grouped
+    together (fc1 with fc1), never one expert's fc1 with another's fc2."""
+    torch.manual_seed(0)
+    report = _compare(Experts(False, ffn=H))
+    assert report.fusions["grouped_matmul"] == 4
+
+
+def test_npu_sim_runs_npu_grouped_matmul(scalars):
+    torch.manual_seed(0)
+    report = _compare(Experts(True), target="npu-sim")
+    assert report.lowered_ops.get("npu.npu_grouped_matmul") == 4
+    assert "npu_compile.grouped_matmul" not in report.lowered_ops
+
+
+def test_new_token_counts_reuse_the_graph(scalars):
+    """The counts are data: another routing runs the same compiled graph, grouped, equal to eager."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch.manual_seed(0)
+    module = Experts(True)
+    compiled = _compiled(module)
+    dynamo_utils.counters.clear()
+    for counts in ((7, 0, 9, 4), (1, 12, 0, 7), (0, 0, 0, 20)):
+        x, c = _inputs(counts)
+        want, want_grads = _run(module, x, c)
+        module.zero_grad(set_to_none=True)
+        got, got_grads = _run(compiled, _inputs(counts)[0], c)
+        module.zero_grad(set_to_none=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_inference_graph_groups_the_forward(scalars):
+    torch.manual_seed(0)
+    module = Experts(True)
+    x, c = _inputs()
+    with torch.no_grad(), collect() as reports:
+        got = _compiled(module)(x, c)
+        want = module(x, c)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    (report,) = reports
+    assert report.fusions["grouped_matmul"] == 2
+
+
+def test_experts_of_different_widths_are_declined_with_the_reason(scalars):
+    torch.manual_seed(0)
+    report = _compare(Experts(True, widths=(FFN, FFN, FFN, 8)))
+    assert report.fusions["grouped_matmul"] == 0
+    reasons = {u["reason"] for u in report.unfused if u["rule"] == "grouped_matmul"}
+    assert any(r.startswith("the experts of (u") and "do not all have a matmul with a [48, 16] weight "
+               "(per expert: [1, 1, 1, 0])" in r for r in reasons), reasons
+
+
+def test_a_matmul_feeding_another_experts_is_declined_not_a_cycle(scalars):
+    torch.manual_seed(0)
+    report = _compare(Experts(True, chain=True))
+    reasons = {u["reason"] for u in report.unfused if u["rule"] == "grouped_matmul"}
+    assert any("one expert's matmul feeds another's" in r for r in reasons), reasons
+    assert report.fusions["grouped_matmul"] < 4
+
+
+def test_the_switch(scalars):
+    torch.manual_seed(0)
+    module = Experts(True)
+    x, c = _inputs()
+    with collect() as reports:
+        _run(torch.compile(module, backend="ascend", options={"fusions": {"grouped_matmul": False}, "cache": False}),
+             x, c)
+    (report,) = reports
+    assert report.fusions.get("grouped_matmul", 0) == 0
+    assert "npu_compile.grouped_matmul" not in report.lowered_ops
+
+
+def test_under_a_memory_budget_the_grouped_graph_still_equals_eager(scalars):
+    """memory_budget 0.3: the min-cut may recompute around the grouped matmuls (priced as matmuls by the cost
+    model); the result is eager's."""
+    torch.manual_seed(0)
+    module = Experts(True)
+    x, c = _inputs()
+    want, want_grads = _run(module, x, c)
+    module.zero_grad(set_to_none=True)
+    compiled = torch.compile(module, backend="ascend", fullgraph=True,
+                             options={"fusions": ["grouped_matmul"], "memory_budget": 0.3, "cache": False})
+    with collect() as reports:
+        got, got_grads = _run(compiled, _inputs()[0], c)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    (report,) = reports
+    assert report.fusions["grouped_matmul"] == 4
+
+
+def test_the_cost_model_counts_a_grouped_matmul_as_its_experts_matmuls():
+    from npu_compile.device.cost import flops
+
+    graph = torch.fx.Graph()
+    xs = [graph.placeholder(f"x{i}") for i in range(2)]
+    ws = [graph.placeholder(f"w{i}") for i in range(2)]
+    for node, val in zip(xs + ws, [torch.empty(3, 8), torch.empty(5, 8), torch.empty(16, 8), torch.empty(16, 8)]):
+        node.meta["val"] = val
+    gmm = graph.call_function(torch.ops.npu_compile.grouped_matmul.default, (xs, ws), {"transpose_weight": True})
+    gmm.meta["val"] = [torch.empty(3, 16), torch.empty(5, 16)]
+    grad = graph.call_function(torch.ops.npu_compile.grouped_matmul_weight_grad.default, (xs, xs),
+                               {"transpose_weight": False})
+    grad.meta["val"] = [torch.empty(8, 8), torch.empty(8, 8)]
+    assert flops(gmm) == 2 * (3 + 5) * 8 * 16
+    assert flops(grad) == 2 * (3 + 5) * 8 * 8
