@@ -11,6 +11,7 @@ backward op that is itself a custom op, so the partitioner sees one opaque node 
     dropout_add  bias_dropout_add, bias_dropout_add_backward
     cross_entropy  linear_cross_entropy, vocab_parallel_linear_cross_entropy (+ _backward each)
     varlen_attention  varlen_attention (+ _backward), document_mask (packed documents)
+    offload      offload (device → host copy), prefetch (host → device copy): saved activations in host memory
 
 Rules (passes/) insert these ops; targets (lowering/) map them to device calls. Argument conventions follow
 the torch_npu ops they lower to (documented per module).
@@ -19,5 +20,6 @@ the torch_npu ops they lower to (documented per module).
 from npu_compile.ops import activations, attention, dropout_add, norms, rotary
 from npu_compile.ops import cross_entropy
 from npu_compile.ops import varlen_attention
+from npu_compile.ops import offload
 
-__all__ = ["activations", "attention", "cross_entropy", "dropout_add", "norms", "rotary", "varlen_attention"]
+__all__ = ["activations", "attention", "cross_entropy", "dropout_add", "norms", "offload", "rotary", "varlen_attention"]
