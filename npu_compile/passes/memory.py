@@ -86,11 +86,12 @@ def _copy(node: torch.fx.Node, name: str) -> bool:
 
 def in_host_memory(node: torch.fx.Node) -> bool:
     """Whether ``node``'s value lives in host memory (option ``offload``): an offload's output in the forward, the
-    saved input of the backward that only prefetches read. It takes no device memory."""
-    if _copy(node, "npu_compile::offload"):
+    saved input of the backward that only prefetches read, and what lowering marks so (``npu_compile_host``: the
+    saved inputs passes/offload.py rewrote, the npu targets' host copies). It takes no device memory."""
+    if _copy(node, "npu_compile::offload") or node.meta.get("npu_compile_host", False):
         return True
-    return node.op == "placeholder" and (node.meta.get("npu_compile_host", False) or bool(node.users)
-                                         and all(_copy(u, "npu_compile::prefetch") for u in node.users))
+    return node.op == "placeholder" and bool(node.users) \
+        and all(_copy(u, "npu_compile::prefetch") for u in node.users)
 
 
 def graph_buffers(
