@@ -25,6 +25,7 @@ what is saved:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 
@@ -35,6 +36,7 @@ from torch.fx import GraphModule, Node
 from npu_compile.device import cost
 from npu_compile.device.profile import DeviceProfile, load
 from npu_compile.passes.memory import is_saved_activation, realias_views, training_liveness
+from npu_compile.passes.reorder import reorder_for_peak
 
 _ops = torch.ops.npu_compile
 aten = torch.ops.aten
@@ -51,8 +53,10 @@ class Offload:
     h2d_us: float
     exposed_d2h_us: float  # copy time no compute hides: the forward's end waiting for its last copies
     exposed_h2d_us: float  # the backward waiting for prefetches
-    peak_bytes_without: int  # planned live-bytes peak of forward + backward as partitioned
-    peak_bytes_with: int  # the same with the offload
+    # planned live-bytes peak of forward + backward, each in the order the aten stages give it (memory ordering, then
+    # the prefetches issued early): without the offload, and with it
+    peak_bytes_without: int
+    peak_bytes_with: int
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self) | {"modules": list(self.modules)}
@@ -116,7 +120,7 @@ def offload_saved(fw: GraphModule, bw: GraphModule, modules: tuple[str, ...],
     each view again over the prefetched copy (``as_strided``, the view's own sizes, strides and offset)."""
     profile = load(profile)
     realias_views(fw.graph)
-    before = training_liveness(fw.graph, bw.graph).peak
+    before = planned_peak(fw, bw, profile)
     (output,) = fw.graph.find_nodes(op="output")
     outs = list(output.args[0])
     by_name = {n.name: n for n in fw.graph.nodes}
@@ -190,9 +194,19 @@ def offload_saved(fw: GraphModule, bw: GraphModule, modules: tuple[str, ...],
         gm.graph.lint()
         gm.recompile()
     place_prefetches(bw, profile)
-    after = training_liveness(fw.graph, bw.graph).peak
+    after = planned_peak(fw, bw, profile)
     return Offload(tuple(modules), tensors, total, round(d2h, 3), round(h2d, 3), exposed_d2h_us(fw, profile),
                    exposed_h2d_us(bw, profile), before, after)
+
+
+def planned_peak(fw: GraphModule, bw: GraphModule, profile: DeviceProfile | None = None) -> int:
+    """The live-bytes peak of forward + backward in the order the aten stages will give them (memory ordering, then
+    the prefetches issued early), found on copies: the graphs themselves keep their order."""
+    fw2, bw2 = (GraphModule(gm, copy.deepcopy(gm.graph)) for gm in (fw, bw))
+    reorder_for_peak(fw2, lambda n: False)
+    reorder_for_peak(bw2, is_saved_activation)
+    place_prefetches(bw2, profile)
+    return training_liveness(fw2.graph, bw2.graph).peak
 
 
 def _fake(op, *args):
