@@ -146,3 +146,41 @@ def test_the_option_takes_module_names():
         config.validate({"offload": "self_attention"})
     assert str(info.value) == ("npu_compile option 'offload' got 'self_attention'; it takes a list of module attribute "
                                "names (e.g. [\"self_attention\"]) whose saved activations go to host memory")
+
+
+def _backward_like():
+    """A backward-shaped graph: six sines (each a memory-bound pass over 1 MiB) before the read of a prefetch."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from npu_compile.passes import offload
+
+    def backward(host, a):
+        back = torch.ops.npu_compile.prefetch(host, torch.device("cpu"))
+        for _ in range(6):
+            a = torch.sin(a)
+        return a + back
+
+    gm = make_fx(backward, tracing_mode="fake")(torch.randn(256, 1024), torch.randn(256, 1024))
+    return gm, offload
+
+
+def _order(gm):
+    return [n.name for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_a_prefetch_is_issued_as_far_ahead_as_its_copy_takes():
+    from npu_compile.device import profile
+
+    gm, offload = _backward_like()
+    nbytes = 256 * 1024 * 4
+    sin_us = 2 * nbytes / profile.ASCEND_910B.hbm_bytes_per_s * 1e6  # reads and writes 1 MiB
+    # a link on which the copy takes 2.5 sines: issued three sines before its reader (the fewest that cover it)
+    fast = profile.load({"host_link_bytes_per_s": nbytes / (2.5 * sin_us) * 1e6})
+    assert offload.place_prefetches(gm, fast) == 1
+    assert _order(gm) == ["sin", "sin_1", "sin_2", "prefetch", "sin_3", "sin_4", "sin_5", "add"]
+    assert offload.exposed_h2d_us(gm, fast) == 0.0
+    # on the 910B profile's link the copy takes 25.4 sines: from the graph's start, and the reader waits the rest
+    assert offload.place_prefetches(gm) == 1
+    assert _order(gm)[0] == "prefetch"
+    copy_us = nbytes / profile.ASCEND_910B.host_link_bytes_per_s * 1e6
+    assert offload.exposed_h2d_us(gm) == pytest.approx(copy_us - 6 * sin_us, abs=1e-3)
