@@ -183,13 +183,11 @@ def test_enable_hf2mg_convert_needs_load_and_a_family_the_converter_has():
 
 
 def test_mindspeed_memory_switches_are_refused_naming_the_feature():
-    """--reuse-fp32-param and --recompute-activation-function are implemented (test_reuse_fp32_param.py,
-    test_recompute_activation_function.py); the swaps and O2 are refused, each naming what to do instead."""
+    """--reuse-fp32-param, --recompute-activation-function and --swap-attention are implemented
+    (test_reuse_fp32_param.py, test_recompute_activation_function.py, test_swap_attention.py); the optimizer swap and
+    O2 are refused, each naming what to do instead."""
     assert error([*JOB, "--swap-attention", "--swap-optimizer", "--o2-optimizer"]) == "\n".join([
-        PROG + "3 flags of this command line are refused or unknown:",
-        "  --swap-attention: MindSpeed's swap of attention activations to host memory is not implemented here (the "
-        "compiler's memory plan recomputes, it does not swap); drop it and give --npu-compile-options "
-        "'{\"memory_budget\": \"auto\"}', or Megatron's --recompute-granularity full",
+        PROG + "2 flags of this command line are refused or unknown:",
         "  --swap-optimizer: MindSpeed's swap of optimizer state to host memory is not implemented here; shard it "
         "over DP with --use-distributed-optimizer",
         "  --o2-optimizer: MindSpeed-LLM's O2 (bf16 Adam moments) is not implemented here: megatron-core's form of it "

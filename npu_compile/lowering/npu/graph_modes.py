@@ -22,6 +22,7 @@ from torch.fx import GraphModule, Node
 from npu_compile.config import Options
 from npu_compile.executor import boxed_executor
 from npu_compile.lowering.npu.emit import Call, op_name
+from npu_compile.lowering.npu.offload import COPY_META
 
 aten = torch.ops.aten
 log = logging.getLogger("npu_compile")
@@ -98,7 +99,7 @@ def _rotary_blockers(name: str, call: dict[str, Any]) -> list[str]:
     return problems
 
 
-# A copy between device and host memory (option offload, lowering/npu/offload.py): aten._to_copy with a device.
+# A copy between device and host memory (option offload): the aten._to_copy nodes lowering/npu/offload.py marks.
 HOST_COPY_GE = ("torchair's GE converter for aten._to_copy ignores device (it builds a TensorMove on the device, "
                 "ge_converter/aten/_to_copy.py): a copy to or from host memory cannot run in a GE graph")
 HOST_COPY_CAPTURE = ("a copy to or from host memory (option offload) cannot be captured: the graph would replay "
@@ -106,7 +107,7 @@ HOST_COPY_CAPTURE = ("a copy to or from host memory (option offload) cannot be c
 
 
 def _host_copy(node: Node) -> bool:
-    return node.target is aten._to_copy.default and node.kwargs.get("device") is not None
+    return node.meta.get(COPY_META, False)
 
 
 def _ge_blockers(node: Node) -> list[str]:

@@ -24,6 +24,7 @@ from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, fused
 aten = torch.ops.aten
 HOST = torch.device("cpu")
 HOST_META = "npu_compile_host"  # the value lives in host memory: not in the device's live bytes (passes/memory.py)
+COPY_META = "npu_compile_host_copy"  # a copy between device and host memory (graph_modes.py plans around it)
 
 
 def check_copy(c: Call) -> str | None:
@@ -37,13 +38,15 @@ def emit_offload(em: Emitter, c: Call, opts: Options) -> Outputs:
         host = em.gm.graph.call_function(aten._to_copy.default, (c["x"],),
                                          {"device": HOST, "pin_memory": True, "non_blocking": True})
     host.meta.update({k: em.node.meta[k] for k in ("val", "stack_trace", "nn_module_stack") if k in em.node.meta})
-    host.meta[HOST_META] = True
+    host.meta[HOST_META] = host.meta[COPY_META] = True
     em.emitted.append(host)
     return (host,)
 
 
 def emit_prefetch(em: Emitter, c: Call, opts: Options) -> Outputs:
-    return (em(aten._to_copy.default, c["host"], device=c["device"], non_blocking=True),)
+    back = em(aten._to_copy.default, c["host"], device=c["device"], non_blocking=True)
+    back.meta[COPY_META] = True
+    return (back,)
 
 
 ROWS = {
