@@ -46,11 +46,8 @@ log = logging.getLogger("npu_compile")
 def _memory_order(gm: torch.fx.GraphModule, opts: config.Options, kind: str) -> None:
     # In a backward graph the saved activations die inside it: ordering can release them early.
     reorder_for_peak(gm, is_saved_activation if kind == "backward" else (lambda n: False))
-
-
-def _prefetch_order(gm: torch.fx.GraphModule, opts: config.Options, kind: str) -> None:
-    # memory ordering puts each prefetch just before its use (it only adds live bytes): issue it early again
     if kind == "backward" and opts.offload:
+        # ordering puts each prefetch just before its reader (it only adds live bytes): issue it early again
         offload.place_prefetches(gm)
 
 
@@ -60,8 +57,7 @@ def aten_stages(target: lowering.Target) -> list[tuple[str, lowering.Stage]]:
     collectives' relative order and may move compute across their waits. Then the target's own stages (npu's MC2
     rewrite, which must see the collectives before bucketing merges them). Overlap scheduling (a no-op unless
     ``options.overlap``) last: it keeps peak memory within a cap of the order it is given."""
-    return [("memory_order", _memory_order), ("prefetch_order", _prefetch_order), *target.stages,
-            ("overlap", comm.overlap_stage)]
+    return [("memory_order", _memory_order), *target.stages, ("overlap", comm.overlap_stage)]
 
 
 _direct_ids = itertools.count()
