@@ -36,7 +36,7 @@ from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.report import Recorder
 from npu_compile.debug.verify import verified
 from npu_compile.device.profile import load as load_profile
-from npu_compile.passes import recompute
+from npu_compile.passes import offload, recompute
 from npu_compile.passes.memory import is_saved_activation
 from npu_compile.passes.reorder import reorder_for_peak
 
@@ -46,6 +46,9 @@ log = logging.getLogger("npu_compile")
 def _memory_order(gm: torch.fx.GraphModule, opts: config.Options, kind: str) -> None:
     # In a backward graph the saved activations die inside it: ordering can release them early.
     reorder_for_peak(gm, is_saved_activation if kind == "backward" else (lambda n: False))
+    if kind == "backward" and opts.offload:
+        # ordering puts each prefetch just before its reader (it only adds live bytes): issue it early again
+        offload.place_prefetches(gm)
 
 
 def aten_stages(target: lowering.Target) -> list[tuple[str, lowering.Stage]]:
@@ -125,6 +128,8 @@ class _Compilation:
         primals = sum(1 for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
         if hit is not None and sum(1 for n in hit["fw"].graph.nodes if n.op == "placeholder") == primals:
             fw, bw = hit["fw"], hit["bw"]
+            if hit.get("offload") is not None:
+                self.report.memory["offload"] = hit["offload"]
             self.record.fusions(hit["fusions"], hit["unfused"])
             self.record.restore_regions(hit.get("regions", {}))
         else:
@@ -142,7 +147,7 @@ class _Compilation:
             with self.record.timed("partition"):
                 fw, bw = self._partition(joint, joint_inputs, **kwargs)
             self._store(key, {"fw": fw, "bw": bw, "fusions": counts, "unfused": unfused,
-                              "regions": self.record.regions_json()})
+                              "regions": self.record.regions_json(), "offload": self.report.memory.get("offload")})
         self.record.partition(fw, bw)
         log.info("%s", self.dump.summary("joint"))
         return fw, bw
@@ -192,15 +197,27 @@ class _Compilation:
 
     def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
         o = self.opts
+        offloaded: list[offload.Offload] = []
+
+        def partition(trial: torch.fx.GraphModule, inputs: Sequence[Any], **kw: Any):
+            # the min-cut, then option offload's host copies of the chosen saved values (passes/offload.py)
+            fw, bw = min_cut_rematerialization_partition(trial, inputs, **kw)
+            if o.offload:
+                offloaded.append(offload.offload_saved(fw, bw, o.offload))
+            return fw, bw
+
         if o.memory_budget != "auto":
             with recompute.policy(joint, o.memory_budget, always=o.recompute):
-                return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        cap = o.device_memory if o.device_memory is not None else load_profile().memory_bytes
-        fw, bw, chosen, tried = recompute.partition_to_fit(
-            joint, joint_inputs, min_cut_rematerialization_partition, device_memory=cap,
-            resident=o.resident_memory, copies=o.activation_copies, graph_id=self.report.graph_id,
-            always=o.recompute, **kwargs)
-        self.record.budget(chosen, tried, cap)
+                fw, bw = partition(joint, joint_inputs, **kwargs)
+        else:
+            cap = o.device_memory if o.device_memory is not None else load_profile().memory_bytes
+            fw, bw, chosen, tried = recompute.partition_to_fit(
+                joint, joint_inputs, partition, device_memory=cap,
+                resident=o.resident_memory, copies=o.activation_copies, graph_id=self.report.graph_id,
+                always=o.recompute, **kwargs)
+            self.record.budget(chosen, tried, cap)
+        if offloaded:
+            self.record.offload(offloaded[-1])
         return fw, bw
 
     def _describe(self, kind: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -243,6 +260,8 @@ class _Compilation:
                     self.report.unfused += stage(gm, self.opts, kind) or []
                     self.dump.stage(kind, name, gm)
                 self.record.comm_timelines[kind] = (comm_before, comm.simulate(gm))
+                if kind == "backward":
+                    self.record.offload_placed(gm)
             with self.record.timed("lowering"):
                 self.report.unfused += self.target.lower(gm, self.opts)
                 gm.graph.lint()

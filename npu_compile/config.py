@@ -68,6 +68,9 @@ class Options:
     # ops whose outputs the backward always recomputes, whatever the budget: "activation" (the MLP's GeLU / SwiGLU,
     # MindSpeed's --recompute-activation-function)
     recompute: tuple[str, ...] = ()
+    # modules (attribute names, e.g. "self_attention") whose saved activations the forward copies to host memory and
+    # the backward prefetches back (MindSpeed's --swap-attention / --swap-modules); passes/offload.py
+    offload: tuple[str, ...] = ()
     overlap: bool = True  # comm/compute overlap scheduling
     # npu targets: a matmul and its collective as one MC2 op: "auto" where the cost model finds it faster than the
     # overlap scheduler, "on" at every site torch_npu takes, "off" nowhere
@@ -165,6 +168,13 @@ def _check_recompute(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
+def _check_offload(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.isidentifier() for v in value):
+        raise OptionError(f"npu_compile option 'offload' got {value!r}; it takes a list of module attribute names "
+                          f"(e.g. [\"self_attention\"]) whose saved activations go to host memory")
+    return tuple(dict.fromkeys(value))
+
+
 def _check_bytes(key: str, least: int, none_ok: bool = False) -> Any:
     def check(value: Any) -> int | None:
         if value is None and none_ok:
@@ -190,7 +200,8 @@ def _field_check(field: dataclasses.Field) -> Any:
     custom = {"fusions": _check_fusions, "memory_budget": _check_budget, "dump_dir": _check_dump_dir,
               "device_memory": _check_bytes("device_memory", 1, none_ok=True),
               "resident_memory": _check_bytes("resident_memory", 0),
-              "activation_copies": _check_bytes("activation_copies", 1), "recompute": _check_recompute}
+              "activation_copies": _check_bytes("activation_copies", 1), "recompute": _check_recompute,
+              "offload": _check_offload}
     if field.name in custom:
         return custom[field.name]
     kind = {"TargetName": TargetName, "GraphMode": GraphMode, "MC2Mode": MC2Mode, "bool": bool}[field.type]

@@ -137,10 +137,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--dynamic-factor": 1, "--use-glm-rope": 0}.items()},
     # recompute, memory switches, schedules
     "--recompute-norm": (0, "MindSpeed's recompute of the norms: " + RECOMPUTE),
-    "--swap-attention": (0, "MindSpeed's swap of attention activations to host memory is not implemented here (the "
-                            "compiler's memory plan recomputes, it does not swap); drop it and give "
-                            "--npu-compile-options '{\"memory_budget\": \"auto\"}', or Megatron's "
-                            "--recompute-granularity full"),
     "--swap-optimizer": (0, "MindSpeed's swap of optimizer state to host memory is not implemented here; shard it "
                             "over DP with --use-distributed-optimizer"),
     "--swap-optimizer-times": (1, "MindSpeed's swap of optimizer state to host memory is not implemented here; "
@@ -472,6 +468,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "computed again from its input; in the compiled job the backend's fused activation ops are "
                         "marked must-recompute in every layer graph (npu_compile option recompute: [\"activation\"]); "
                         "not with --recompute-granularity selective or --recompute-method uniform (MindSpeed's rules)")
+
+    g.add_argument("--swap-attention", action="store_true",
+                   help="MindSpeed's: the activations the --swap-modules of every layer save for the backward are "
+                        "copied to host memory after their forward and prefetched back before their backward; in "
+                        "the compiled job the backend's option offload (docs/offload.md)")
+    g.add_argument("--swap-modules", default=None,
+                   help="with --swap-attention: comma-separated module names (default MindSpeed's "
+                        f"\"{SWAP_MODULES_DEFAULT}\"); MindSpeed's input_norm / post_attention_norm mean "
+                        "megatron-core's input_layernorm / pre_mlp_layernorm")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -1105,11 +1110,16 @@ def validate(args: argparse.Namespace) -> None:
              "mc2='off'; drop one of them")
     if args.recompute_activation_function:
         validate_recompute_activation_function(args, fail)
+    offload = swap_attention_modules(args, fail)
     args.npu_compile_options = compile_options(args.npu_compile_options, mindspeed, args.use_ascend_mc2)
     if args.recompute_activation_function:  # MindSpeed's switch -> the backend's always-recomputed op kinds
         kinds = args.npu_compile_options.get("recompute", [])
         if isinstance(kinds, (list, tuple)):
             args.npu_compile_options["recompute"] = list(dict.fromkeys([*kinds, "activation"]))
+    if offload:  # MindSpeed's --swap-attention -> the backend's host offload of those modules' saved activations
+        given = args.npu_compile_options.get("offload", [])
+        if isinstance(given, (list, tuple)):
+            args.npu_compile_options["offload"] = list(dict.fromkeys([*given, *offload]))
     from npu_compile import config as npu_config
 
     try:  # here, before any model is built or traced (torch.compile checks them only at the first graph)
@@ -1333,6 +1343,40 @@ def validate_gradient_precision(args: argparse.Namespace, fail) -> None:
             fail(f"--{'o2-gradient' if args.o2_gradient else 'grad-reduce-in-bf16'} and "
                  f"--accumulate-allreduce-grads-in-fp32 ask for bf16 and fp32 gradients; pick one")
         args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
+
+
+# MindSpeed's --swap-modules default (mindspeed/arguments.py:319, features_manager/memory/swap_attention.py)
+SWAP_MODULES_DEFAULT = "input_norm,self_attention,post_attention_norm"
+# MindSpeed's names of the legacy layer's norms -> megatron-core TransformerLayer's attributes for them
+SWAP_MODULE_NAMES = {"input_norm": "input_layernorm", "post_attention_norm": "pre_mlp_layernorm"}
+# what --swap-modules may name: megatron-core's TransformerLayer submodules (local spec) and theirs
+SWAP_MODULES_KNOWN = ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp", "linear_qkv", "core_attention",
+                      "linear_proj", "q_layernorm", "k_layernorm", "linear_fc1", "linear_fc2")
+
+
+def swap_attention_modules(args: argparse.Namespace, fail) -> list[str]:
+    """--swap-attention / --swap-modules: the module names for the backend's option offload ([] without the flag);
+    MindSpeed's rules and what the compiled job needs, each a one-line error."""
+    if not args.swap_attention:
+        if args.swap_modules is not None:
+            fail("--swap-modules names the modules --swap-attention offloads, and --swap-attention is not given; "
+                 "add it or drop --swap-modules")
+        return []
+    if not args.npu_compile:
+        fail("--swap-attention is done by the compiler (the backend's option offload: host copies in every layer "
+             "graph), which --no-npu-compile turns off; in the eager job it is not implemented here: drop one of them")
+    if args.recompute_granularity is not None:
+        fail(f"--swap-attention with --recompute-granularity {args.recompute_granularity}: MindSpeed pairs its swap "
+             "with its own recompute of the layers' MLPs (--recompute-num-layers), not Megatron's checkpointing, "
+             "and that pairing is not implemented here; drop one of them")
+    names = [n.strip() for n in (args.swap_modules or SWAP_MODULES_DEFAULT).split(",") if n.strip()]
+    modules = [SWAP_MODULE_NAMES.get(n, n) for n in names]
+    unknown = [n for n, m in zip(names, modules) if m not in SWAP_MODULES_KNOWN]
+    if unknown or not modules:
+        fail(f"--swap-modules {args.swap_modules!r} names {', '.join(unknown) or 'no module'}; it takes "
+             f"comma-separated modules of a transformer layer: {', '.join(SWAP_MODULES_KNOWN)} (or MindSpeed's "
+             f"{', '.join(SWAP_MODULE_NAMES)})")
+    return list(dict.fromkeys(modules))
 
 
 def validate_reuse_fp32_param(args: argparse.Namespace, fail) -> None:

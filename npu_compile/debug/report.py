@@ -24,7 +24,7 @@ from npu_compile import comm, passes, regions
 from npu_compile.config import Options
 from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.plots import memory_png
-from npu_compile.passes import recompute
+from npu_compile.passes import offload, recompute
 from npu_compile.passes.memory import arena, graph_buffers, liveness, saved_activation_bytes, training_buffers
 
 log = logging.getLogger("npu_compile")
@@ -251,6 +251,18 @@ class Recorder:
                               "tried": [p.to_json() for p in tried]}
         log.info("graph %s: memory_budget auto chose %s (planned peak %.2f MiB of %.2f MiB)", self.report.graph_id,
                  chosen.budget, chosen.peak / 2**20, device_memory / 2**20)
+
+    def offload(self, result: offload.Offload) -> None:
+        """Option ``offload``: what went to host memory, the copies' cost, the planned peak with and without."""
+        self.report.memory["offload"] = result.to_json()
+        log.info("graph %s: offload %d saved tensors (%.2f MiB) of %s to host; planned peak %.2f -> %.2f MiB",
+                 self.report.graph_id, len(result.tensors), result.bytes / 2**20, ", ".join(result.modules),
+                 result.peak_bytes_without / 2**20, result.peak_bytes_with / 2**20)
+
+    def offload_placed(self, bw: torch.fx.GraphModule) -> None:
+        """The backward's prefetches as scheduled (after memory ordering): the time compute waits for them."""
+        if "offload" in self.report.memory:
+            self.report.memory["offload"]["exposed_h2d_us"] = offload.exposed_h2d_us(bw)
 
     def partition(self, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> None:
         """The min-cut's result: what it recomputes, and the memory of the two halves as partitioned."""

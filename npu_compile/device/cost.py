@@ -152,6 +152,20 @@ def is_free(node: torch.fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
+# Copies between device and host memory (option ``offload``): they run on the host link, not on the compute units.
+HOST_COPIES = ("npu_compile::offload", "npu_compile::prefetch")
+
+
+def is_host_copy(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and node.target._schema.name in HOST_COPIES
+
+
+def host_copy_us(node: torch.fx.Node, profile: DeviceProfile | None = None) -> float:
+    """Time of a host copy on the link: its bytes over ``host_link_bytes_per_s``."""
+    return nodes.nbytes(node.meta.get("val")) / load(profile).host_link_bytes_per_s * 1e6
+
+
 def _dtype(node: torch.fx.Node) -> torch.dtype:
     outs = nodes.tensors(node.meta.get("val"))
     if outs:
@@ -162,7 +176,7 @@ def _dtype(node: torch.fx.Node) -> torch.dtype:
 
 def compute_us(node: torch.fx.Node, profile: DeviceProfile) -> float:
     """Roofline time of a compute node: max(FLOPs / rate, bytes / HBM bandwidth); an MC2 node's fused time."""
-    if is_free(node) or nodes.is_collective(node):
+    if is_free(node) or nodes.is_collective(node) or is_host_copy(node):  # host copies: the link's time
         return 0.0
     sub = regions.subgraph(node)
     if sub is not None:  # its nodes one after another (a collective inside, too: the call holds the stream)

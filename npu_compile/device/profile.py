@@ -37,6 +37,9 @@ class DeviceProfile:
     # that block is there. torch_npu exposes no tile count (``comm_turn`` takes only 0 in 2.13), so this is an
     # estimate of its granularity, not a documented figure; see ``cost.mc2_cost``.
     mc2_chunks: int = 0
+    # The host link, bytes/s one direction: what a saved activation offloaded to host memory (option ``offload``)
+    # costs each way.
+    host_link_bytes_per_s: float = 32e9
     # Device memory, bytes: the default cap of ``memory_budget="auto"`` (option ``device_memory``).
     memory_bytes: int = 64 * 2**30
 
@@ -86,6 +89,10 @@ ASCEND_910B = DeviceProfile(
     # "Mesh": every NPU reads/writes all peers at once over its HCCS links, O(1) steps).
     algorithms={kind: "full_mesh" for kind in COLLECTIVE_KINDS},
     ranks_per_node=8,
+    # Host link: PCIe 4.0 x16 (16 GT/s x 16 lanes, 128b/130b: 31.5 GB/s each way), the host interface given for
+    # the first Ascend 910 (Hot Chips 31, 2019); we found no primary figure for the 910B's and assume the same.
+    # Pinned-memory copies reach most of it; an estimate, not measured here.
+    host_link_bytes_per_s=31.5e9,
 )
 
 DEFAULT = ASCEND_910B

@@ -12,6 +12,7 @@ backward op that is itself a custom op, so the partitioner sees one opaque node 
     cross_entropy  linear_cross_entropy, vocab_parallel_linear_cross_entropy (+ _backward each)
     varlen_attention  varlen_attention (+ _backward), document_mask (packed documents)
     moe          grouped_matmul (+ grouped_matmul_weight_grad): the routed experts' matmuls as one op
+    offload      offload (device → host copy), prefetch (host → device copy): saved activations in host memory
 
 Rules (passes/) insert these ops; targets (lowering/) map them to device calls. Argument conventions follow
 the torch_npu ops they lower to (documented per module).
@@ -21,5 +22,7 @@ from npu_compile.ops import activations, attention, dropout_add, norms, rotary
 from npu_compile.ops import cross_entropy
 from npu_compile.ops import varlen_attention
 from npu_compile.ops import moe
+from npu_compile.ops import offload
 
-__all__ = ["activations", "attention", "cross_entropy", "dropout_add", "norms", "rotary", "varlen_attention", "moe"]
+__all__ = ["activations", "attention", "cross_entropy", "dropout_add", "norms", "offload", "rotary", "varlen_attention",
+           "moe"]

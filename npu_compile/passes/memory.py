@@ -76,6 +76,24 @@ class GraphBuffers:
     by_output_node: dict[str, Buffer]  # output-producing node name -> the buffer holding its value
 
 
+HOST_COPIES = ("npu_compile::offload", "npu_compile::prefetch")
+
+
+def _copy(node: torch.fx.Node, name: str) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and node.target._schema.name == name
+
+
+def in_host_memory(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value lives in host memory (option ``offload``): an offload's output in the forward, the
+    saved input of the backward that only prefetches read, and what lowering marks so (``npu_compile_host``: the
+    saved inputs passes/offload.py rewrote, the npu targets' host copies). It takes no device memory."""
+    if _copy(node, "npu_compile::offload") or node.meta.get("npu_compile_host", False):
+        return True
+    return node.op == "placeholder" and bool(node.users) \
+        and all(_copy(u, "npu_compile::prefetch") for u in node.users)
+
+
 def graph_buffers(
     graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool] = lambda n: False
 ) -> GraphBuffers:
@@ -90,6 +108,8 @@ def graph_buffers(
     outputs = alias.get_storage_uses(output)
     started: dict = {}  # storage key -> (allocating node, start step)
     for node in nodes:
+        if in_host_memory(node):
+            continue
         if node.op == "placeholder" and dies_inside(node):
             for key in alias.get_fresh_allocations(node):
                 started[key] = (node, 0)

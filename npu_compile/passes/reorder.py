@@ -17,7 +17,7 @@ import torch
 from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from npu_compile.passes.memory import graph_liveness
+from npu_compile.passes.memory import graph_liveness, in_host_memory
 
 
 def is_pinned(node: torch.fx.Node) -> bool:
@@ -57,7 +57,7 @@ def lpmf_order(graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], boo
     releasable = set()
     for n in nodes:
         for key in alias.get_fresh_allocations(n):
-            size[key] = optimization_hint(key.storage.nbytes(), fallback=0)
+            size[key] = 0 if in_host_memory(n) else optimization_hint(key.storage.nbytes(), fallback=0)
             if (n in index or (n.op == "placeholder" and dies_inside(n))) and key not in outputs:
                 releasable.add(key)
     remaining = {key: len([u for u in alias.storage_to_uses[key] if u in index]) for key in size}

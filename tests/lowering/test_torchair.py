@@ -86,6 +86,31 @@ def _planted() -> torchair_check.Graph:
     return torchair_check.Graph("planted where.ScalarOther", gm, call.example_inputs, "ge", call.in_fake_mode)
 
 
+HOST_COPY = "host copy (option offload)"
+
+
+def _host_copy() -> torchair_check.Graph:
+    """A copy to host memory as lowering/npu/offload.py emits it, planted in a graph planned for GE by hand."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def copy_to_host(x):
+        host = torch.ops.aten._to_copy.default(x, device=torch.device("cpu"), non_blocking=True)
+        return (torch.ops.aten.add.Tensor(host, 1),)
+
+    x = torch.randn(4, 8)
+    return torchair_check.Graph(HOST_COPY, make_fx(copy_to_host)(x), [x], "ge")
+
+
+def test_ge_would_keep_a_host_copy_on_the_device(converted):
+    """Why plan_graph takes a graph with option offload's copies out of GE (graph_modes.HOST_COPY_GE): torchair's
+    converter of aten._to_copy drops ``device`` and builds a TensorMove, a copy on the device."""
+    table, _, _ = converted
+    ((_, verdict),) = table[HOST_COPY]
+    assert verdict.status == torchair_check.CHECKED, verdict.detail
+    ops = [line.split(" = ")[0] for line in verdict.ge_summary.splitlines()[1:]]  # (the first names the graph)
+    assert ops == ["x_1", "TensorMove", "Const", "Add", "NetOutput"], verdict.ge_summary
+
+
 def _probes() -> list:
     """Ops whose converters the plan's tables speak for: every npu op we define, and the aten ops plan_graph
     rejects."""
@@ -100,6 +125,7 @@ def converted(megatron_cpu):
     path = wheel.wheel_path()  # downloads the pinned wheel once, as the schema test does
     by_config: dict[str, list[torchair_check.Graph]] = {name: _megatron_calls(name) for name in MEGATRON}
     by_config["single-op cases"] = [c for name in CASE_NAMES for c in run(name).calls]
+    by_config[HOST_COPY] = [_host_copy()]
     planted = _planted()
     graphs = [g for calls in by_config.values() for g in calls] + [planted]
     verdicts, probed = torchair_check.run(graphs, _probes(), wheel_path=path)

@@ -183,15 +183,15 @@ def test_enable_hf2mg_convert_needs_load_and_a_family_the_converter_has():
 
 
 def test_mindspeed_memory_switches_are_refused_naming_the_feature():
-    """--reuse-fp32-param, --recompute-activation-function and O2 are implemented (test_reuse_fp32_param.py,
-    test_recompute_activation_function.py, test_o2.py); the swaps are refused, each naming what to do instead."""
-    assert error([*JOB, "--swap-attention", "--swap-optimizer"]) == "\n".join([
+    """--reuse-fp32-param, --recompute-activation-function, --swap-attention and O2 are implemented
+    (test_reuse_fp32_param.py, test_recompute_activation_function.py, test_swap_attention.py, test_o2.py); the
+    optimizer swap is refused, naming what to do instead."""
+    assert error([*JOB, "--swap-attention", "--swap-optimizer", "--swap-optimizer-times", "2"]) == "\n".join([
         PROG + "2 flags of this command line are refused or unknown:",
-        "  --swap-attention: MindSpeed's swap of attention activations to host memory is not implemented here (the "
-        "compiler's memory plan recomputes, it does not swap); drop it and give --npu-compile-options "
-        "'{\"memory_budget\": \"auto\"}', or Megatron's --recompute-granularity full",
         "  --swap-optimizer: MindSpeed's swap of optimizer state to host memory is not implemented here; shard it "
-        "over DP with --use-distributed-optimizer"])
+        "over DP with --use-distributed-optimizer",
+        "  --swap-optimizer-times: MindSpeed's swap of optimizer state to host memory is not implemented here; "
+        "shard it over DP with --use-distributed-optimizer"])
 
 
 def test_manual_gc_disables_and_collects_as_megatron_lm(monkeypatch):

@@ -6,6 +6,7 @@
     activations  bias_gelu → npu_gelu / npu_fast_gelu, swiglu → npu_swiglu
     rotary       rotary → npu_rotary_mul
     dropout_add  bias_dropout_add → aten adds (no torch_npu kernel)
+    offload      offload / prefetch (option offload) → aten._to_copy to pinned host memory and back, non_blocking
     cross_entropy  linear_cross_entropy → per chunk, mm + npu_cross_entropy_loss (+ backward);
                    vocab_parallel_linear_cross_entropy → per chunk, aten ops + functional all-reduces
     moe          grouped_matmul → npu_grouped_matmul (lists: one matmul per expert)
@@ -33,11 +34,11 @@ from torch.fx import GraphModule
 from npu_compile.config import Options
 from npu_compile.lowering import Target
 from npu_compile.lowering.npu import activations, attention, dropout_add, graph_modes, mc2, norms, rotary
-from npu_compile.lowering.npu import cross_entropy, ge_converters, moe
+from npu_compile.lowering.npu import cross_entropy, ge_converters, moe, offload
 from npu_compile.lowering.npu.emit import lower_fused_ops  # noqa: F401  (npu-sim lowers with it too)
 
 TABLE = {**attention.ROWS, **norms.ROWS, **activations.ROWS, **rotary.ROWS, **dropout_add.ROWS, **cross_entropy.ROWS,
-         **moe.ROWS}
+         **moe.ROWS, **offload.ROWS}
 
 
 def lower_table(gm: GraphModule, opts: Options) -> list[dict[str, str]]:

@@ -22,6 +22,7 @@ from torch.fx import GraphModule, Node
 from npu_compile.config import Options
 from npu_compile.executor import boxed_executor
 from npu_compile.lowering.npu.emit import Call, op_name
+from npu_compile.lowering.npu.offload import COPY_META
 
 aten = torch.ops.aten
 log = logging.getLogger("npu_compile")
@@ -99,10 +100,23 @@ def _rotary_blockers(name: str, call: dict[str, Any]) -> list[str]:
     return problems
 
 
+# A copy between device and host memory (option offload): the aten._to_copy nodes lowering/npu/offload.py marks.
+HOST_COPY_GE = ("torchair's GE converter for aten._to_copy ignores device (it builds a TensorMove on the device, "
+                "ge_converter/aten/_to_copy.py): a copy to or from host memory cannot run in a GE graph")
+HOST_COPY_CAPTURE = ("a copy to or from host memory (option offload) cannot be captured: the graph would replay "
+                     "the host buffer of its capture, and the pinned host buffer is allocated at each call")
+
+
+def _host_copy(node: Node) -> bool:
+    return node.meta.get(COPY_META, False)
+
+
 def _ge_blockers(node: Node) -> list[str]:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return []
+    if _host_copy(node):
+        return [HOST_COPY_GE]
     if target in GE_REJECTED_ATEN:
         return [GE_REJECTED_ATEN[target]]
     ns, name = target.namespace, target._schema.name.split("::")[-1]
@@ -143,6 +157,8 @@ _V3_ATTENTION = ("npu::npu_fusion_attention_v3", "npu::npu_fusion_attention_grad
 
 def _capture_blockers(node: Node) -> list[str]:
     target = node.target
+    if _host_copy(node):
+        return [HOST_COPY_CAPTURE]
     if target is aten._local_scalar_dense.default:
         return ["a host read of the dropout seed cannot be captured"]
     if getattr(target, "namespace", None) == "npu" and target._schema.name in _V3_ATTENTION:
