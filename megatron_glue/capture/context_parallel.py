@@ -153,13 +153,14 @@ def sequence_to_heads(x, group, size: int):
     return torch.cat([gathered[slot[g] * c:(slot[g] + 1) * c] for g in range(2 * size)])
 
 
-def heads_to_sequence(x, group, size: int):
-    """The inverse of sequence_to_heads: [s, b, h/CP, d] -> [s/CP, b, h, d]."""
-    s, b, hl, d = x.shape
+def heads_to_sequence(x, group, size: int, head_dim: int):
+    """The inverse of sequence_to_heads, on the attention's output: [s, b, h/CP · d] -> [s/CP, b, h · d]. Taken as
+    the attention returns it (a view of it first would hide the attention's output from the backend's rule)."""
+    s, b, _ = x.shape
     c = s // (2 * size)
     ranked = torch.cat([x[g * c:(g + 1) * c] for g in _chunk_order(size)])
-    parts = _all_to_all(ranked.view(size, 2 * c, b, hl, d), group)
-    return parts.permute(1, 2, 0, 3, 4).reshape(2 * c, b, size * hl, d)
+    parts = _all_to_all(ranked.view(size, 2 * c, b, -1, head_dim), group)
+    return parts.permute(1, 2, 0, 3, 4).reshape(2 * c, b, -1)
 
 
 # -- the modules -------------------------------------------------------------------------------------------------
@@ -206,9 +207,7 @@ class UlyssesAttention(MegatronModule):
             value = value.repeat_interleave(query.size(2) // value.size(2), dim=2)
         q, k, v = (sequence_to_heads(t, self.group, self.size) for t in (query, key, value))
         context = self.attention(q, k, v, None, attn_mask_type=attn_mask_type)
-        s, b = context.shape[:2]
-        local = heads_to_sequence(context.view(s, b, q.size(2), -1), self.group, self.size)
-        return local.reshape(local.size(0), b, -1)
+        return heads_to_sequence(context, self.group, self.size, q.size(3))
 
 
 class RingAttention(MegatronModule):
