@@ -877,8 +877,8 @@ def _context_parallel_refusals(args) -> list[str]:
                              "here; use ulysses_cp_algo"))
     if getattr(args, "num_experts", None):
         lines.append(refusal(f"--num-experts at --context-parallel-size {cp}",
-                             "MoE under context parallelism is not implemented here (not run here: the experts' "
-                             "token dispatch over the CP ranks); use --context-parallel-size 1"))
+                             "MoE layers under context parallelism are not implemented here (their token "
+                             "dispatch over CP ranks is not tested); use --context-parallel-size 1"))
     return lines
 
 
