@@ -30,9 +30,11 @@ def full_causal(q, k, v, scale):
 def split_like_megatron(x, size):
     """megatron-core's get_batch_on_this_cp_rank on a [s, ...] tensor (sequence first): chunks r and 2·size-1-r
     of 2·size for each rank r."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
     from unittest import mock
 
+    from megatron.core import utils
+
+    get_batch_on_this_cp_rank = utils.get_batch_on_this_cp_rank  # on 0.12 cp_batch_split_on_its_device's
     parts = []
     for r in range(size):
         with mock.patch("megatron.core.parallel_state.get_context_parallel_world_size", return_value=size), \
@@ -75,7 +77,7 @@ def cases(draw):
 
 
 @given(cases(), st.integers(0, 2**16))
-def test_ring_attention_equals_full_causal_attention(case, seed):
+def test_ring_attention_equals_full_causal_attention(megatron_cpu, case, seed):
     """The load-balanced ring over simulated ranks: merged partial attentions (ring_attention_update) equal
     causal attention over the whole sequence, and so do the gradients of q, k and v (fp64, 1e-10)."""
     size, s, b, n, g, d = case
@@ -119,7 +121,7 @@ def test_the_ring_masks_no_block_but_the_first():
                 assert (queries, keys) == (("all", "first") if source < rank else ("second", "all"))
 
 
-def test_ulysses_reorder_is_the_sequence_order():
+def test_ulysses_reorder_is_the_sequence_order(megatron_cpu):
     """The chunks the CP ranks hold, gathered rank after rank, put back in sequence order and split again."""
     size, s = 3, 12
     x = torch.arange(s, dtype=torch.float64).view(s, 1, 1, 1)
