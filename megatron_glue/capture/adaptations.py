@@ -454,6 +454,30 @@ def _rope_forward_0_12(self, max_seq_len, offset=0, packed_seq=False):
     return emb
 
 
+@registry.replaces(
+    "cp_batch_split_on_its_device", "megatron.core.utils.get_batch_on_this_cp_rank", "cpu",
+    reason="get_batch_on_this_cp_rank builds its chunk index with pin_memory=True and moves it with .cuda() "
+    "(0.12.1: utils.py:1724-1726), reached at --context-parallel-size > 1; 0.13 on builds it on the batch's device",
+    megatron_versions="<0.13",
+)
+def _cp_batch_split_0_12(batch):
+    # the same split (rank r: chunks r and 2CP-1-r of 2CP along the sequence), its index on the tensor's device
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_context_parallel_world_size()
+    if size == 1:
+        return batch
+    rank = parallel_state.get_context_parallel_rank()
+    for key, val in batch.items():
+        if val is None:
+            continue
+        dim = 2 if key == "attention_mask" else 1
+        chunks = val.view(*val.shape[:dim], 2 * size, val.shape[dim] // (2 * size), *val.shape[dim + 1:])
+        mine = chunks.index_select(dim, torch.tensor([rank, 2 * size - 1 - rank], device=val.device))
+        batch[key] = mine.view(*val.shape[:dim], -1, *val.shape[dim + 1:])
+    return batch
+
+
 # ======================================================================================================
 # group "compile": what stops Dynamo from capturing Megatron's forward and backward as one graph.
 # ======================================================================================================

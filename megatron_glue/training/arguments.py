@@ -34,7 +34,8 @@ MOE_PERMUTE_FUSION = ("fused token permute / unpermute is not implemented here (
 MOE_OVERLAP = ("MindSpeed's overlap of the MoE token communication with expert compute is not implemented here; "
                "drop it (the dispatcher's collectives run in order)")
 MOE_MINDSPEED = "MindSpeed-LLM's {} is not implemented here; drop it"
-CP = "context parallelism is not implemented here; use --context-parallel-size 1 with TP/PP/DP"
+CP_ALGORITHMS = {"hybrid_cp_algo": "hybrid (Ulysses x ring)", "adaptive_cp_algo": "adaptive",
+                 "hybrid_adaptive_cp_algo": "hybrid adaptive", "kvallgather_cp_algo": "K/V all-gather"}
 INSTRUCTION = ("instruction data beyond padded samples (dynamic lengths, thinking templates, templates from a file, "
                "other handlers) is not implemented here; -m megatron_glue.posttrain_gpt trains AlpacaStyle data padded "
                "to --seq-length (docs/instruction_tuning.md)")
@@ -88,10 +89,10 @@ MOE_REFUSED: dict[str, tuple[int | str, str]] = {
 # flag -> (values it takes: 0 a switch, 1 one value, "+" one or more; why it is refused)
 REFUSED: dict[str, tuple[int | str, str]] = {
     **MOE_REFUSED,
-    # context parallelism (size 1 and its algorithm are accepted: see the parser)
-    **{flag: (nargs, CP) for flag, nargs in {
-        "--cp-attention-mask-type": 1, "--use-cp-send-recv-overlap": 0, "--cp-window-size": 1,
-        "--ulysses-degree-in-cp": 1}.items()},
+    # context parallelism: Ulysses and ring are implemented (the parser's "distributed" group)
+    "--ulysses-degree-in-cp": (1, "the Ulysses degree of MindSpeed's hybrid context parallelism, which is not "
+                                  "implemented here; --context-parallel-algo ulysses_cp_algo or megatron_cp_algo take "
+                                  "the whole CP group"),
     # instruction data, packing, preference data
     **{flag: (nargs, INSTRUCTION) for flag, nargs in {
         "--prompt-type-path": 1,
@@ -213,11 +214,6 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {
                        ".parquet/... file or folder); for a .bin/.idx prefix it changes nothing. Raw data is refused "
                        "here: write the prefix with `npu-compile preprocess`"),
     "--workers": (dict(type=int, default=1), "the worker count of that start-time preprocessing (see --handler-name)"),
-    "--context-parallel-algo": (dict(choices=["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo",
-                                              "adaptive_cp_algo", "hybrid_adaptive_cp_algo", "kvallgather_cp_algo"],
-                                     default="ulysses_cp_algo"),
-                                "MindSpeed's context-parallel algorithm; at --context-parallel-size 1 (the only size "
-                                "here) there is none to choose"),
     "--attention-mask-type": (dict(choices=["causal", "general"], default="causal"),
                               "MindSpeed's mask kind for context parallelism; 'causal' is the mask this job's "
                               "attention uses ('general' is refused)"),
@@ -561,7 +557,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nccl: the machine's accelerator backend, as torch_npu makes it mean (hccl on an Ascend NPU, "
                         "nccl on CUDA; on a machine with neither, gloo, said in the log); hccl: Ascend; gloo: CPU")
     g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="1 only (context parallelism is refused above 1)")
+                   help="context parallelism: each sequence split over this many ranks (megatron-core's chunking, "
+                        "RoPE and gradient groups; the attention by --context-parallel-algo: docs/context_parallel.md)")
+    g.add_argument("--context-parallel-algo", default="ulysses_cp_algo",
+                   choices=["ulysses_cp_algo", "megatron_cp_algo", *CP_ALGORITHMS],
+                   help="MindSpeed's context-parallel attention: ulysses_cp_algo (all-to-all from sequence to heads "
+                        "around the ordinary attention) or megatron_cp_algo (ring attention, Megatron's load-balanced "
+                        "chunks); the others are refused above size 1 (at size 1 none runs, as in MindSpeed)")
+    g.add_argument("--cp-window-size", type=int, default=1,
+                   help="MindSpeed's double-ring window for megatron_cp_algo: 1 (one ring) only")
+    g.add_argument("--use-cp-send-recv-overlap", action="store_true",
+                   help="MindSpeed's overlap of the ring's K/V exchange with each step's attention: what this job's "
+                        "ring always does (the next exchange is issued before the step's attention: eagerly an "
+                        "asynchronous functional collective, compiled one the backend's comm scheduling places)")
+    g.add_argument("--cp-attention-mask-type", choices=["causal", "general"], dest="attention_mask_type",
+                   default=argparse.SUPPRESS,
+                   help="MindSpeed-LLM's deprecated spelling of --attention-mask-type (its deprecated_args.py)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -777,8 +788,8 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
         lines.append(refusal("--transformer-impl transformer_engine",
                              "Transformer Engine is CUDA-only and not used here; use --transformer-impl local "
                              "(megatron-core's own layers, the default here)"))
-    if args.context_parallel_size != 1:
-        lines.append(refusal(f"--context-parallel-size {args.context_parallel_size}", CP))
+    if args.context_parallel_size > 1:
+        lines.extend(_context_parallel_refusals(args))
     if args.attention_mask_type == "general":
         lines.append(refusal("--attention-mask-type general", PACKED))
     if args.spec is not None:
@@ -850,6 +861,37 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                              f"this job runs on {nodes} nodes, and building the dataset index on each node is not "
                              "implemented here; put --data-path and --data-cache-path on storage every node sees "
                              "and drop the flag"))
+    return lines
+
+
+def _context_parallel_refusals(args) -> list[str]:
+    """What context parallelism above 1 does not take here, one line each (docs/context_parallel.md)."""
+    lines, cp, algo = [], args.context_parallel_size, args.context_parallel_algo
+    if algo in CP_ALGORITHMS:
+        lines.append(refusal(f"--context-parallel-algo {algo}",
+                             f"MindSpeed's {CP_ALGORITHMS[algo]} context parallelism is not implemented here; use "
+                             "ulysses_cp_algo or megatron_cp_algo"))
+    if args.cp_window_size != 1:
+        lines.append(refusal(f"--cp-window-size {args.cp_window_size}",
+                             "MindSpeed's double-ring attention (windows of the CP ring) is not implemented here; "
+                             "give --cp-window-size 1 (one ring)"))
+    if getattr(args, "reset_attention_mask", False):
+        lines.append(refusal(f"--reset-attention-mask at --context-parallel-size {cp}",
+                             "packed documents under context parallelism are not implemented here (megatron-core "
+                             "splits packed rows only through Transformer Engine's THD partitioning); train packed "
+                             "rows at --context-parallel-size 1"))
+    if algo == "megatron_cp_algo" and args.attention_dropout:
+        lines.append(refusal(f"--attention-dropout {args.attention_dropout:g}",
+                             "attention dropout under ring attention (megatron_cp_algo) is not implemented here; "
+                             "give --attention-dropout 0, or use ulysses_cp_algo"))
+    if algo == "megatron_cp_algo" and getattr(args, "interleave_sliding_window", None) is not None:
+        lines.append(refusal("--interleave-sliding-window",
+                             "sliding-window attention under ring attention (megatron_cp_algo) is not implemented "
+                             "here; use ulysses_cp_algo"))
+    if getattr(args, "num_experts", None):
+        lines.append(refusal(f"--num-experts at --context-parallel-size {cp}",
+                             "MoE layers under context parallelism are not implemented here (their token "
+                             "dispatch over CP ranks is not tested); use --context-parallel-size 1"))
     return lines
 
 
@@ -937,10 +979,16 @@ def validate(args: argparse.Namespace) -> None:
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     if tp < 1 or pp < 1:
         fail("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
-    if world % (tp * pp):
+    cp = args.context_parallel_size
+    if cp < 1:
+        fail("--context-parallel-size must be >= 1")
+    if world % (tp * pp * cp):
         fail(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-             f"--pipeline-model-parallel-size {pp}; use sizes whose product divides {world}")
-    args.data_parallel_size = world // (tp * pp)
+             f"--pipeline-model-parallel-size {pp}" + (f" x --context-parallel-size {cp}" if cp > 1 else "")
+             + f"; use sizes whose product divides {world}")
+    args.data_parallel_size = world // (tp * pp * cp)
+    if cp > 1:
+        validate_context_parallel(args, fail)
     if getattr(args, "reset_attention_mask", False) and pp > 2:
         fail(f"--reset-attention-mask at --pipeline-model-parallel-size {pp}: the stages between the first and the "
              "last read no batch, so their layers would not see the documents; use at most 2 pipeline stages")
@@ -1171,6 +1219,18 @@ def stage_layer_counts(args: argparse.Namespace) -> list[int]:
     """The transformer layers of each pipeline stage: --num-layer-list, or the even split."""
     pp = args.pipeline_model_parallel_size
     return list(args.num_layer_list) if args.num_layer_list else [args.num_layers // pp] * pp
+
+
+def validate_context_parallel(args: argparse.Namespace, fail) -> None:
+    """The sizes each CP algorithm needs (MindSpeed's checks: mindspeed/features_manager/context_parallel/)."""
+    cp, tp, algo = args.context_parallel_size, args.tensor_model_parallel_size, args.context_parallel_algo
+    if algo == "ulysses_cp_algo" and args.num_attention_heads % (tp * cp):
+        fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size "
+             f"{tp} x --context-parallel-size {cp} (ulysses_cp_algo gives each CP rank heads / CP of them); use a "
+             f"multiple of {tp * cp}, or --context-parallel-algo megatron_cp_algo")
+    if args.seq_length % (2 * cp):
+        fail(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} (megatron-core "
+             f"splits the sequence into 2 x CP chunks for causal load balancing); use a multiple of {2 * cp}")
 
 
 def validate_moe(args: argparse.Namespace, fail) -> None:

@@ -80,6 +80,11 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization,
                                         qk_layernorm=getattr(args, "qk_layernorm", False))
+    if getattr(args, "context_parallel_size", 1) > 1:
+        # megatron-core's CP attention is Transformer Engine's only: ours in place of DotProductAttention
+        from megatron_glue.capture.context_parallel import cp_layer_spec
+
+        spec = cp_layer_spec(spec, args.context_parallel_algo)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -172,7 +177,25 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().detach().to(torch.int)
     report = torch.cat([loss.detach().view(1), mask.sum().detach().view(1)])
+    if cp_loss_over_group():
+        # megatron-core 0.12 multiplies the loss by the CP size: as Megatron-LM 0.12's loss_func, the sum and the
+        # token count over the CP group (the value; the gradient stays this rank's sum's)
+        from megatron.core import parallel_state
+
+        total = torch.stack([loss.detach(), mask.sum().detach()])
+        torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+        loss = loss + (total[0] - loss.detach())
+        num_tokens = total[1].to(torch.int)
     return loss, num_tokens, {"lm loss": report}
+
+
+def cp_loss_over_group() -> bool:
+    """At CP > 1 on megatron-core 0.12 (versions.loss_times_cp_size)."""
+    from megatron.core import parallel_state
+
+    from megatron_glue.training.versions import loss_times_cp_size
+
+    return parallel_state.get_context_parallel_world_size() > 1 and loss_times_cp_size()
 
 
 def forward_step(data_iterator, model):
@@ -181,6 +204,7 @@ def forward_step(data_iterator, model):
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is None:
         return model(None, None, None), partial(loss_func, None)
+    batch = on_this_cp_rank(batch)
     tokens, labels = batch["tokens"], batch["labels"]
     position_ids, loss_mask = batch["position_ids"], batch["loss_mask"]
     # attention_mask None: the layers' own causal mask (attn_mask_type causal), the same on every stage; with
@@ -188,6 +212,19 @@ def forward_step(data_iterator, model):
     output = model(tokens, position_ids, batch.get("attention_mask"), labels=labels,
                    packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(loss_func, loss_mask)
+
+
+def on_this_cp_rank(batch: dict) -> dict:
+    """This context-parallel rank's part of each sequence of the batch: megatron-core's get_batch_on_this_cp_rank
+    (2 x CP chunks, rank r holding chunks r and 2CP-1-r; the batch as is at CP 1)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    keys = ("tokens", "labels", "position_ids", "loss_mask", "attention_mask")
+    split = get_batch_on_this_cp_rank({k: batch[k] for k in keys if batch.get(k) is not None})
+    return {**batch, **split}
 
 
 def packed_documents(batch: dict, eod: int) -> dict:

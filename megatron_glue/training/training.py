@@ -55,6 +55,7 @@ def initialize(args):
         parallel_state.initialize_model_parallel(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            context_parallel_size=getattr(args, "context_parallel_size", 1),
             expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
             expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
@@ -138,6 +139,7 @@ def transformer_config(args, where):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
         params_dtype=dtype, pipeline_dtype=dtype, fp16=args.fp16, bf16=args.bf16,
         # Fusions are the compiler's: Megatron's hand-fused kernels (jit/apex/TE) stay off so that the plain
         # ops reach the backend's rules.
@@ -419,7 +421,8 @@ def _wire_config(args, config, chunks, optimizer):
 # -- one iteration ------------------------------------------------------------------------------------------------
 
 def _loss_pairs(losses_reduced) -> dict[str, torch.Tensor]:
-    """Per key, the [loss sum, token count] pairs summed over micro-batches and DP (last stage only)."""
+    """Per key, the [loss sum, token count] pairs summed over micro-batches and DP x CP (last stage only: each CP
+    rank holds its part of every sequence)."""
     from megatron.core import parallel_state
 
     out = {}
@@ -427,7 +430,7 @@ def _loss_pairs(losses_reduced) -> dict[str, torch.Tensor]:
         return out
     for key in losses_reduced[0]:
         pair = torch.vstack([x[key].view(-1).float() for x in losses_reduced]).sum(dim=0)
-        dist.all_reduce(pair, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(pair, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         out[key] = pair
     return out
 

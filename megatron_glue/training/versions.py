@@ -155,3 +155,11 @@ def moe_tracker() -> dict:
     except ImportError:
         from megatron.core.parallel_state import get_moe_layer_wise_logging_tracker
     return get_moe_layer_wise_logging_tracker()
+
+
+def loss_times_cp_size() -> bool:
+    """Whether megatron-core's schedule multiplies a (loss, num_tokens, report) loss by the CP size: 0.12 does
+    (0.12.1 `pipeline_parallel/schedules.py:289-292`), and Megatron-LM 0.12's loss_func all-reduces the loss sum and
+    the token count over the CP group to match (core_v0.12.1 `pretrain_gpt.py:175-179`); 0.13 on does neither
+    (core_v0.13.0 `schedules.py`, 0.16.1 `schedules.py:256-263`)."""
+    return megatron_core_in("<0.13")

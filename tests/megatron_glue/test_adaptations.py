@@ -309,7 +309,7 @@ ONE_LINE_ONLY = {"quiet_default_tp_group", "no_fp8_params_no_quantize", "checkpo
                  "flattened_shard_coordinates_numpy2", "flattened_shard_validation_numpy2", "shard_size_numpy2",
                  "linear_impl_by_weight_0_13_ColumnParallelLinear", "linear_impl_by_weight_0_13_RowParallelLinear",
                  "packed_documents", "router_gemm_without_te", "alltoall_seq_without_cuda_sync_0_12",
-                 "sliding_window_mask_on_default_device"}
+                 "sliding_window_mask_on_default_device", "cp_batch_split_on_its_device"}
 
 
 @pytest.mark.parametrize("version", ["0.12.1", "0.16.1"])  # the lines tested (make test-mcore012, make test)

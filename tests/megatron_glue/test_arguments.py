@@ -393,17 +393,20 @@ def test_no_effect_flags_parse_and_change_nothing_the_job_builds():
 # -- refused, all at once, and --help -------------------------------------------------------------------------------
 
 def test_every_refused_and_unknown_flag_at_once():
-    argv = [*JOB, "--num-experts", "8", "--gemm-gradient-accumulation-fusion", "--no-such-flag", "3", "--no-pad-to-seq-lengths",
-            "--context-parallel-size", "2", "--lora-r", "8", "--no-such-switch"]
+    argv = [*JOB, "--num-experts", "8", "--gemm-gradient-accumulation-fusion", "--no-such-flag", "3",
+            "--no-pad-to-seq-lengths", "--context-parallel-size", "2", "--cp-window-size", "2", "--lora-r", "8",
+            "--no-such-switch"]
     with pytest.raises(DialectError) as info:
         parse_args(argv)
     assert info.value.message == "\n".join([
-        PROG + "6 flags of this command line are refused or unknown:",
+        PROG + "7 flags of this command line are refused or unknown:",
         "  --gemm-gradient-accumulation-fusion: " + MOE_GROUPED_GEMM,
         "  --no-pad-to-seq-lengths: " + INSTRUCTION,
         "  --lora-r: LoRA is not implemented here; fine-tune all weights (--finetune)",
-        "  --context-parallel-size 2: context parallelism is not implemented here; use --context-parallel-size 1 "
-        "with TP/PP/DP",
+        "  --cp-window-size 2: MindSpeed's double-ring attention (windows of the CP ring) is not implemented here; "
+        "give --cp-window-size 1 (one ring)",
+        "  --num-experts at --context-parallel-size 2: MoE layers under context parallelism are not implemented here "
+        "(their token dispatch over CP ranks is not tested); use --context-parallel-size 1",
         "  --no-such-flag: unrecognized (not a flag of Megatron-LM, MindSpeed or MindSpeed-LLM that this job knows)",
         "  --no-such-switch: unrecognized (not a flag of Megatron-LM, MindSpeed or MindSpeed-LLM that this job "
         "knows)"])

@@ -39,8 +39,9 @@ def test_what_stays_refused_says_why():
     assert "  --neat-pack: MindSpeed-LLM's packed instruction data" in message
     assert "  --no-pad-to-seq-lengths: instruction data beyond padded samples (dynamic lengths, " in message
     assert error([*JOB, "--context-parallel-size", "2", "--reset-attention-mask"], world_size=2).endswith(
-        "--context-parallel-size 2: context parallelism is not implemented here; use --context-parallel-size 1 "
-        "with TP/PP/DP")
+        "--reset-attention-mask at --context-parallel-size 2: packed documents under context parallelism are not "
+        "implemented here (megatron-core splits packed rows only through Transformer Engine's THD partitioning); "
+        "train packed rows at --context-parallel-size 1")
 
 
 def test_more_than_two_pipeline_stages_are_refused():

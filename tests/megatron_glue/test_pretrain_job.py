@@ -119,9 +119,9 @@ def test_unknown_flag():
 
 
 def test_megatron_flag_not_implemented():
-    assert _parse_error([*TINY, "--train-iters", "5", "--context-parallel-size", "2"]) == (
-        "python -m megatron_glue.pretrain_gpt: error: --context-parallel-size 2: context parallelism is not "
-        "implemented here; use --context-parallel-size 1 with TP/PP/DP")
+    assert _parse_error([*TINY, "--train-iters", "5", "--train-samples", "100"]) == (
+        "python -m megatron_glue.pretrain_gpt: error: --train-samples: sample-based training is not implemented "
+        "here; give --train-iters")
 
 
 def test_tensor_parallel_size_must_divide_world():
