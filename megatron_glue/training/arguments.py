@@ -35,12 +35,14 @@ MOE_OVERLAP = ("MindSpeed's overlap of the MoE token communication with expert c
                "drop it (the dispatcher's collectives run in order)")
 MOE_MINDSPEED = "MindSpeed-LLM's {} is not implemented here; drop it"
 CP = "context parallelism is not implemented here; use --context-parallel-size 1 with TP/PP/DP"
-INSTRUCTION = ("instruction data beyond padded samples (dynamic lengths, thinking templates, templates from a file, "
-               "other handlers) is not implemented here; -m megatron_glue.posttrain_gpt trains AlpacaStyle data padded "
-               "to --seq-length (docs/instruction_tuning.md)")
-PACKED = ("MindSpeed-LLM's packed instruction data (--pack / --neat-pack samples, a general attention mask) is not "
-          "implemented here; pretraining rows pack documents already: --reset-attention-mask, --reset-position-ids "
-          "and --eod-mask-loss are (Megatron-LM's meanings)")
+INSTRUCTION = ("this part of MindSpeed-LLM's instruction data (variable p2p shapes without --no-pad-to-seq-lengths, "
+               "the thinking switch at training time, templates from a file, other handlers) is not implemented "
+               "here; -m megatron_glue.posttrain_gpt trains Alpaca/ShareGPT data padded to --seq-length, packed "
+               "(--reset-attention-mask [--neat-pack]) or per batch (--no-pad-to-seq-lengths): "
+               "docs/instruction_tuning.md")
+PACKED = ("MindSpeed-LLM's general attention mask (a mask per sample, for context parallelism) is not implemented "
+          "here; packed rows are read with --reset-attention-mask (--neat-pack for instruction data), each document "
+          "attending within itself")
 DPO = "preference training (DPO) is not implemented here"
 MLA = "multi-latent attention (MLA) is not implemented here; use a model with standard (GQA) attention"
 MTP = "multi-token prediction (MTP) is not implemented here; drop the MTP flags"
@@ -95,11 +97,10 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--ulysses-degree-in-cp": 1}.items()},
     # instruction data, packing, preference data
     **{flag: (nargs, INSTRUCTION) for flag, nargs in {
-        "--prompt-type-path": 1,
-        "--no-pad-to-seq-lengths": 0, "--variable-seq-lengths": 0, "--enable-thinking": 1, "--padded-samples": 0,
-        "--pad-to-multiple-of": 1}.items()},
-    **{flag: (nargs, PACKED) for flag, nargs in {
-        "--pack": 0, "--neat-pack": 0}.items()},
+        "--prompt-type-path": 1, "--variable-seq-lengths": 0, "--enable-thinking": 1}.items()},
+    "--pack": (0, "--pack is npu-compile preprocess's flag (MindSpeed-LLM's preprocess_data.py): write packed rows "
+                  "with `npu-compile preprocess --pack [--neat-pack] --seq-length N`, train them with "
+                  "--reset-attention-mask [--neat-pack] (docs/instruction_tuning.md)"),
     "--is-pairwise-dataset": (0, DPO),
     # attention and layer variants of other families
     **{flag: (nargs, MLA) for flag, nargs in {
@@ -575,6 +576,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--data-path names instruction data (npu-compile preprocess --handler-name "
                         "AlpacaStyleInstructionHandler)")
     g.add_argument("--prompt-type", default=None, help="the prompt template the data was written with")
+    g.add_argument("--neat-pack", action="store_true",
+                   help="with --reset-attention-mask: the documents of a packed row are the ones its attention mask "
+                        "numbers (data from npu-compile preprocess --pack --neat-pack), not the eos tokens")
+    g.add_argument("--no-pad-to-seq-lengths", action="store_true",
+                   help="each instruction micro-batch as long as its longest sample, rounded up to "
+                        "--pad-to-multiple-of (compiled: dynamic shapes, one more graph per layer kind)")
+    g.add_argument("--pad-to-multiple-of", type=int, default=None,
+                   help="with --no-pad-to-seq-lengths: the multiple batches are rounded up to (MindSpeed-LLM's "
+                        "default 8)")
+    g.add_argument("--padded-samples", action="store_true",
+                   help="each epoch of instruction samples filled up to a multiple of --global-batch-size with the "
+                        "first documents (MindSpeed-LLM's, aligned with LLaMA-Factory)")
     g.add_argument("--num-workers", type=int, default=0,
                    help="data loader worker processes (default 0 here: the loader reads in the training process; "
                         "Megatron-LM's default is 2)")

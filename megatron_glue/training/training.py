@@ -150,6 +150,9 @@ def transformer_config(args, where):
         # from the same peer with the same tag, and gloo swaps activations and grads (wrong losses, no error)
         batch_p2p_comm=not interleaved, batch_p2p_sync=False, overlap_p2p_comm=False,
         deallocate_pipeline_outputs=pipelined,
+        # --no-pad-to-seq-lengths: micro-batches of their own lengths; the pipeline's p2p sends each shape first
+        # (MindSpeed-LLM's FinetuneFeature sets variable_seq_lengths for it)
+        variable_seq_lengths=bool(getattr(args, "no_pad_to_seq_lengths", False)),
         **recompute_fields(args),
         **(versions.uneven_stages(args.num_layer_list) if getattr(args, "num_layer_list", None) else {}),
         **moe_fields(args),

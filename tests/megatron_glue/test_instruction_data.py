@@ -121,7 +121,7 @@ def test_seq_length_cuts_and_drops_as_mindspeed(tmp_path, byte_tokenizer):
 
 
 @pytest.mark.parametrize("name, why", [
-    ("qwen3", "a ReasoningTemplate"), ("chatglm3", "not transcribed yet"), ("nope", "not a MindSpeed-LLM template")])
+    ("bailing_mini", "a ReasoningTemplate"), ("chatglm3", "not transcribed yet"), ("nope", "not a MindSpeed-LLM template")])
 def test_unbuilt_templates_refused_by_name(name, why, tmp_path, byte_tokenizer, capsys):
     with pytest.raises(SystemExit):
         _run(tmp_path, byte_tokenizer, name)
@@ -130,15 +130,20 @@ def test_unbuilt_templates_refused_by_name(name, why, tmp_path, byte_tokenizer, 
 
 
 def test_instruction_flags_still_refused(tmp_path, byte_tokenizer, capsys):
-    for extra, msg in ((["--pack"], "--pack is not implemented here"),
-                       (["--append-eod"], "--append-eod is not implemented with --handler-name"),
-                       (["--json-keys", "text", "more"], "--json-keys is not taken")):
+    for extra, msg in ((["--json-keys", "text", "more"], "--json-keys is not taken"),
+                       (["--enable-thinking", "true"], "--enable-thinking: --prompt-type qwen has no thinking blocks"),
+                       (["--enable-thinking", "maybe"], "--enable-thinking takes true, false or none")):
         with pytest.raises(SystemExit):
             _run(tmp_path, byte_tokenizer, "qwen", *extra)
         assert msg in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # --prompt-type stays refused for pretraining data
-        pp.main(["--input", "x.jsonl", "--output-prefix", "o", "--prompt-type", "qwen"])
-    assert "--prompt-type is not implemented here" in capsys.readouterr().err
+    for extra, msg in ((["--pack"], "--pack needs --seq-length"), (["--neat-pack", "--seq-length", "64"],
+                                                                   "--neat-pack needs --pack")):
+        assert _run(tmp_path, byte_tokenizer, "qwen", *extra)[0] == 1
+        assert msg in capsys.readouterr().err
+    for flag in (["--prompt-type", "qwen"], ["--pack"]):  # pretraining documents take neither
+        with pytest.raises(SystemExit):
+            pp.main(["--input", "x.jsonl", "--output-prefix", "o", *flag])
+        assert f"{flag[0]} is taken here only for instruction data" in capsys.readouterr().err
 
 
 def test_missing_output_key_names_the_line(tmp_path, byte_tokenizer, capsys):
@@ -190,7 +195,7 @@ def test_sft_batch_counts_answer_tokens_only(byte_tokenizer, sft_data):
     doc = int(train.order[0])
     stored = _read(sft_data)
     ids, labels = stored["input_ids"][doc], stored["labels"][doc]
-    item = train[0]
+    item = {k: v[0] for k, v in train.collate([train[0]]).items()}
     n = len(ids)
     eot = _sp("<|eot_id|>")
     record = _alpaca_records()[doc]
@@ -210,14 +215,22 @@ def test_posttrain_refusals(byte_tokenizer, sft_data):
     assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data)) is None
     assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, "--stage", "dpo")).startswith(
         "--stage dpo: only --stage sft is implemented here")
-    assert "ReasoningTemplate" in sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, "--prompt-type", "qwen3"))
-    assert "--pack" in sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, "--reset-attention-mask"))
+    assert "ReasoningTemplate" in sft.posttrain_refusal(
+        _sft_args(byte_tokenizer, sft_data, "--prompt-type", "bailing_mini"))
+    for extra, msg in ((["--neat-pack"], "--neat-pack needs --reset-attention-mask"),
+                       (["--reset-position-ids"], "--reset-position-ids needs --reset-attention-mask"),
+                       (["--eod-mask-loss"], "--eod-mask-loss is not taken by posttrain_gpt"),
+                       (["--pad-to-multiple-of", "16"], "--pad-to-multiple-of rounds the batches of "
+                                                         "--no-pad-to-seq-lengths")):
+        assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, *extra)).startswith(msg)
+    for extra in (["--reset-attention-mask", "--neat-pack", "--reset-position-ids", "--padded-samples"],
+                  ["--no-pad-to-seq-lengths", "--pad-to-multiple-of", "16"], ["--prompt-type", "qwen3"]):
+        assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, *extra)) is None
     assert sft.pretrain_refusal(_sft_args(byte_tokenizer, sft_data)).endswith("-m megatron_glue.posttrain_gpt")
-    for flag in ("--pack", "--neat-pack", "--no-pad-to-seq-lengths"):
-        with pytest.raises(ArgumentError) as info:
-            parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--mock-data",
-                        flag], world_size=1)
-        assert f"{flag}: " in info.value.message and "not implemented here" in info.value.message
+    with pytest.raises(ArgumentError) as info:  # a preprocessing flag
+        parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--mock-data",
+                    "--pack"], world_size=1)
+    assert "--pack: --pack is npu-compile preprocess's flag" in info.value.message
 
 
 @pytest.mark.slow
