@@ -150,9 +150,6 @@ def transformer_config(args, where):
         # from the same peer with the same tag, and gloo swaps activations and grads (wrong losses, no error)
         batch_p2p_comm=not interleaved, batch_p2p_sync=False, overlap_p2p_comm=False,
         deallocate_pipeline_outputs=pipelined,
-        # --no-pad-to-seq-lengths: micro-batches of their own lengths; the pipeline's p2p sends each shape first
-        # (MindSpeed-LLM's FinetuneFeature sets variable_seq_lengths for it)
-        variable_seq_lengths=bool(getattr(args, "no_pad_to_seq_lengths", False)),
         **recompute_fields(args),
         **(versions.uneven_stages(args.num_layer_list) if getattr(args, "num_layer_list", None) else {}),
         **moe_fields(args),
@@ -168,6 +165,12 @@ def transformer_config(args, where):
             from megatron_glue.training.arguments import ArgumentError
 
             raise ArgumentError(f"pretrain_gpt: error: megatron-core refuses this MoE configuration: {e}") from None
+    if getattr(args, "no_pad_to_seq_lengths", False) and pipelined:
+        # micro-batches of their own lengths: the pipeline's p2p sends each shape first (MindSpeed-LLM's
+        # FinetuneFeature sets it for --no-pad-to-seq-lengths). Set after the config's checks, as MindSpeed-LLM's
+        # transformer_config patch does: megatron-core refuses it with the allgather MoE dispatcher, its default
+        # even without experts, and p2p is all it changes in a dense model
+        config.variable_seq_lengths = True
     # no TransformerConfig field: read by the "sp" group's zero_centered_rms_norm
     config.rmsnorm_weight_in_fp32 = getattr(args, "rmsnorm_weight_in_fp32", False)
     return config
