@@ -97,10 +97,7 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--ulysses-degree-in-cp": 1}.items()},
     # instruction data, packing, preference data
     **{flag: (nargs, INSTRUCTION) for flag, nargs in {
-        "--prompt-type-path": 1, "--variable-seq-lengths": 0, "--enable-thinking": 1}.items()},
-    "--pack": (0, "--pack is npu-compile preprocess's flag (MindSpeed-LLM's preprocess_data.py): write packed rows "
-                  "with `npu-compile preprocess --pack [--neat-pack] --seq-length N`, train them with "
-                  "--reset-attention-mask [--neat-pack] (docs/instruction_tuning.md)"),
+        "--prompt-type-path": 1, "--variable-seq-lengths": 0}.items()},
     "--is-pairwise-dataset": (0, DPO),
     # attention and layer variants of other families
     **{flag: (nargs, MLA) for flag, nargs in {
@@ -225,6 +222,14 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {
                        ".parquet/... file or folder); for a .bin/.idx prefix it changes nothing. Raw data is refused "
                        "here: write the prefix with `npu-compile preprocess`"),
     "--workers": (dict(type=int, default=1), "the worker count of that start-time preprocessing (see --handler-name)"),
+    "--pack": (dict(action="store_true"),
+               "packs the rows of that start-time preprocessing (see --handler-name; MindSpeed-LLM's "
+               "dataset_preprocess.py passes it on); write packed rows with `npu-compile preprocess --pack "
+               "[--neat-pack] --seq-length N` and train them with --reset-attention-mask [--neat-pack]"),
+    "--enable-thinking": (dict(type=str.lower, choices=["true", "false", "none"], default=None),
+                          "the thinking switch of that start-time preprocessing (see --handler-name; give it to "
+                          "`npu-compile preprocess`); in training MindSpeed-LLM reads it only to cut a sample "
+                          "longer than --seq-length, which this job refuses"),
     "--context-parallel-algo": (dict(choices=["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo",
                                               "adaptive_cp_algo", "hybrid_adaptive_cp_algo", "kvallgather_cp_algo"],
                                      default="ulysses_cp_algo"),

@@ -232,10 +232,11 @@ def test_posttrain_refusals(byte_tokenizer, sft_data):
                   ["--no-pad-to-seq-lengths", "--pad-to-multiple-of", "16"], ["--prompt-type", "qwen3"]):
         assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, *extra)) is None
     assert sft.pretrain_refusal(_sft_args(byte_tokenizer, sft_data)).endswith("-m megatron_glue.posttrain_gpt")
-    with pytest.raises(ArgumentError) as info:  # a preprocessing flag
-        parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--mock-data",
-                    "--pack"], world_size=1)
-    assert "--pack: --pack is npu-compile preprocess's flag" in info.value.message
+    # start-time preprocessing flags (MindSpeed-LLM passes them on to preprocess_data.py for raw --data-path only)
+    assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, "--pack", "--enable-thinking", "true")) is None
+    with pytest.raises(ArgumentError) as info:
+        _sft_args(byte_tokenizer, sft_data, "--enable-thinking", "maybe")
+    assert "--enable-thinking" in info.value.message
 
 
 @pytest.mark.slow
