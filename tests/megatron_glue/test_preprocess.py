@@ -343,12 +343,12 @@ def test_pretrained_from_hf_tokenizer_errors_name_its_flag(tmp_path, capsys):
      "GeneralPretrainHandler, with --json-keys naming the text fields"),
     (["--handler-name", "MyHandler"], "--handler-name MyHandler is not a MindSpeed-LLM handler; supported: "
                                       "GeneralPretrainHandler"),
-    (["--prompt-type", "qwen"], "--prompt-type is not implemented here (MindSpeed-LLM's preprocess_data.py has it, "
-                                "for instruction-tuning data (prompt templates, packed `_packed` outputs for "
-                                "MindSpeed-LLM's --is-instruction-dataset), a feature not built yet)"),
-    (["--pack"], "--pack is not implemented here (MindSpeed-LLM's preprocess_data.py has it, for instruction-tuning "
-                 "data (prompt templates, packed `_packed` outputs for MindSpeed-LLM's --is-instruction-dataset), a "
-                 "feature not built yet)"),
+    (["--prompt-type", "qwen"], "--prompt-type is taken here only for instruction data, with --handler-name "
+                                "AlpacaStyleInstructionHandler or SharegptStyleInstructionHandler; pretraining "
+                                "documents are not packed here (MindSpeed-LLM refuses --pack for them too)"),
+    (["--pack"], "--pack is taken here only for instruction data, with --handler-name AlpacaStyleInstructionHandler "
+                 "or SharegptStyleInstructionHandler; pretraining documents are not packed here (MindSpeed-LLM "
+                 "refuses --pack for them too)"),
     (["--dataset-impl", "lazy"], "--dataset-impl is not implemented here (MindSpeed-LLM's preprocess_data.py has "
                                  "it, for dataset formats other than mmap, the only one megatron-core reads)"),
 ])
