@@ -538,8 +538,9 @@ def _instruction_main(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--enable-thinking takes true, false or none (MindSpeed-LLM's values), got "
                      f"{args.enable_thinking!r}")
     if args.enable_thinking is not None and not instruction.TEMPLATES[args.prompt_type].reasoning:
+        reasoning = ", ".join(n for n, t in instruction.TEMPLATES.items() if t.reasoning)
         parser.error(f"--enable-thinking: --prompt-type {args.prompt_type} has no thinking blocks (it changes "
-                     f"ReasoningTemplates only: {', '.join(n for n, t in instruction.TEMPLATES.items() if t.reasoning)})")
+                     f"ReasoningTemplates only: {reasoning})")
     if args.workers < 1 or args.log_interval < 1:
         parser.error("--workers and --log-interval must be >= 1")
     try:

@@ -126,7 +126,8 @@ def test_seq_length_cuts_and_drops_as_mindspeed(tmp_path, byte_tokenizer):
 
 
 @pytest.mark.parametrize("name, why", [
-    ("bailing_mini", "a ReasoningTemplate"), ("chatglm3", "not transcribed yet"), ("nope", "not a MindSpeed-LLM template")])
+    ("bailing_mini", "a ReasoningTemplate"), ("chatglm3", "not transcribed yet"),
+    ("nope", "not a MindSpeed-LLM template")])
 def test_unbuilt_templates_refused_by_name(name, why, tmp_path, byte_tokenizer, capsys):
     with pytest.raises(SystemExit):
         _run(tmp_path, byte_tokenizer, name)
