@@ -190,6 +190,7 @@ def run_pair(name: str, data_script: list[str], tune_script: list[str], folder: 
                      f"PP {_flag(argv, '--pipeline-model-parallel-size') or 1}")
     done = launch(folder, ["megatron_glue.posttrain_gpt"], argv, timeout)
     result.output = done.stdout + done.stderr
+    (folder / "posttrain_gpt.log").write_text(result.output)
     result.returncode = done.returncode
     result.losses, result.graphs = _metrics(folder)
     return result
