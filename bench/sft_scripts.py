@@ -154,7 +154,11 @@ def save_hf(argv: list[str], root: Path, model_type: str) -> None:
 def launch(folder: Path, module: list[str], argv: list[str], timeout: float, nproc: int = 2):
     prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
               if nproc else [sys.executable, "-m"])
-    return subprocess.run([*prefix, *module, *argv], cwd=folder, env=_env(), capture_output=True, text=True,
+    # a compile cache of the run's own: the job's warm start (npu_compile.precompile) would otherwise load an
+    # earlier run's compiles without Dynamo, and the graph count would say 0
+    env = dict(_env(), TORCHINDUCTOR_CACHE_DIR=str(folder / "compile_cache"),
+               NPU_COMPILE_CACHE_DIR=str(folder / "compile_cache" / "npu_compile"))
+    return subprocess.run([*prefix, *module, *argv], cwd=folder, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -205,7 +209,8 @@ def report(results: list[Result], source: str) -> str:
         f"a tiny model (4 layers, hidden 64, sequence {SEQ}) on 2 gloo processes, every other flag kept, trained "
         f"{ITERATIONS} iterations with `-m megatron_glue.posttrain_gpt` in place of `posttrain_gpt.py`, every layer "
         "compiled (backend ascend). What else changes: the bench's docstring (paths, the learning rate, the "
-        "sequence length). Compiled graphs: the job's count at the end (Dynamo's unique graphs in one process).",
+        "sequence length). Compiled graphs: the job's count at the end (Dynamo's unique graphs in the process "
+        "that logs), each run with a compile cache of its own (cold).",
         "",
         "| scripts | layout (2 processes) | data (npu-compile preprocess) | loss first → last | compiled graphs | "
         "flags dropped |",
