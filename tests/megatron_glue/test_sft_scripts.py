@@ -40,6 +40,8 @@ def test_qwen25_packed_instruction_tuning_with_one_word_changed(tmp_path):
     rows = re.search(r"Packed (\d+) records into (\d+) rows of 256 tokens", result.data_output)
     assert rows and int(rows[1]) > 2 * int(rows[2]), result.data_output  # several records in each row
     assert len(result.losses) == 2 and all(math.isfinite(x) and 0 < x < 20 for x in result.losses), result.losses
-    # one graph each for the embedding, the layers and the output layer: the documents per row change nothing
-    assert result.graphs == 3
+    # the embedding, the layers and the output layer, each compiled once and at most once again (in 2 iterations:
+    # the second step's guards, bench/results/sft_scripts.md); never once per batch: the number of records per row
+    # changes no shape (the lengths are padded to one length)
+    assert result.graphs in (3, 6), result.graphs
     assert re.search(r"^ iteration +2/ +2 \| consumed samples: +8 \|", result.output, re.M)
