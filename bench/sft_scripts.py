@@ -222,8 +222,8 @@ def report(results: list[Result], source: str) -> str:
             tail = r.output.strip().splitlines()[-1:] or ["no output"]
             lines.append(f"| {scripts} | {r.layout} | | **failed** (exit {r.returncode}): `{tail[0][:300]}` | | |")
             continue
-        data = next((line for line in r.data_output.splitlines() if line.startswith("Wrote ")), "")
-        data = data.split(":")[0]
+        data = next((line for line in r.data_output.splitlines() if line.startswith("Packed ")), "") or next(
+            (line for line in r.data_output.splitlines() if line.startswith("Wrote ")), "").split(" (")[0]
         lines.append(f"| {scripts} | {r.layout} | {data} | {r.losses[0]:.4f} → {r.losses[-1]:.4f} "
                      f"({len(r.losses)} iterations) | {r.graphs} | none |")
     return "\n".join(lines)
