@@ -120,7 +120,9 @@ def build_loader(dataset, *, consumed_samples: int, micro_batch_size: int, data_
     # unless given its own. The job makes its iterators after a checkpoint restored the RNG state (Megatron-LM's
     # order), and on a device whose dropout runs on the default generator (the CPU) that draw would shift every
     # dropout mask after a resume: the loader draws from a generator of its own.
+    # a dataset may batch its samples itself (instruction data: megatron_glue.training.sft.collate)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         collate_fn=getattr(dataset, "collate", None),
                                          persistent_workers=num_workers > 0,
                                          generator=torch.Generator().manual_seed(LOADER_SEED))
     return iter(loader)

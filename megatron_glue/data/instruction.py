@@ -51,6 +51,10 @@ class PromptTemplate:
     default_system: str = ""
     stop_words: tuple = ()
     replace_eos: bool = False
+    # ReasoningTemplate (templates.py): an LFDefaultTemplate (its own cut: `_make_pairs` keeps one token in reserve
+    # and shares the room by `_infer_seqlen`) that puts an empty thought block before each answer without one
+    reasoning: bool = False
+    thought_words: tuple = ("<think>\n", "\n</think>\n\n")  # templates.py _register_template's default
 
 
 # Facts from configs/finetune/templates.json (c77308a): the slots of "qwen" (Qwen, Qwen1.5, Qwen2, Qwen2.5 scripts)
@@ -71,20 +75,47 @@ TEMPLATES = {
         assistant=("{{content}}", "eos_token"),
         prefix=("bos_token",),
         stop_words=("<|eot_id|>",), replace_eos=True),
+    # "qwen3" (Qwen3 dense and MoE scripts): template_class ReasoningTemplate, no separator, no default system, the
+    # answer slot ends the turn itself ("{{content}}<|im_end|>\n", no eos slot)
+    "qwen3": PromptTemplate(
+        user=("<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n",),
+        system=("<|im_start|>system\n{{content}}<|im_end|>\n",),
+        assistant=("{{content}}<|im_end|>\n",),
+        stop_words=("<|im_end|>",), replace_eos=True, reasoning=True),
+    # "plm": ChatML slots, the answer ending its turn, eos replaced by <|endoftext|>
+    "plm": PromptTemplate(
+        user=("<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n",),
+        system=("<|im_start|>system\n{{content}}<|im_end|>\n",),
+        assistant=("{{content}}<|im_end|>\n",),
+        default_system="You are a helpful assistant.",
+        stop_words=("<|endoftext|>",), replace_eos=True),
+    # "deepseek3", "deepseek2-lite", "cpm": bos, then the user slot; the default system slot is "{{content}}"
+    # (format_system falls back to the default user formatter) and the answer is "{{content}}" then eos
+    "deepseek3": PromptTemplate(
+        user=("<\uff5cUser\uff5c>{{content}}<\uff5cAssistant\uff5c>",), system=("{{content}}",),
+        assistant=("{{content}}", "eos_token"), prefix=("bos_token",)),
+    "deepseek2-lite": PromptTemplate(
+        user=("User: {{content}}\n\nAssistant:",), system=("{{content}}\n\n",),
+        assistant=("{{content}}", "eos_token"), prefix=("bos_token",)),
+    "cpm": PromptTemplate(
+        user=("<\u7528\u6237>{{content}}<AI>",), system=("{{content}}",),
+        assistant=("{{content}}", "eos_token"), prefix=("bos_token",)),
 }
 
 # The other names of templates.json, refused by name with what they need.
-_REASONING = "a ReasoningTemplate (thinking blocks kept or dropped per --enable-thinking), not built here"
+_REASONING = "a ReasoningTemplate with tool formatters of its own, not transcribed yet"
 REFUSED_TEMPLATES = {
-    "qwen3": _REASONING, "qwen_r1": "R1-style reasoning data, not built here",
+    "qwen_r1": "R1-style reasoning data, not built here",
     "qwen_math_r1": "R1-style reasoning data, not built here", "bailing_mini": _REASONING,
+    "magistral": "a ReasoningTemplate over MagistralTokenizer (tekken.json), not built here",
+    "gemma": "its efficient_eos (the eos carried into the next turn's labels), not built here",
+    "glm4_moe": "a ReasoningTemplate with efficient_eos, not built here",
     "deepseek4": "its own DeepSeek4Template encoder, not built here",
     "gpt_oss": "its own template class, not built here",
 }
-_OTHER_TEMPLATES = ("chatglm2", "chatglm3", "chatglm3_system", "glm4", "glm4_moe", "chatml", "chatml_de", "cpm",
-                    "default", "empty", "trl", "qwen_lf", "mistral", "mixtral", "magistral", "gemma", "llama2",
-                    "alpaca", "deepseek2", "deepseek2-lite", "minicpm3", "baichuan2", "deepseek3", "intern2",
-                    "hunyuan", "plm")
+_OTHER_TEMPLATES = ("chatglm2", "chatglm3", "chatglm3_system", "glm4", "chatml", "chatml_de",
+                    "default", "empty", "trl", "qwen_lf", "mistral", "mixtral", "llama2",
+                    "alpaca", "deepseek2", "minicpm3", "baichuan2", "intern2", "hunyuan")
 
 
 def template_refusal(name: str | None) -> str | None:
@@ -107,7 +138,8 @@ class InstructionEncoder:
     template over a local Hugging Face tokenizer folder."""
 
     def __init__(self, tokenizer_dir: str, prompt_type: str, seq_length: int | None,
-                 handler: str = "AlpacaStyleInstructionHandler") -> None:
+                 handler: str = "AlpacaStyleInstructionHandler", *, enable_thinking: bool | None = None,
+                 pack: bool = False, neat_pack: bool = False, append_eod: bool = False) -> None:
         if handler not in HANDLERS:
             raise DataError(f"--handler-name {handler}: not an instruction handler built here ({', '.join(HANDLERS)})")
         self.sharegpt = handler == "SharegptStyleInstructionHandler"
@@ -123,6 +155,13 @@ class InstructionEncoder:
         except (DataError, FileNotFoundError) as error:
             raise type(error)(str(error).replace("--tokenizer-model ", "--tokenizer-name-or-path ", 1)) from None
         self.template = TEMPLATES[prompt_type]
+        self.enable_thinking = enable_thinking
+        self.pack, self.neat_pack, self.append_eod = pack, neat_pack, append_eod
+        if pack and seq_length is None:
+            raise DataError("--pack needs --seq-length (the length of each packed row)")
+        if neat_pack and not pack:
+            raise DataError("--neat-pack needs --pack (it numbers the records of a packed row; MindSpeed-LLM's "
+                            "preprocess_data.py refuses it alone too)")
         self.seq_length = seq_length
         self.cutoff = NO_CUTOFF if seq_length is None else seq_length
         stops = self.template.stop_words
@@ -133,6 +172,12 @@ class InstructionEncoder:
             stops = stops[1:]
         if stops:
             self.tokenizer.add_special_tokens({"additional_special_tokens": list(stops)})
+        if self.tokenizer.pad_token_id is None:  # fix_model_tokenizer: a tokenizer without a pad pads with eos
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
 
     @property
     def vocab_size(self) -> int:
@@ -199,10 +244,13 @@ class InstructionEncoder:
         return [user, record["output"]]
 
     def encode(self, record: dict, where: str) -> dict[str, list[int]] | None:
-        """The three rows of one record, or None where --seq-length drops it."""
+        """The three rows of one record, or None where --seq-length drops it (unpacked data; packed data is cut or
+        dropped when packed: pack_rows)."""
         turns, system = self.messages(record, where)
         t = self.template
         system = system or t.default_system
+        if t.reasoning and self.enable_thinking is False:  # ReasoningTemplate.encode_multiturn: remove all thoughts
+            turns = [_remove_thought(c, t.thought_words) if i % 2 else c for i, c in enumerate(turns)]
         encoded = []
         for i, content in enumerate(turns):
             ids = []
@@ -214,14 +262,116 @@ class InstructionEncoder:
                 ids += self._ids(t.separator)
             ids += self._ids(t.user if i % 2 == 0 else t.assistant, content)
             encoded.append(ids)
+        if t.reasoning:
+            # an answer without a thought block gets an empty one: in the prompt (no loss) unless --enable-thinking
+            # true, then at the head of the answer (in the loss)
+            thought = self.tokenizer.encode("".join(t.thought_words), add_special_tokens=False)
+            for i in range(0, len(turns), 2):
+                if t.thought_words[0] not in turns[i + 1] and t.thought_words[1] not in turns[i + 1]:
+                    if self.enable_thinking:
+                        encoded[i + 1] = thought + encoded[i + 1]
+                    else:
+                        encoded[i] = encoded[i] + thought
+            pairs = _make_pairs_lf(encoded, self.cutoff)
+        else:
+            pairs = _make_pairs(encoded, self.cutoff)
         input_ids: list[int] = []
         labels: list[int] = []
-        for source, target in _make_pairs(encoded, self.cutoff):
+        for source, target in pairs:
+            if self.neat_pack:  # data_handler.py _tokenize_prompt: each pair cut again to seq_length - 1
+                source_len, target_len = _infer_seqlen(len(source), len(target), self.seq_length - 1)
+                source, target = source[:source_len], target[:target_len]
             input_ids += source + target
             labels += [IGNORE_INDEX] * len(source) + target
-        if self.seq_length is not None and len(input_ids) >= self.seq_length:
+        mask = [1] * len(input_ids)
+        if self.append_eod:  # data_handler.py _filter: the eod (the template's eos) after the record, in the loss
+            eod = self.tokenizer.eos_token_id
+            input_ids, mask, labels = input_ids + [eod], mask + [1], labels + [eod]
+        if not self.pack and self.seq_length is not None and len(input_ids) >= self.seq_length:
             return None
-        return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def _remove_thought(content: str, words: tuple) -> str:
+    """templates.py remove_thought: every thought block out, then the leading newlines."""
+    import re
+
+    pattern = re.compile(f"{re.escape(words[0])}(.*?){re.escape(words[1])}", re.DOTALL)
+    return re.sub(pattern, "", content).lstrip("\n")
+
+
+def _infer_seqlen(source: int, target: int, cutoff: int) -> tuple[int, int]:
+    """decoder_packed_mtf_dataset.py _infer_seqlen: (prompt, answer) lengths cut to `cutoff` in all: the prompt
+    alone is cut while the answer takes less than half, the answer alone while the prompt does, else both in
+    proportion."""
+    if target * 2 < cutoff:
+        max_target = cutoff
+    elif source * 2 < cutoff:
+        max_target = cutoff - source
+    else:
+        max_target = int(cutoff * (target / (source + target)))
+    new_target = min(max_target, target)
+    return min(max(cutoff - new_target, 0), source), new_target
+
+
+def _make_pairs_lf(encoded: list[list[int]], cutoff: int) -> list[tuple[list[int], list[int]]]:
+    """templates.py LFDefaultTemplate._make_pairs: one token kept in reserve, each pair cut by _infer_seqlen to
+    what is left."""
+    pairs, total, cutoff = [], 0, cutoff - 1
+    for i in range(0, len(encoded), 2):
+        if total >= cutoff:
+            break
+        max_source, max_target = _infer_seqlen(len(encoded[i]), len(encoded[i + 1]), cutoff - total)
+        source, target = encoded[i][:max_source], encoded[i + 1][:max_target]
+        total += len(source) + len(target)
+        pairs.append((source, target))
+    return pairs
+
+
+def pack_rows(rows: list[dict[str, list[int]]], seq_length: int, neat: bool, pad_id: int):
+    """data_handler.py `_pack_serialize_to_disk`: records into rows of exactly `seq_length` tokens. A record of
+    seq_length tokens or more is dropped (--neat-pack: cut to seq_length - 1); the lengths are packed greedily
+    into rows of seq_length - 1 (one token kept for padding; utils.py greedy_knapsack: the lengths sorted, each row
+    filled by taking the largest length that still fits until none does), each length's records taken last first;
+    a row is its records back to back, then pad_id / attention 0 (--neat-pack; else 1) / label -100 to seq_length.
+    With --neat-pack the attention mask numbers the records of a row 1, 2, ... (the training side reads them as
+    documents). Returns (packed rows, records dropped)."""
+    import bisect
+
+    kept, dropped = [], 0
+    for row in rows:
+        n = len(row["input_ids"])
+        if n >= seq_length:
+            if not neat:
+                dropped += 1
+                continue
+            row = {key: value[:seq_length - 1] for key, value in row.items()}
+        kept.append(row)
+    by_length: dict[int, list[int]] = {}
+    for index, row in enumerate(kept):
+        by_length.setdefault(len(row["input_ids"]), []).append(index)
+    lengths = sorted(len(row["input_ids"]) for row in kept)
+    packed = []
+    while lengths:
+        room, chosen = seq_length - 1, []
+        while True:
+            at = bisect.bisect(lengths, room)
+            if at == 0:
+                break
+            room -= lengths[at - 1]
+            chosen.append(lengths.pop(at - 1))
+        out = {key: [] for key in KEYS}
+        for number, length in enumerate(chosen, 1):
+            row = kept[by_length[length].pop()]
+            out["input_ids"] += row["input_ids"]
+            out["labels"] += row["labels"]
+            out["attention_mask"] += [number] * length if neat else row["attention_mask"]
+        pad = seq_length - len(out["input_ids"])
+        out["input_ids"] += [pad_id] * pad
+        out["attention_mask"] += [0 if neat else 1] * pad
+        out["labels"] += [IGNORE_INDEX] * pad
+        packed.append(out)
+    return packed, dropped
 
 
 def _max_lengths(source: int, target: int, room: int, reserved: int = 1) -> tuple[int, int]:
@@ -254,8 +404,8 @@ def output_prefixes(output_prefix: str) -> dict[str, str]:
 _worker: dict = {}
 
 
-def _init(tokenizer_dir: str, prompt_type: str, seq_length: int | None, handler: str) -> None:
-    _worker["encoder"] = InstructionEncoder(tokenizer_dir, prompt_type, seq_length, handler)
+def _init(tokenizer_dir: str, prompt_type: str, seq_length: int | None, handler: str, options: dict) -> None:
+    _worker["encoder"] = InstructionEncoder(tokenizer_dir, prompt_type, seq_length, handler, **options)
 
 
 def _encode_item(item) -> dict[str, list[int]] | None:
@@ -274,16 +424,18 @@ def _encode_item(item) -> dict[str, list[int]] | None:
 
 def write(files: list[str], output_prefix: str, *, tokenizer_dir: str, prompt_type: str, seq_length: int | None,
           workers: int, log_interval: int, log, records,
-          handler: str = "AlpacaStyleInstructionHandler") -> tuple[dict[str, str], int, int]:
+          handler: str = "AlpacaStyleInstructionHandler", **options) -> tuple[dict[str, str], int, int]:
     """Encodes the records of `files` (`records` yields them as preprocess reads them) into the three datasets;
-    returns (key -> prefix, records written, records dropped by --seq-length). Files are written under temporary
-    names and renamed at the end, as the pretraining path does."""
+    returns (key -> prefix, documents written, records dropped by --seq-length). `options`: InstructionEncoder's
+    (enable_thinking, pack, neat_pack, append_eod); packed, the documents are the packed rows. Files are written
+    under temporary names and renamed at the end, as the pretraining path does."""
     import multiprocessing
     import os
 
     import numpy
 
-    _init(tokenizer_dir, prompt_type, seq_length, handler)  # here first: a bad tokenizer is reported before any worker
+    _init(tokenizer_dir, prompt_type, seq_length, handler, options)  # here first: a bad tokenizer is reported first
+    pack, neat, pad_id = options.get("pack", False), options.get("neat_pack", False), _worker["encoder"].pad_id
     from megatron_glue.capture import quiet_megatron
 
     with quiet_megatron():
@@ -303,17 +455,29 @@ def write(files: list[str], output_prefix: str, *, tokenizer_dir: str, prompt_ty
             encoded = map(_encode_item, items)
         else:
             context = multiprocessing.get_context("fork")
-            pool = context.Pool(workers, initializer=_init, initargs=(tokenizer_dir, prompt_type, seq_length, handler))
+            pool = context.Pool(workers, initializer=_init, initargs=(tokenizer_dir, prompt_type, seq_length, handler,
+                                                                              options))
             encoded = pool.imap(_encode_item, items, chunksize=32)
+        collected = []
         for n, rows in enumerate(encoded, 1):
             if rows is None:
                 dropped += 1
+            elif pack:
+                collected.append(rows)
             else:
                 written += 1
                 for key in KEYS:
                     builders[key].add_document(rows[key], [len(rows[key])])
             if n % log_interval == 0:
                 print(f"Processed {n} records.", file=log)
+        if pack:  # all records first, then the rows (MindSpeed-LLM packs the whole dataset at once)
+            packed, dropped = pack_rows(collected, seq_length, neat, pad_id)
+            for rows in packed:
+                written += 1
+                for key in KEYS:
+                    builders[key].add_document(rows[key], [len(rows[key])])
+            print(f"Packed {len(collected) - dropped} records into {len(packed)} rows of {seq_length} tokens.",
+                  file=log)
         for key in KEYS:
             builders[key].finalize(tmp[key][1])
         for key in KEYS:

@@ -72,12 +72,14 @@ _NOT_IMPLEMENTED = {
 _FLAG_ONLY = {"--split-sentences", "--keep-newlines", "--find-optimal-num-workers", "--keep-sequential-samples",
               "--tokenizer-hf-no-use-fast", "--tokenizer-hf-no-include-special-tokens", "--trust-remote-code"}
 # MindSpeed-LLM's preprocess_data.py flags we refuse: flag -> (the value that means "not used", the feature).
+_WITH_HANDLER = (f"instruction data, with --handler-name {' or '.join(INSTRUCTION_HANDLERS)}; pretraining "
+                 f"documents are not packed here (MindSpeed-LLM refuses --pack for them too)")
 _MINDSPEED_REFUSED = {
-    "--prompt-type": (None, _INSTRUCTION_FEATURE), "--prompt-type-path": (None, _INSTRUCTION_FEATURE),
-    "--pack": (None, _INSTRUCTION_FEATURE), "--neat-pack": (None, _INSTRUCTION_FEATURE),
+    "--prompt-type": (None, _WITH_HANDLER), "--prompt-type-path": (None, _INSTRUCTION_FEATURE),
+    "--pack": (None, _WITH_HANDLER), "--neat-pack": (None, _WITH_HANDLER),
     "--map-keys": (None, _INSTRUCTION_FEATURE), "--dataset-additional-keys": (None, _INSTRUCTION_FEATURE),
-    "--enable-thinking": (None, _INSTRUCTION_FEATURE), "--reward-tokens": (None, _INSTRUCTION_FEATURE),
-    "--seq-length": (None, "packing to a sequence length, part of " + _INSTRUCTION_FEATURE),
+    "--enable-thinking": (None, _WITH_HANDLER), "--reward-tokens": (None, _INSTRUCTION_FEATURE),
+    "--seq-length": (None, _WITH_HANDLER),
     "--pad-to-multiple-of": ("1", "padding each document for context parallelism, a feature not built yet"),
     "--streaming": (None, "streaming a Hugging Face hub dataset; this command reads local files only"),
     "--hf-datasets-params": (None, "datasets.load_dataset parameters; this command reads local jsonl, json and "
@@ -86,7 +88,8 @@ _MINDSPEED_REFUSED = {
                                  "blend instead"),
     "--dataset-impl": ("mmap", "dataset formats other than mmap, the only one megatron-core reads"),
 }
-_INSTRUCTION_FLAGS = ("--prompt-type", "--seq-length")  # taken with an instruction handler (instruction.py)
+# taken with an instruction handler (instruction.py)
+_INSTRUCTION_FLAGS = ("--prompt-type", "--seq-length", "--pack", "--neat-pack", "--enable-thinking")
 _MINDSPEED_FLAG_ONLY = {"--pack", "--neat-pack", "--streaming"}
 
 
@@ -491,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not (harmless is not None and str(value) == harmless):
+            if feature is _WITH_HANDLER:
+                parser.error(f"{flag} is taken here only for {feature}")
             parser.error(f"{flag} is not implemented here (MindSpeed-LLM's preprocess_data.py has it, for "
                          f"{feature})")
     refusal = _handler_refusal(args.handler_name)
@@ -526,11 +531,16 @@ def _instruction_main(parser: argparse.ArgumentParser, args) -> int:
     if args.json_keys != ["text"]:
         parser.error(f"--json-keys is not taken with --handler-name {name}: it writes input_ids, attention_mask "
                      f"and labels always (MindSpeed-LLM overrides the flag)")
-    if args.append_eod:
-        parser.error(f"--append-eod is not implemented with --handler-name {name} (the template already ends "
-                     f"each answer with its stop word)")
     if args.n_subs != 1:
         parser.error(f"--n-subs is not implemented with --handler-name {name}")
+    thinking = {"true": True, "false": False, "none": None}.get(str(args.enable_thinking).lower(), "bad")
+    if thinking == "bad":
+        parser.error(f"--enable-thinking takes true, false or none (MindSpeed-LLM's values), got "
+                     f"{args.enable_thinking!r}")
+    if args.enable_thinking is not None and not instruction.TEMPLATES[args.prompt_type].reasoning:
+        reasoning = ", ".join(n for n, t in instruction.TEMPLATES.items() if t.reasoning)
+        parser.error(f"--enable-thinking: --prompt-type {args.prompt_type} has no thinking blocks (it changes "
+                     f"ReasoningTemplates only: {reasoning})")
     if args.workers < 1 or args.log_interval < 1:
         parser.error("--workers and --log-interval must be >= 1")
     try:
@@ -538,13 +548,15 @@ def _instruction_main(parser: argparse.ArgumentParser, args) -> int:
         prefixes, written, dropped = instruction.write(
             files, args.output_prefix, tokenizer_dir=args.tokenizer_name_or_path, prompt_type=args.prompt_type,
             seq_length=None if args.seq_length is None else int(args.seq_length), workers=args.workers,
-            log_interval=args.log_interval, log=sys.stderr,
-            handler=name, records=lambda fs, _: _records(fs, ("conversations",) if "Sharegpt" in name
-                                                          else ("instruction", "input", "output")))
+            log_interval=args.log_interval, log=sys.stderr, enable_thinking=thinking, pack=bool(args.pack),
+            neat_pack=bool(args.neat_pack), append_eod=args.append_eod, handler=name,
+            records=lambda fs, _: _records(fs, ("conversations",) if "Sharegpt" in name
+                                           else ("instruction", "input", "output")))
     except (ValueError, FileNotFoundError) as error:
         print(f"npu-compile preprocess: error: {error}", file=sys.stderr)
         return 1
-    print(f"Wrote {written} records ({dropped} dropped: --seq-length {args.seq_length} or more tokens): "
+    what = "packed rows" if args.pack else "records"
+    print(f"Wrote {written} {what} ({dropped} records dropped: --seq-length {args.seq_length} or more tokens): "
           + ", ".join(f"{p}.bin/.idx" for p in prefixes.values()), file=sys.stderr)
     return 0
 

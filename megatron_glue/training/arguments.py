@@ -36,12 +36,14 @@ MOE_OVERLAP = ("MindSpeed's overlap of the MoE token communication with expert c
 MOE_MINDSPEED = "MindSpeed-LLM's {} is not implemented here; drop it"
 CP_ALGORITHMS = {"hybrid_cp_algo": "hybrid (Ulysses x ring)", "adaptive_cp_algo": "adaptive",
                  "hybrid_adaptive_cp_algo": "hybrid adaptive", "kvallgather_cp_algo": "K/V all-gather"}
-INSTRUCTION = ("instruction data beyond padded samples (dynamic lengths, thinking templates, templates from a file, "
-               "other handlers) is not implemented here; -m megatron_glue.posttrain_gpt trains AlpacaStyle data padded "
-               "to --seq-length (docs/instruction_tuning.md)")
-PACKED = ("MindSpeed-LLM's packed instruction data (--pack / --neat-pack samples, a general attention mask) is not "
-          "implemented here; pretraining rows pack documents already: --reset-attention-mask, --reset-position-ids "
-          "and --eod-mask-loss are (Megatron-LM's meanings)")
+INSTRUCTION = ("this part of MindSpeed-LLM's instruction data (variable p2p shapes without --no-pad-to-seq-lengths, "
+               "the thinking switch at training time, templates from a file, other handlers) is not implemented "
+               "here; -m megatron_glue.posttrain_gpt trains Alpaca/ShareGPT data padded to --seq-length, packed "
+               "(--reset-attention-mask [--neat-pack]) or per batch (--no-pad-to-seq-lengths): "
+               "docs/instruction_tuning.md")
+PACKED = ("MindSpeed-LLM's general attention mask (a mask per sample, for context parallelism) is not implemented "
+          "here; packed rows are read with --reset-attention-mask (--neat-pack for instruction data), each document "
+          "attending within itself")
 DPO = "preference training (DPO) is not implemented here"
 MLA = "multi-latent attention (MLA) is not implemented here; use a model with standard (GQA) attention"
 MTP = "multi-token prediction (MTP) is not implemented here; drop the MTP flags"
@@ -95,11 +97,7 @@ REFUSED: dict[str, tuple[int | str, str]] = {
                                   "the whole CP group"),
     # instruction data, packing, preference data
     **{flag: (nargs, INSTRUCTION) for flag, nargs in {
-        "--prompt-type-path": 1,
-        "--no-pad-to-seq-lengths": 0, "--variable-seq-lengths": 0, "--enable-thinking": 1, "--padded-samples": 0,
-        "--pad-to-multiple-of": 1}.items()},
-    **{flag: (nargs, PACKED) for flag, nargs in {
-        "--pack": 0, "--neat-pack": 0}.items()},
+        "--prompt-type-path": 1, "--variable-seq-lengths": 0}.items()},
     "--is-pairwise-dataset": (0, DPO),
     # attention and layer variants of other families
     **{flag: (nargs, MLA) for flag, nargs in {
@@ -214,6 +212,14 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {
                        ".parquet/... file or folder); for a .bin/.idx prefix it changes nothing. Raw data is refused "
                        "here: write the prefix with `npu-compile preprocess`"),
     "--workers": (dict(type=int, default=1), "the worker count of that start-time preprocessing (see --handler-name)"),
+    "--pack": (dict(action="store_true"),
+               "packs the rows of that start-time preprocessing (see --handler-name; MindSpeed-LLM's "
+               "dataset_preprocess.py passes it on); write packed rows with `npu-compile preprocess --pack "
+               "[--neat-pack] --seq-length N` and train them with --reset-attention-mask [--neat-pack]"),
+    "--enable-thinking": (dict(type=str.lower, choices=["true", "false", "none"], default=None),
+                          "the thinking switch of that start-time preprocessing (see --handler-name; give it to "
+                          "`npu-compile preprocess`); in training MindSpeed-LLM reads it only to cut a sample "
+                          "longer than --seq-length, which this job refuses"),
     "--attention-mask-type": (dict(choices=["causal", "general"], default="causal"),
                               "MindSpeed's mask kind for context parallelism; 'causal' is the mask this job's "
                               "attention uses ('general' is refused)"),
@@ -599,6 +605,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--data-path names instruction data (npu-compile preprocess --handler-name "
                         "AlpacaStyleInstructionHandler)")
     g.add_argument("--prompt-type", default=None, help="the prompt template the data was written with")
+    g.add_argument("--neat-pack", action="store_true",
+                   help="with --reset-attention-mask: the documents of a packed row are the ones its attention mask "
+                        "numbers (data from npu-compile preprocess --pack --neat-pack), not the eos tokens")
+    g.add_argument("--no-pad-to-seq-lengths", action="store_true",
+                   help="each instruction micro-batch as long as its longest sample, rounded up to "
+                        "--pad-to-multiple-of (compiled: dynamic shapes, one more graph per layer kind)")
+    g.add_argument("--pad-to-multiple-of", type=int, default=None,
+                   help="with --no-pad-to-seq-lengths: the multiple batches are rounded up to (MindSpeed-LLM's "
+                        "default 8)")
+    g.add_argument("--padded-samples", action="store_true",
+                   help="each epoch of instruction samples filled up to a multiple of --global-batch-size with the "
+                        "first documents (MindSpeed-LLM's, aligned with LLaMA-Factory)")
     g.add_argument("--num-workers", type=int, default=0,
                    help="data loader worker processes (default 0 here: the loader reads in the training process; "
                         "Megatron-LM's default is 2)")

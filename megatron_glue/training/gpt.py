@@ -285,7 +285,7 @@ def datasets_provider(args):
 
 
 def main(argv: list[str] | None = None, before_start=None, refusals=(), datasets=datasets_provider,
-         name: str = "pretrain_gpt") -> int:
+         name: str = "pretrain_gpt", loader=loader_for) -> int:
     """The job; `refusals` join the argument check (parse_args), and `before_start(args)`, when given, runs after
     it and before any process group (the door passes the converter's --enable-hf2mg-convert check and step: this
     room does not import the converter)."""
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None, before_start=None, refusals=(), datasets
             before_start(args)
         set_vocabulary(args)
         with quiet_megatron():
-            training.pretrain(args, model_provider, forward_step, datasets, loader_for(args, build_loader))
+            training.pretrain(args, model_provider, forward_step, datasets, loader(args, build_loader))
     except ArgumentError as e:
         print(e.message, file=sys.stderr)
         return 2

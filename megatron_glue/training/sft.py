@@ -18,6 +18,8 @@ the padded rows, whose loss is masked).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -41,27 +43,123 @@ def split_bounds(split: str, size: int) -> list[int]:
     return [bounds[0]] + [b - diff for b in bounds[1:]]
 
 
-def sample_documents(start: int, count: int, num_samples: int, seed: int) -> np.ndarray:
-    """The document of each sample: epochs of [start, start + count), each shuffled by one RandomState(seed)."""
+def sample_documents(start: int, count: int, num_samples: int, seed: int, padded_to: int = 0) -> np.ndarray:
+    """The document of each sample: epochs of [start, start + count), each shuffled by one RandomState(seed).
+    `padded_to` (MindSpeed-LLM's --padded-samples, the global batch size): each epoch is first filled up to a
+    multiple of it with the documents 0, 1, ... (decoder_packed_mtf_dataset.py `_build_sequential_idx`)."""
     rng = np.random.RandomState(seed=seed)
     order: list[int] = []
     while len(order) < num_samples:
         epoch = np.arange(start, start + count, dtype=np.int64)
+        if padded_to and count % padded_to:
+            epoch = np.append(epoch, np.arange(0, padded_to - count % padded_to, dtype=np.int64))
         rng.shuffle(epoch)
         order.extend(epoch.tolist())
     return np.asarray(order, dtype=np.int64)
 
 
-class InstructionDataset(torch.utils.data.Dataset):
-    """One split: sample i -> its document's three rows, padded to seq_length, as the job's batch fields."""
+@dataclass(frozen=True)
+class Batching:
+    """How samples become the job's micro-batches (MindSpeed-LLM's DataCollatorForSeq2Seq and SFTTrainer.get_batch).
 
-    def __init__(self, prefix: str, start: int, count: int, num_samples: int, seq_length: int, seed: int,
-                 pad_id: int) -> None:
+    seq_length: --seq-length; pad_to_multiple_of: None pads every batch to seq_length, else the longest sample of
+    the micro-batch rounded up to a multiple of it (--no-pad-to-seq-lengths with --pad-to-multiple-of, 8 by
+    default); documents: None (a sample is one causal row), "eos" (--reset-attention-mask: a document ends after
+    each eos token of the stored row) or "neat" (with --neat-pack: the stored attention mask numbers the documents,
+    0 for the padding); reset_position_ids: positions restart at each document; lengths: the documents go to the
+    model as their lengths (PackedSeqParams, the compiled job) rather than as a dense mask."""
+
+    seq_length: int
+    pad_id: int
+    pad_to_multiple_of: int | None = None
+    documents: str | None = None
+    eos_id: int | None = None
+    reset_position_ids: bool = False
+    lengths: bool = False
+
+
+def row_documents(ids: np.ndarray, mask: np.ndarray, length: int, batching: Batching) -> list[int]:
+    """A row's document ends (exclusive, in [1, length]), the row's end last. "eos": after each eos token of the
+    stored row (decoder_packed_mtf_dataset.py: `actual_seq_len = eod_index + 1`); "neat": where the stored attention
+    mask's document number changes (its `_get_neat_pack_position_ids` / `compute_actual_seq_len`). The stored
+    row's padding, and what the batch adds after it, is one document at the end: MindSpeed-LLM makes each padding
+    token a document of its own; padding is after every real token and outside the loss, so no loss or gradient
+    sees the difference, and the row keeps at most one padding document (docs/instruction_tuning.md)."""
+    n = len(ids)
+    if batching.documents == "eos":
+        ends = (np.nonzero(ids == batching.eos_id)[0] + 1).tolist()
+    else:
+        ends = (np.nonzero(mask[1:] != mask[:-1])[0] + 1).tolist() + ([n] if n and mask[-1] != 0 else [])
+    ends = [e for e in ends if e < length]
+    return ends + [length]
+
+
+def collate(samples: list[dict], batching: Batching) -> dict:
+    """Samples (their stored rows) -> the job's micro-batch: tokens and labels padded on the right (pad id, -100)
+    to seq_length or, without padding to it, to the longest sample rounded up; labels shifted (position i predicts
+    label i + 1), loss_mask where that label is not -100; with documents, position ids per document (with
+    reset_position_ids) and the documents as a dense [b, 1, s, s] mask (True = masked, eager) or as
+    PackedSeqParams lengths (compiled; no s x s tensor)."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    if batching.pad_to_multiple_of is None:
+        length = batching.seq_length
+    else:
+        m = batching.pad_to_multiple_of
+        length = -(-longest // m) * m
+    b = len(samples)
+    tokens = np.full((b, length), batching.pad_id, dtype=np.int64)
+    padded = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
+    positions = np.tile(np.arange(length, dtype=np.int64), (b, 1))
+    cu: list[int] = []
+    for r, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        tokens[r, :n] = sample["input_ids"]
+        padded[r, :n] = sample["labels"]
+        if batching.documents:
+            ends = row_documents(sample["input_ids"], sample["attention_mask"], length, batching)
+            if batching.reset_position_ids:
+                start = 0
+                for end in ends:
+                    positions[r, start:end] = np.arange(end - start)
+                    start = end
+            cu += [r * length + e for e in ends]
+    target = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
+    target[:, :-1] = padded[:, 1:]
+    mask = target != IGNORE_INDEX
+    batch = {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(np.where(mask, target, 0)),
+             "loss_mask": torch.from_numpy(mask.astype(np.float32)), "position_ids": torch.from_numpy(positions)}
+    if batching.documents:
+        from npu_compile.ops.varlen_attention import DEVICE_MAX_DOCUMENTS
+
+        ends = torch.tensor(cu, dtype=torch.int64)
+        if batching.lengths:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            # one length for every batch of this shape, so that the number of documents compiles nothing new
+            # (docs/packed_sequences.md "Dynamic document counts")
+            total = b * length
+            pad_to = total if ends.numel() > DEVICE_MAX_DOCUMENTS else min(total, DEVICE_MAX_DOCUMENTS)
+            ends = torch.cat([ends, ends.new_full((pad_to - ends.numel(),), total)])
+            batch["packed_seq_params"] = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=ends, cu_seqlens_kv=ends,
+                                                         max_seqlen_q=length, max_seqlen_kv=length)
+        else:
+            from npu_compile.ops.varlen_attention import document_mask
+
+            batch["attention_mask"] = document_mask(ends, b, length)
+    return batch
+
+
+class InstructionDataset(torch.utils.data.Dataset):
+    """One split: sample i -> its document's stored rows; `collate` makes the micro-batches (Batching)."""
+
+    def __init__(self, prefix: str, start: int, count: int, num_samples: int, seed: int, batching: Batching,
+                 padded_to: int = 0) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.data = {key: IndexedDataset(f"{prefix}_packed_{key}_document") for key in KEYS}
-        self.order = sample_documents(start, count, num_samples, seed)
-        self.seq_length, self.pad_id = seq_length, pad_id
+        self.order = sample_documents(start, count, num_samples, seed, padded_to)
+        self.batching = batching
+        self.seq_length, self.pad_id = batching.seq_length, batching.pad_id
 
     def __len__(self) -> int:
         return len(self.order)
@@ -69,21 +167,15 @@ class InstructionDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict:
         doc = int(self.order[idx])
         ids = self.data["input_ids"][doc].astype(np.int64)
-        labels = self.data["labels"][doc].astype(np.int64)
         n, s = len(ids), self.seq_length
         if n > s:
             raise DataError(f"instruction document {doc} has {n} tokens, more than --seq-length {s}; preprocess "
-                            f"with --seq-length {s} (it drops longer records)")
-        tokens = np.full(s, self.pad_id, dtype=np.int64)
-        tokens[:n] = ids
-        padded = np.full(s, IGNORE_INDEX, dtype=np.int64)
-        padded[:n] = labels
-        target = np.full(s, IGNORE_INDEX, dtype=np.int64)
-        target[:-1] = padded[1:]  # position i predicts label i + 1
-        mask = target != IGNORE_INDEX
-        return {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(np.where(mask, target, 0)),
-                "loss_mask": torch.from_numpy(mask.astype(np.float32)),
-                "position_ids": torch.arange(s, dtype=torch.int64)}
+                            f"with --seq-length {s} (it drops longer records, and packs rows of that length)")
+        return {"input_ids": ids, "labels": self.data["labels"][doc].astype(np.int64),
+                "attention_mask": self.data["attention_mask"][doc].astype(np.int64)}
+
+    def collate(self, samples: list[dict]) -> dict:
+        return collate(samples, self.batching)
 
 
 def pad_id_of(tokenizer) -> int:
@@ -114,13 +206,37 @@ def datasets_provider(args):
     gbs = args.global_batch_size
     eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
     num_samples = (args.train_iters * gbs, eval_runs * args.eval_iters * gbs, args.eval_iters * gbs)
-    pad = pad_id_for(args)
+    from megatron_glue.training.gpt import passes_lengths
+
+    documents = ("neat" if args.neat_pack else "eos") if args.reset_attention_mask else None
+    batching = Batching(seq_length=args.seq_length, pad_id=pad_id_for(args),
+                        pad_to_multiple_of=pad_to_multiple_of(args) if args.no_pad_to_seq_lengths else None,
+                        documents=documents, eos_id=eos_id_for(args), reset_position_ids=args.reset_position_ids,
+                        lengths=passes_lengths(args))
+    padded_to = args.global_batch_size if args.padded_samples else 0
     out = []
     for i in range(3):
         count = bounds[i + 1] - bounds[i]
-        out.append(InstructionDataset(prefix, bounds[i], count, num_samples[i], args.seq_length, args.seed, pad)
+        out.append(InstructionDataset(prefix, bounds[i], count, num_samples[i], args.seed, batching, padded_to)
                    if count > 0 and num_samples[i] > 0 else None)
     return tuple(out)
+
+
+def pad_to_multiple_of(args) -> int:
+    """--pad-to-multiple-of, MindSpeed-LLM's training default 8 (features_manager/dataset/dataset.py)."""
+    return 8 if args.pad_to_multiple_of is None else args.pad_to_multiple_of
+
+
+def eos_id_for(args) -> int:
+    """The eos MindSpeed-LLM's packed rows are cut at (`tokenizer.eos` after fix_model_tokenizer): the template's
+    first stop word where it replaces eos, else the tokenizer's eos."""
+    from megatron_glue.data.instruction import TEMPLATES
+
+    hf = getattr(args.tokenizer, "_tok", None)
+    template = TEMPLATES.get(args.prompt_type)
+    if hf is not None and template is not None and template.replace_eos:
+        return int(hf.convert_tokens_to_ids(template.stop_words[0]))
+    return int(args.tokenizer.eod)
 
 
 def pad_id_for(args) -> int:
@@ -153,15 +269,39 @@ def posttrain_refusal(args) -> str | None:
     if args.tokenizer_padding_side != "right":
         return ("--tokenizer-padding-side left is not implemented here (instruction batches are padded on the right, "
                 "MindSpeed-LLM's default)")
-    if args.reset_attention_mask or args.reset_position_ids or args.eod_mask_loss:
-        return ("--reset-attention-mask, --reset-position-ids and --eod-mask-loss read packed instruction data "
-                "(--pack / --neat-pack), which is not implemented here; padded samples need none of them")
+    if args.eod_mask_loss:
+        return ("--eod-mask-loss is not taken by posttrain_gpt: the loss mask of instruction data is its labels "
+                "(-100 on the prompt), as in MindSpeed-LLM's SFT")
+    if args.reset_position_ids and not args.reset_attention_mask:
+        return ("--reset-position-ids needs --reset-attention-mask here: MindSpeed-LLM's instruction dataset resets "
+                "positions only for packed rows read with --reset-attention-mask")
+    if args.neat_pack and not args.reset_attention_mask:
+        return ("--neat-pack needs --reset-attention-mask: it says how packed rows are cut into documents, which "
+                "only --reset-attention-mask does (MindSpeed-LLM refuses it alone too)")
+    if args.pad_to_multiple_of is not None and not args.no_pad_to_seq_lengths:
+        return ("--pad-to-multiple-of rounds the batches of --no-pad-to-seq-lengths; without it every batch is "
+                "padded to --seq-length: give both or neither")
+    if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
+        return f"--pad-to-multiple-of must be >= 1, got {args.pad_to_multiple_of}"
     return None
 
 
 def pretrain_refusal(args) -> str | None:
     """pretrain_gpt takes no instruction data."""
-    if args.stage or args.is_instruction_dataset or args.prompt_type:
-        return ("--stage / --is-instruction-dataset / --prompt-type: instruction tuning runs as MindSpeed-LLM's "
+    if (args.stage or args.is_instruction_dataset or args.prompt_type or args.neat_pack or args.no_pad_to_seq_lengths
+            or args.padded_samples or args.pad_to_multiple_of is not None):
+        return ("--stage / --is-instruction-dataset / --prompt-type / --neat-pack / --no-pad-to-seq-lengths / "
+                "--padded-samples / --pad-to-multiple-of: instruction tuning runs as MindSpeed-LLM's "
                 "posttrain_gpt.py does, through -m megatron_glue.posttrain_gpt")
     return None
+
+
+def before_start(args) -> None:
+    """MindSpeed-LLM's FinetuneFeature.pre_validate_args: with --no-pad-to-seq-lengths the throughput (TFLOP/s from
+    --seq-length) is not what the batches hold, so --log-throughput is switched off, with its warning."""
+    if args.no_pad_to_seq_lengths and getattr(args, "log_throughput", False):
+        import warnings
+
+        warnings.warn("--no-pad-to-seq-lengths: batches are shorter than --seq-length, so --log-throughput's "
+                      "TFLOP/s would be wrong; it is switched off (as MindSpeed-LLM does)", RuntimeWarning)
+        args.log_throughput = False

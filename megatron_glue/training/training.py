@@ -167,6 +167,12 @@ def transformer_config(args, where):
             from megatron_glue.training.arguments import ArgumentError
 
             raise ArgumentError(f"pretrain_gpt: error: megatron-core refuses this MoE configuration: {e}") from None
+    if getattr(args, "no_pad_to_seq_lengths", False) and pipelined:
+        # micro-batches of their own lengths: the pipeline's p2p sends each shape first (MindSpeed-LLM's
+        # FinetuneFeature sets it for --no-pad-to-seq-lengths). Set after the config's checks, as MindSpeed-LLM's
+        # transformer_config patch does: megatron-core refuses it with the allgather MoE dispatcher, its default
+        # even without experts, and p2p is all it changes in a dense model
+        config.variable_seq_lengths = True
     # no TransformerConfig field: read by the "sp" group's zero_centered_rms_norm
     config.rmsnorm_weight_in_fp32 = getattr(args, "rmsnorm_weight_in_fp32", False)
     return config

@@ -394,14 +394,14 @@ def test_no_effect_flags_parse_and_change_nothing_the_job_builds():
 
 def test_every_refused_and_unknown_flag_at_once():
     argv = [*JOB, "--num-experts", "8", "--gemm-gradient-accumulation-fusion", "--no-such-flag", "3",
-            "--no-pad-to-seq-lengths", "--context-parallel-size", "2", "--cp-window-size", "2", "--lora-r", "8",
+            "--variable-seq-lengths", "--context-parallel-size", "2", "--cp-window-size", "2", "--lora-r", "8",
             "--no-such-switch"]
     with pytest.raises(DialectError) as info:
         parse_args(argv)
     assert info.value.message == "\n".join([
         PROG + "7 flags of this command line are refused or unknown:",
         "  --gemm-gradient-accumulation-fusion: " + MOE_GROUPED_GEMM,
-        "  --no-pad-to-seq-lengths: " + INSTRUCTION,
+        "  --variable-seq-lengths: " + INSTRUCTION,
         "  --lora-r: LoRA is not implemented here; fine-tune all weights (--finetune)",
         "  --cp-window-size 2: MindSpeed's double-ring attention (windows of the CP ring) is not implemented here; "
         "give --cp-window-size 1 (one ring)",
@@ -493,5 +493,6 @@ def test_a_moe_fine_tuning_script_names_every_missing_feature_at_once():
     assert [line.split(":")[0].strip() for line in lines if "MindSpeed-LLM's top-k" in line or "grouped GEMM" in line
             or "MoE token communication" in line or "experts split over" in line] == [
         "--norm-topk-prob", "--moe-permutation-async-comm", "--expert-tensor-parallel-size 2"]
-    # --stage sft, --is-instruction-dataset, --prompt-type and its handler are posttrain_gpt's; dynamic lengths not
-    assert [line.split(":")[0].strip() for line in lines if INSTRUCTION in line] == ["--no-pad-to-seq-lengths"]
+    # --stage sft, --is-instruction-dataset, --prompt-type, its handler and --no-pad-to-seq-lengths are
+    # posttrain_gpt's
+    assert [line.split(":")[0].strip() for line in lines if INSTRUCTION in line] == []

@@ -206,8 +206,8 @@ def test_mindspeeds_cp_flags_with_their_meanings():
                        "--cp-window-size", "1", "--cp-attention-mask-type", "causal"], world_size=2)
     assert args.use_cp_send_recv_overlap and args.cp_window_size == 1 and args.attention_mask_type == "causal"
     assert error([*CP2, "--cp-attention-mask-type", "general"], world_size=2).endswith(
-        "--attention-mask-type general: MindSpeed-LLM's packed instruction data (--pack / --neat-pack samples, a "
-        "general attention mask) is not implemented here; pretraining rows pack documents already: "
-        "--reset-attention-mask, --reset-position-ids and --eod-mask-loss are (Megatron-LM's meanings)")
+        "--attention-mask-type general: MindSpeed-LLM's general attention mask (a mask per sample, for context "
+        "parallelism) is not implemented here; packed rows are read with --reset-attention-mask (--neat-pack for "
+        "instruction data), each document attending within itself")
     # at size 1 the algorithm and its flags configure nothing, as in MindSpeed
     parse_args([*TINY, "--train-iters", "2", "--context-parallel-algo", "hybrid_cp_algo", "--use-cp-send-recv-overlap"])

@@ -1,11 +1,15 @@
 """`npu-compile preprocess --handler-name AlpacaStyleInstructionHandler --prompt-type NAME`: MindSpeed-LLM's
 instruction datasets (three `_packed_*_document` datasets, prompt labelled -100), token by token."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
+import torch
 
+from megatron_glue.capture.adaptations import megatron_core_in
+from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 from megatron_glue.data import instruction
 from megatron_glue.data import preprocess as pp
 
@@ -62,6 +66,7 @@ RECORDS = [{"instruction": "Add", "input": "1+1", "output": "2"},
 
 
 def _run(tmp_path, tokenizer, prompt_type, *extra, records=RECORDS):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "alpaca.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     prefix = str(tmp_path / "out" / "alpaca")
@@ -121,7 +126,8 @@ def test_seq_length_cuts_and_drops_as_mindspeed(tmp_path, byte_tokenizer):
 
 
 @pytest.mark.parametrize("name, why", [
-    ("qwen3", "a ReasoningTemplate"), ("chatglm3", "not transcribed yet"), ("nope", "not a MindSpeed-LLM template")])
+    ("bailing_mini", "a ReasoningTemplate"), ("chatglm3", "not transcribed yet"),
+    ("nope", "not a MindSpeed-LLM template")])
 def test_unbuilt_templates_refused_by_name(name, why, tmp_path, byte_tokenizer, capsys):
     with pytest.raises(SystemExit):
         _run(tmp_path, byte_tokenizer, name)
@@ -130,15 +136,20 @@ def test_unbuilt_templates_refused_by_name(name, why, tmp_path, byte_tokenizer, 
 
 
 def test_instruction_flags_still_refused(tmp_path, byte_tokenizer, capsys):
-    for extra, msg in ((["--pack"], "--pack is not implemented here"),
-                       (["--append-eod"], "--append-eod is not implemented with --handler-name"),
-                       (["--json-keys", "text", "more"], "--json-keys is not taken")):
+    for extra, msg in ((["--json-keys", "text", "more"], "--json-keys is not taken"),
+                       (["--enable-thinking", "true"], "--enable-thinking: --prompt-type qwen has no thinking blocks"),
+                       (["--enable-thinking", "maybe"], "--enable-thinking takes true, false or none")):
         with pytest.raises(SystemExit):
             _run(tmp_path, byte_tokenizer, "qwen", *extra)
         assert msg in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # --prompt-type stays refused for pretraining data
-        pp.main(["--input", "x.jsonl", "--output-prefix", "o", "--prompt-type", "qwen"])
-    assert "--prompt-type is not implemented here" in capsys.readouterr().err
+    for extra, msg in ((["--pack"], "--pack needs --seq-length"), (["--neat-pack", "--seq-length", "64"],
+                                                                   "--neat-pack needs --pack")):
+        assert _run(tmp_path, byte_tokenizer, "qwen", *extra)[0] == 1
+        assert msg in capsys.readouterr().err
+    for flag in (["--prompt-type", "qwen"], ["--pack"]):  # pretraining documents take neither
+        with pytest.raises(SystemExit):
+            pp.main(["--input", "x.jsonl", "--output-prefix", "o", *flag])
+        assert f"{flag[0]} is taken here only for instruction data" in capsys.readouterr().err
 
 
 def test_missing_output_key_names_the_line(tmp_path, byte_tokenizer, capsys):
@@ -190,7 +201,7 @@ def test_sft_batch_counts_answer_tokens_only(byte_tokenizer, sft_data):
     doc = int(train.order[0])
     stored = _read(sft_data)
     ids, labels = stored["input_ids"][doc], stored["labels"][doc]
-    item = train[0]
+    item = {k: v[0] for k, v in train.collate([train[0]]).items()}
     n = len(ids)
     eot = _sp("<|eot_id|>")
     record = _alpaca_records()[doc]
@@ -210,14 +221,23 @@ def test_posttrain_refusals(byte_tokenizer, sft_data):
     assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data)) is None
     assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, "--stage", "dpo")).startswith(
         "--stage dpo: only --stage sft is implemented here")
-    assert "ReasoningTemplate" in sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, "--prompt-type", "qwen3"))
-    assert "--pack" in sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, "--reset-attention-mask"))
+    assert "ReasoningTemplate" in sft.posttrain_refusal(
+        _sft_args(byte_tokenizer, sft_data, "--prompt-type", "bailing_mini"))
+    for extra, msg in ((["--neat-pack"], "--neat-pack needs --reset-attention-mask"),
+                       (["--reset-position-ids"], "--reset-position-ids needs --reset-attention-mask"),
+                       (["--eod-mask-loss"], "--eod-mask-loss is not taken by posttrain_gpt"),
+                       (["--pad-to-multiple-of", "16"], "--pad-to-multiple-of rounds the batches of "
+                                                         "--no-pad-to-seq-lengths")):
+        assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, *extra)).startswith(msg)
+    for extra in (["--reset-attention-mask", "--neat-pack", "--reset-position-ids", "--padded-samples"],
+                  ["--no-pad-to-seq-lengths", "--pad-to-multiple-of", "16"], ["--prompt-type", "qwen3"]):
+        assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, *extra)) is None
     assert sft.pretrain_refusal(_sft_args(byte_tokenizer, sft_data)).endswith("-m megatron_glue.posttrain_gpt")
-    for flag in ("--pack", "--neat-pack", "--no-pad-to-seq-lengths"):
-        with pytest.raises(ArgumentError) as info:
-            parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--mock-data",
-                        flag], world_size=1)
-        assert f"{flag}: " in info.value.message and "not implemented here" in info.value.message
+    # start-time preprocessing flags (MindSpeed-LLM passes them on to preprocess_data.py for raw --data-path only)
+    assert sft.posttrain_refusal(_sft_args(byte_tokenizer, sft_data, "--pack", "--enable-thinking", "true")) is None
+    with pytest.raises(ArgumentError) as info:
+        _sft_args(byte_tokenizer, sft_data, "--enable-thinking", "maybe")
+    assert "--enable-thinking" in info.value.message
 
 
 @pytest.mark.slow
@@ -266,3 +286,229 @@ def test_sharegpt_multi_turn_with_system(tmp_path, byte_tokenizer, capsys):
     a1, a2 = _b("Yo") + [end], _b("Ciao") + [end]
     assert got["input_ids"] == [first + a1 + second + a2]
     assert got["labels"] == [[-100] * len(first) + a1 + [-100] * len(second) + a2]
+
+
+# -- packed rows (--pack, --neat-pack) and per-batch lengths (--no-pad-to-seq-lengths) ----------------------------
+
+def _row(n, tag):
+    return {"input_ids": [tag] * n, "attention_mask": [1] * n, "labels": [-100] + [tag] * (n - 1)}
+
+
+def test_pack_rows_greedy_knapsack_as_mindspeed():
+    """MindSpeed-LLM's _pack_serialize_to_disk: lengths sorted, each row (seq_length - 1 of room) filled with the
+    largest length that fits until none does; a length's records taken last first; padding to seq_length."""
+    rows = [_row(5, 1), _row(3, 2), _row(7, 3), _row(2, 4), _row(9, 5), _row(3, 6), _row(15, 7)]
+    packed, dropped = instruction.pack_rows(rows, 12, neat=False, pad_id=99)
+    assert dropped == 1  # 15 >= 12: dropped without --neat-pack
+    # room 11: [9, 2], then [7, 3 (the later of the two 3s)], then [5, 3]
+    assert [r["input_ids"] for r in packed] == [[5] * 9 + [4] * 2 + [99], [3] * 7 + [6] * 3 + [99] * 2,
+                                                [1] * 5 + [2] * 3 + [99] * 4]
+    assert packed[0]["attention_mask"] == [1] * 12 and packed[0]["labels"][-1] == -100
+    assert packed[1]["labels"] == [-100] + [3] * 6 + [-100] + [6] * 2 + [-100] * 2
+    neat, dropped = instruction.pack_rows(rows, 12, neat=True, pad_id=99)
+    assert dropped == 0  # --neat-pack cuts the long record to seq_length - 1 instead
+    assert neat[0]["input_ids"] == [7] * 11 + [99] and neat[0]["attention_mask"] == [1] * 11 + [0]
+    assert neat[1]["attention_mask"] == [1] * 9 + [2] * 2 + [0]  # the records of a row numbered 1, 2, ...
+    assert all(len(r[k]) == 12 for r in neat for k in instruction.KEYS)
+
+
+def _segments(mask):
+    """The records of a --neat-pack row: (start, stop) of each run of one number > 0."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            if mask[start]:
+                out.append((start, i))
+            start = i
+    return out
+
+
+def test_preprocess_neat_pack_rows_hold_the_records(tmp_path, byte_tokenizer):
+    """`npu-compile preprocess --pack --neat-pack --seq-length 128`: every row 128 tokens; its numbered runs are the
+    unpacked records, token for token and label for label; the rest is padding (pad = the template's eos here: the
+    tokenizer has no pad), labels -100."""
+    records = _alpaca_records(12)
+    rc, plain = _run(tmp_path / "plain", byte_tokenizer, "llama3", "--seq-length", "128", records=records)
+    rc2, packed = _run(tmp_path / "packed", byte_tokenizer, "llama3", "--seq-length", "128", "--pack",
+                       "--neat-pack", records=records)
+    assert rc == rc2 == 0
+    want, got = _read(plain), _read(packed)
+    assert len(got["input_ids"]) < len(want["input_ids"])
+    seen = []
+    for ids, mask, labels in zip(got["input_ids"], got["attention_mask"], got["labels"]):
+        assert len(ids) == len(mask) == len(labels) == 128
+        runs = _segments(mask)
+        assert [mask[a] for a, _ in runs] == list(range(1, len(runs) + 1))
+        for a, b in runs:
+            seen.append((ids[a:b], labels[a:b]))
+        end = runs[-1][1]
+        assert set(mask[end:]) <= {0} and set(ids[end:]) <= {_sp("<|eot_id|>")} and set(labels[end:]) <= {-100}
+    assert sorted(seen) == sorted(zip(want["input_ids"], want["labels"]))
+
+
+def test_qwen3_thinking_blocks(tmp_path, byte_tokenizer):
+    """qwen3 (ReasoningTemplate): an answer without a thought block gets an empty one, "<think>\\n\\n</think>\\n\\n",
+    at the end of the prompt (no loss; --enable-thinking none or false) or at the head of the answer (in the loss;
+    --enable-thinking true); --enable-thinking false removes the answer's own thoughts first. No default system;
+    the answer slot ends the turn ("<|im_end|>\\n")."""
+    start, end = _sp("<|im_start|>"), _sp("<|im_end|>")
+    empty = _b("<think>\n\n</think>\n\n")
+    prompt = [start] + _b("user\nAdd\n1+1") + [end] + _b("\n") + [start] + _b("assistant\n")
+    thought = {"instruction": "Add", "input": "1+1", "output": "<think>\nsum\n</think>\n\n2"}
+    cases = {(): (prompt + empty, _b("2") + [end] + _b("\n"), _b("<think>\nsum\n</think>\n\n2") + [end] + _b("\n")),
+             ("--enable-thinking", "true"): (prompt, empty + _b("2") + [end] + _b("\n"),
+                                             _b("<think>\nsum\n</think>\n\n2") + [end] + _b("\n")),
+             ("--enable-thinking", "false"): (prompt + empty, _b("2") + [end] + _b("\n"), None)}
+    for i, (extra, (source, target, with_thought)) in enumerate(cases.items()):
+        rc, prefix = _run(tmp_path / str(i), byte_tokenizer, "qwen3", *extra, records=[RECORDS[0], thought])
+        assert rc == 0
+        got = _read(prefix)
+        assert got["input_ids"][0] == source + target, extra
+        assert got["labels"][0] == [-100] * len(source) + target, extra
+        # the record's own thoughts: kept in the answer, no empty block added; false: removed, then the empty one
+        if with_thought is None:
+            assert got["input_ids"][1] == source + target
+        else:
+            assert got["input_ids"][1] == prompt + with_thought and got["labels"][1][len(prompt):] == with_thought
+
+
+@pytest.fixture(scope="module")
+def packed_data(byte_tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("packed_data")
+    rc, prefix = _run(folder, byte_tokenizer, "llama3", "--seq-length", "128", "--pack", "--neat-pack",
+                      records=_alpaca_records())
+    assert rc == 0
+    return prefix
+
+
+def _answers(labels):
+    """Positions whose label is an answer token (not -100)."""
+    return [i for i, x in enumerate(labels) if x != -100]
+
+
+@pytest.mark.parametrize("how", ["neat", "eos"])
+def test_packed_batch_counts_answers_and_attends_within_records(how, byte_tokenizer, packed_data):
+    """Packed rows read with --reset-attention-mask (--neat-pack: the rows' numbered records; without: cut after
+    each eos): the loss counts exactly each record's answer tokens (position i for label i + 1; fails if a prompt
+    or padding position counts, or an answer across a record's end), each token attends causally within its
+    document only (eager: the dense mask; compiled: the same documents as lengths), positions restart per document
+    with --reset-position-ids."""
+    from npu_compile.ops.varlen_attention import cu_seqlens_from_eod, document_mask
+
+    from megatron_glue.training import gpt, sft
+
+    extra = ["--reset-attention-mask", "--reset-position-ids"] + (["--neat-pack"] if how == "neat" else [])
+    args = _sft_args(byte_tokenizer, packed_data, *extra, "--seq-length", "128", "--max-position-embeddings", "128")
+    gpt.set_vocabulary(args)
+    (train, _, _) = sft.datasets_provider(args)
+    stored = _read(packed_data)
+    samples = [train[i] for i in range(2)]
+    assert train.batching.lengths  # the compiled job (megatron-core >= 0.13): lengths; --no-npu-compile: the mask
+    batch = sft.collate(samples, dataclasses.replace(train.batching, lengths=False))
+    assert batch["tokens"].shape == (2, 128) and "packed_seq_params" not in batch
+    eot = _sp("<|eot_id|>")
+    cu = []
+    for r, idx in enumerate(train.order[:2].tolist()):
+        ids, mask, labels = (stored[k][idx] for k in ("input_ids", "attention_mask", "labels"))
+        runs = _segments(mask)
+        counted = batch["loss_mask"][r].nonzero().view(-1).tolist()
+        assert counted == [i - 1 for i in _answers(labels)]  # every answer token, predicted by the one before
+        assert batch["labels"][r][counted].tolist() == [labels[i] for i in _answers(labels)]
+        if how == "neat":  # the records, then the padding as one document
+            ends = [b for _, b in runs] + [128]
+        else:  # after each eos of the stored row (llama3's <|eot_id|> ends the prompt, the answer and, as the pad
+            # of a tokenizer without one, each padding token), then the row's end: Megatron's EOD cut
+            ends = cu_seqlens_from_eod(torch.tensor([ids]), eot).tolist()
+            assert len(ends) > 2 * len(runs)
+        cu += [r * 128 + e for e in ends]
+        starts = [0] + ends[:-1]
+        assert batch["position_ids"][r].tolist() == [i - a for a, b in zip(starts, ends) for i in range(a, b)]
+    cu = torch.tensor(cu)
+    assert torch.equal(batch["attention_mask"], document_mask(cu, 2, 128))
+    if how == "neat":  # a record sees none of the others: each is one document
+        assert len(cu) == sum(len(_segments(stored["attention_mask"][i])) + 1 for i in train.order[:2].tolist())
+    lengths = train.collate(samples)
+    assert "attention_mask" not in lengths
+    params = lengths["packed_seq_params"]
+    assert params.cu_seqlens_q.shape == (256,) and torch.equal(params.cu_seqlens_q[:len(cu)], cu)
+    assert params.cu_seqlens_q[len(cu):].eq(256).all()
+
+
+def test_no_pad_batches_round_up_the_longest(byte_tokenizer, sft_data):
+    """--no-pad-to-seq-lengths: a micro-batch as long as its longest sample rounded up to --pad-to-multiple-of
+    (MindSpeed-LLM's training default 8), padded with the pad id and labels -100, the loss over the answers."""
+    from megatron_glue.training import gpt, sft
+
+    rounded = []
+    for extra, multiple in (([], 8), (["--pad-to-multiple-of", "16"], 16), (["--pad-to-multiple-of", "1"], 1)):
+        args = _sft_args(byte_tokenizer, sft_data, "--no-pad-to-seq-lengths", *extra)
+        gpt.set_vocabulary(args)
+        (train, _, _) = sft.datasets_provider(args)
+        samples = [train[i] for i in range(4)]
+        longest = max(len(s["input_ids"]) for s in samples)
+        batch = train.collate(samples)
+        assert batch["tokens"].shape == (4, -(-longest // multiple) * multiple) and longest < 64
+        rounded.append(batch["tokens"].shape[1] != longest)
+        for r, s in enumerate(samples):
+            assert batch["loss_mask"][r].nonzero().view(-1).tolist() == [i - 1 for i in _answers(s["labels"])]
+    assert any(rounded) and not rounded[-1]
+    assert sft.Batching(64, 0).pad_to_multiple_of is None  # without the flag: every batch --seq-length long
+
+
+def _relative(actual, expected):
+    return ((actual.detach().double() - expected.detach().double()).abs().max()
+            / expected.detach().double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.skipif(not megatron_core_in(">=0.13"), reason="megatron-core 0.12 takes any PackedSeqParams for THD: "
+                    "the job passes the dense mask there (gpt.passes_lengths)")
+def test_packed_rows_equal_the_records_one_by_one(byte_tokenizer, packed_data, megatron_cpu):
+    """Two packed rows (--neat-pack) through megatron-core's GPTModel (Llama style: RoPE, GQA), compiled
+    (backend ascend, target reference: the varlen attention) and eager over the dense document mask: the summed
+    answer loss and every gradient equal those of the same records run one by one, each alone in its own
+    batch (fp32, 1e-5)."""
+    from megatron_glue.capture.models import build_gpt_model, llama_config
+    from megatron_glue.training import gpt, sft
+
+    args = _sft_args(byte_tokenizer, packed_data, "--reset-attention-mask", "--neat-pack",
+                     "--seq-length", "128", "--max-position-embeddings", "128")
+    gpt.set_vocabulary(args)
+    (train, _, _) = sft.datasets_provider(args)
+    samples = [train[i] for i in range(2)]
+    vocab = 384
+    config = lambda: llama_config(hidden_size=64, num_query_groups=2)  # noqa: E731
+
+    def loss_and_grads(model, batch):
+        model.zero_grad(set_to_none=True)
+        losses = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                       labels=batch["labels"], packed_seq_params=batch.get("packed_seq_params"))
+        loss = (losses.float() * batch["loss_mask"]).sum()
+        loss.backward()
+        return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=True):
+        eager = build_gpt_model(config(), vocab, 128, seed=0)
+        # the records one by one, each alone (its own length, causal, no mask): the sums over them
+        records = []
+        for s in samples:
+            for a, b in _segments(s["attention_mask"].tolist()):
+                records.append({k: s[k][a:b] for k in ("input_ids", "labels", "attention_mask")})
+        assert len(records) > 2
+        one_by_one = [loss_and_grads(eager, sft.collate([r], sft.Batching(len(r["input_ids"]), 0)))
+                      for r in records]
+        want_loss = sum(loss for loss, _ in one_by_one)
+        want_grads = {n: sum(g[n] for _, g in one_by_one) for n in one_by_one[0][1]}
+        dense = loss_and_grads(eager, sft.collate(samples, dataclasses.replace(train.batching, lengths=False)))
+    compiled_model = torch.compile(build_gpt_model(config(), vocab, 128, seed=0), backend="ascend",
+                                   options={"target": "reference"})
+    from npu_compile.debug.report import collect
+
+    with collect() as reports:
+        compiled = loss_and_grads(compiled_model, train.collate(samples))
+    torch._dynamo.reset()
+    assert reports[0].fusions["varlen_attention"] == 2
+    for what, (loss, grads) in (("eager, dense mask", dense), ("compiled, lengths", compiled)):
+        assert _relative(loss, want_loss) <= 1e-5, what
+        bad = {n: _relative(grads[n], want_grads[n]) for n in want_grads if _relative(grads[n], want_grads[n]) > 1e-5}
+        assert not bad, (what, bad)

@@ -32,12 +32,16 @@ def test_the_flags_parse_with_megatron_lms_names():
 
 
 def test_what_stays_refused_says_why():
-    message = error([*JOB, "--pack", "--neat-pack", "--no-pad-to-seq-lengths"])
-    assert "  --pack: MindSpeed-LLM's packed instruction data (--pack / --neat-pack samples, a general attention " \
-           "mask) is not implemented here; pretraining rows pack documents already: --reset-attention-mask, " \
-           "--reset-position-ids and --eod-mask-loss are (Megatron-LM's meanings)" in message
-    assert "  --neat-pack: MindSpeed-LLM's packed instruction data" in message
-    assert "  --no-pad-to-seq-lengths: instruction data beyond padded samples (dynamic lengths, " in message
+    """Instruction data's flags belong to posttrain_gpt (test_instruction_data.py): pretrain_gpt refuses them at
+    its start; --pack only feeds MindSpeed-LLM's start-time preprocessing of raw data (no effect on a prefix)."""
+    from megatron_glue.training import sft
+
+    assert sft.pretrain_refusal(parse_args([*JOB, "--pack"])) is None
+    for flags in (["--neat-pack"], ["--no-pad-to-seq-lengths"]):
+        assert sft.pretrain_refusal(parse_args([*JOB, *flags])) == (
+            "--stage / --is-instruction-dataset / --prompt-type / --neat-pack / --no-pad-to-seq-lengths / "
+            "--padded-samples / --pad-to-multiple-of: instruction tuning runs as MindSpeed-LLM's posttrain_gpt.py "
+            "does, through -m megatron_glue.posttrain_gpt")
     assert error([*JOB, "--context-parallel-size", "2", "--reset-attention-mask"], world_size=2).endswith(
         "--reset-attention-mask at --context-parallel-size 2: packed documents under context parallelism are not "
         "implemented here (megatron-core splits packed rows only through Transformer Engine's THD partitioning); "
