@@ -125,3 +125,15 @@ def test_moe_grouped_gemm_without_the_compiler_is_refused():
         "--moe-grouped-gemm is the backend's grouped_matmul fusion (megatron-core's own grouped GEMM needs a CUDA "
         "package), which --no-npu-compile turns off; drop one of them")
     _parse("--no-npu-compile")  # without the flag: the eager experts
+
+
+def test_moe_permute_fusion_is_refused_while_only_the_unpermute_is_fused():
+    from megatron_glue.training.arguments import ArgumentError
+
+    for flag in ("--moe-permute-fusion", "--use-fused-moe-token-permute-and-unpermute"):
+        with pytest.raises(ArgumentError) as info:
+            _parse(flag)
+        assert info.value.message.endswith(
+            f"{flag}: the token unpermute is fused here (the backend's unpermute rule, on by default when the job is "
+            "compiled) but the token permute is not (its row count is data-dependent), and megatron-core's fused "
+            "permute / unpermute is Transformer Engine's, CUDA-only; drop it"), info.value.message
