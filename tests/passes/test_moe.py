@@ -2,6 +2,8 @@
 token counts (``.tolist()``: unbacked symbols under Dynamo), one fc1 → activation → fc2 per expert, a cat. The
 megatron-core layers themselves: tests/megatron_glue/test_moe_fusions.py."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -267,3 +269,31 @@ def test_unpermute_declines_what_it_cannot_show_is_one(scalars):
     assert reasons == [prefix + "index_add with alpha=2.0",
                        prefix + "the rows are summed into an existing tensor: arg0_1 is not a fresh zeros tensor"], \
         reasons
+
+
+def test_unpermute_with_a_symbolic_token_count_keeps_its_reference_kernel_on_npu(scalars):
+    """dynamic=True: the token count is a symbol; the rule fuses, the npu lowering declines (restore_shape is
+    int[] in torch_npu's schema) with that reason, and the graph stays eager-equal for another token count."""
+    fn = torch.compile(_dispatch, backend="ascend", dynamic=True,
+                       options={"target": "npu-sim", "fusions": ["unpermute"], "cache": False})
+    for tokens in (TOKENS, 13):
+        gen = torch.Generator().manual_seed(tokens)
+        x, logits, w = (torch.randn(tokens, H, generator=gen), torch.randn(tokens, EXPERTS, generator=gen),
+                        torch.randn(H, H, generator=gen))
+        xs, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with collect() as reports:
+            out = fn(xs, logits, w, False)
+        out.backward(torch.ones_like(out))
+        want = _dispatch(x2, logits, w, False)
+        want.backward(torch.ones_like(want))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(xs.grad, x2.grad, rtol=1e-5, atol=1e-6)
+        if tokens == TOKENS:
+            (report,) = reports
+            assert report.fusions["unpermute"] == 2 and report.lowered_ops["npu_compile.unpermute_tokens"] == 2
+            reasons = [u["reason"] for u in report.unfused if u["op"] == "npu_compile.unpermute_tokens"]
+            assert len(reasons) == 2 and all(re.fullmatch(
+                r"npu: npu_moe_token_unpermute_with_routing_map takes restore_shape as int\[\]: the token count and "
+                r"hidden size must be static, got \[s\d+, s\d+\]", r) for r in reasons), reasons
+        else:
+            assert reports == []  # no recompile

@@ -82,7 +82,7 @@ def check_unpermute(c: Call) -> str | None:
     val = c.val("permuted_tokens")
     if problem := dtype_problem("npu_moe_token_unpermute_with_routing_map", val.dtype):
         return problem
-    tokens, hidden = c["num_tokens"], val.shape[1]
+    tokens, hidden = c.val("num_tokens"), val.shape[1]
     if type(tokens) is not int or type(hidden) is not int:
         return ("npu_moe_token_unpermute_with_routing_map takes restore_shape as int[]: the token count and hidden "
                 f"size must be static, got [{tokens}, {hidden}]")
