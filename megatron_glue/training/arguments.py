@@ -29,8 +29,9 @@ import sys
 MOE_GROUPED_GEMM = ("the grouped GEMM's weight-gradient accumulation into the main grads is not implemented here "
                     "(MindSpeed's fused GMM backward); drop it: --moe-grouped-gemm is the backend's grouped_matmul "
                     "fusion, whose weight gradients megatron-core's DDP accumulates as for any linear")
-MOE_PERMUTE_FUSION = ("fused token permute / unpermute is not implemented here (megatron-core's is Transformer "
-                      "Engine's, CUDA-only); drop it")
+MOE_PERMUTE_FUSION = ("the token unpermute is fused here (the backend's unpermute rule, on by default when the job is "
+                      "compiled) but the token permute is not (its row count is data-dependent), and megatron-core's "
+                      "fused permute / unpermute is Transformer Engine's, CUDA-only; drop it")
 MOE_OVERLAP = ("MindSpeed's overlap of the MoE token communication with expert compute is not implemented here; "
                "drop it (the dispatcher's collectives run in order)")
 MOE_MINDSPEED = "MindSpeed-LLM's {} is not implemented here; drop it"

@@ -1,4 +1,5 @@
-"""Mixture of experts: ``grouped_matmul``, the routed experts' matmuls as one op, in namespace npu_compile.
+"""Mixture of experts, in namespace npu_compile: ``grouped_matmul``, the routed experts' matmuls as one op, and
+``unpermute_tokens``, the token unpermutation (the experts' output rows summed back into their tokens).
 
     grouped_matmul(x, weight, *, transpose_weight)   y_i = x_i @ weight_i   (weight_iᵀ when transpose_weight)
                                                    ~ npu_grouped_matmul(x, weight, split_item=0, group_type=-1)
@@ -127,3 +128,56 @@ def _backward(ctx, grad_y):
 
 
 grouped_matmul.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- unpermute_tokens ---------------------------------------------------------------------------------------------
+#
+#     unpermute_tokens(permuted_tokens, sorted_indices, num_tokens)      out[sorted_indices[i]] += permuted_tokens[i]
+#                          ~ npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices.int(),
+#                                                                     [num_tokens, hidden])
+#
+# megatron-core's ``unpermute`` without probs (``moe_utils.py``: zeros of ``restore_shape``, then ``scatter_add_``
+# of the rows along dim 0 by ``sorted_indices`` broadcast over the hidden dim, or ``index_add_`` when deterministic
+# algorithms are on, 0.16.1): permuted_tokens [N, hidden] (N the routed copies: a data-dependent size under Dynamo),
+# sorted_indices [N] (int64 or int32; the token of each row), out [num_tokens, hidden] in permuted_tokens' dtype, a
+# static shape. Reference kernel: ``index_add`` into zeros. Its gradient is each row's token's gradient,
+# ``grad_out.index_select(0, sorted_indices)`` (plain aten: no fused op is needed for a row gather); sorted_indices
+# get none.
+
+
+def _check_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, num_tokens) -> None:
+    if permuted_tokens.dim() != 2 or not permuted_tokens.is_floating_point():
+        raise ValueError(f"unpermute_tokens: permuted_tokens must be a 2-D float tensor [rows, hidden], got "
+                         f"{tuple(permuted_tokens.shape)} {permuted_tokens.dtype}")
+    if sorted_indices.dim() != 1 or sorted_indices.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"unpermute_tokens: sorted_indices must be a 1-D int64 or int32 tensor [rows], got "
+                         f"{tuple(sorted_indices.shape)} {sorted_indices.dtype}")
+    torch._check(sorted_indices.shape[0] == permuted_tokens.shape[0], lambda: (
+        f"unpermute_tokens: one index per row: {sorted_indices.shape[0]} indices, {permuted_tokens.shape[0]} rows"))
+    torch._check(num_tokens >= 0, lambda: f"unpermute_tokens: num_tokens must be >= 0, got {num_tokens}")
+
+
+@torch.library.custom_op("npu_compile::unpermute_tokens", mutates_args=())
+def unpermute_tokens(permuted_tokens: Tensor, sorted_indices: Tensor, num_tokens: int) -> Tensor:
+    """[num_tokens, hidden]: each token the sum of its rows of permuted_tokens (sorted_indices: each row's token)."""
+    _check_unpermute(permuted_tokens, sorted_indices, num_tokens)
+    out = permuted_tokens.new_zeros((num_tokens, permuted_tokens.shape[1]))
+    return out.index_add_(0, sorted_indices, permuted_tokens)
+
+
+@unpermute_tokens.register_fake
+def _(permuted_tokens, sorted_indices, num_tokens):
+    _check_unpermute(permuted_tokens, sorted_indices, num_tokens)
+    return permuted_tokens.new_empty((num_tokens, permuted_tokens.shape[1]))
+
+
+def _unpermute_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _unpermute_backward(ctx, grad):
+    (sorted_indices,) = ctx.saved_tensors
+    return grad.index_select(0, sorted_indices), None, None
+
+
+unpermute_tokens.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)

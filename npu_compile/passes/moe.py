@@ -176,3 +176,145 @@ def apply(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
 
 
 register_graph_rule(GraphRule(NAME, apply))
+
+
+# -- unpermute ----------------------------------------------------------------------------------------------------
+#
+# Fusion rule ``unpermute``: megatron-core's token unpermutation (``moe_utils.unpermute`` without probs, what every
+# dispatcher of both lines calls: the probs are applied by the experts) becomes one ``npu_compile.unpermute_tokens``:
+#
+#     output = torch.zeros(restore_shape); output.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, hidden), x)
+#     (0.16.1 with deterministic algorithms: output.index_add_(0, sorted_indices, x))
+#
+# In the joint graph: ``scatter_add(zeros([T, H]), 0, expand(unsqueeze(idx, 1), [-1, H]), x)`` or
+# ``index_add(zeros([T, H]), 0, idx, x)``; the second form is also the permute's input gradient (the gradient of
+# ``index_select(tokens, 0, idx)``), which is the same sum of rows into tokens and is fused too. The output is
+# [T, H], a static shape; x's rows (the routed copies) are a data-dependent size, compared as a symbol, never
+# evaluated. A site that accumulates along dim 0 into a 2-D tensor but is not that form is declined with the reason.
+
+UNPERMUTE = "unpermute"
+_ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default, aten.full.default,
+          aten.new_full.default)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _token_count(graph: Graph, zeros: Node, before: Node):
+    """The zeros' row count as an argument of the new op: an int, or the node that holds the symbol."""
+    if zeros.target is aten.zeros_like.default:
+        rows = _val(zeros.args[0]).shape[0]
+        if type(rows) is int:
+            return rows
+        with graph.inserting_before(before):
+            return graph.call_function(aten.sym_size.int, (zeros.args[0], 0))
+    size = zeros.args[1] if zeros.target in (aten.new_zeros.default, aten.new_full.default) else zeros.args[0]
+    return size[0]
+
+
+def _fresh_zeros(node) -> str | None:
+    """None if ``node`` is a zeros tensor only the site reads, else what it is."""
+    if not isinstance(node, Node) or node.target not in _ZEROS:
+        return f"{getattr(node, 'name', node)} is not a fresh zeros tensor"
+    if node.target in (aten.full.default, aten.new_full.default):
+        fill = node.args[2] if node.target is aten.new_full.default else node.args[1]
+        if fill != 0:
+            return f"{node.name} is filled with {fill}, not zeros"
+    if len(node.users) != 1:
+        return f"{node.name} (the zeros) is read elsewhere too"
+    return None
+
+
+def _same_size(a, b) -> bool:
+    """Whether two sizes are known equal without a guard: the same int, or symbols the shape environment proves
+    equal (its runtime asserts included: the experts' rows concatenated are u_0 + … + u_{E-1}, which
+    ``split_with_sizes`` asserted equal to the permuted row count)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if type(a) is int and type(b) is int:
+        return a == b
+    return bool(statically_known_true(a == b))
+
+
+def _row_index(index: Node, src_val) -> tuple[Node | None, str | None]:
+    """The 1-D token index of ``expand(unsqueeze(idx, 1), [-1, H])`` (or of ``idx.view(-1, 1)`` expanded), with
+    the expanded shape the source's, else (None, why)."""
+    ival = _val(index)
+    if not (isinstance(index, Node) and index.target is aten.expand.default and isinstance(ival, torch.Tensor)):
+        return None, "the index is not one row index broadcast over the hidden dim"
+    inner = index.args[0]
+    if not (isinstance(inner, Node) and (inner.target is aten.unsqueeze.default and inner.args[1] in (1, -1)
+                                         or inner.target is aten.view.default)):
+        return None, "the index is not one row index broadcast over the hidden dim"
+    idx = inner.args[0]
+    v, iv = _val(idx), _val(inner)
+    if not (isinstance(v, torch.Tensor) and v.dim() == 1 and iv.dim() == 2 and _same_size(iv.shape[1], 1)):
+        return None, "the index is not one row index broadcast over the hidden dim"
+    if not all(_same_size(a, b) for a, b in zip(ival.shape, src_val.shape)):
+        return None, (f"the index's shape {tuple(ival.shape)} and the rows' {tuple(src_val.shape)} cannot be shown "
+                      "equal (every row summed); declined")
+    if not _same_size(v.shape[0], ival.shape[0]):
+        return None, f"the index has {v.shape[0]} entries for {ival.shape[0]} rows"
+    return idx, None
+
+
+def _unpermute_site(node: Node):
+    """(zeros, idx, src) of an unpermute site, (None, why) for a dim-0 accumulation into a 2-D tensor that is not
+    one, or None for anything else."""
+    if node.target is aten.scatter_add.default:
+        base, dim, index, src = node.args[:4]
+    elif node.target is aten.index_add.default:
+        base, dim, index, src = node.args[:4]
+        alpha = node.args[4] if len(node.args) > 4 else node.kwargs.get("alpha", 1)
+        if alpha != 1:
+            return None, f"index_add with alpha={alpha}"
+    else:
+        return None
+    out, sval = _val(node), _val(src)
+    if dim != 0 or not isinstance(out, torch.Tensor) or out.dim() != 2:
+        return None
+    if not isinstance(sval, torch.Tensor) or sval.dim() != 2 or not sval.is_floating_point():
+        return None, "the rows are not a 2-D float tensor"
+    if sval.dtype != out.dtype or not _same_size(sval.shape[1], out.shape[1]):
+        return None, f"the rows {tuple(sval.shape)} {sval.dtype} do not match the output {tuple(out.shape)} {out.dtype}"
+    if problem := _fresh_zeros(base):
+        return None, f"the rows are summed into an existing tensor: {problem}"
+    if node.target is aten.scatter_add.default:
+        idx, problem = _row_index(index, sval)
+        if idx is None:
+            return None, problem
+    else:
+        idx, iv = index, _val(index)
+        if not (isinstance(iv, torch.Tensor) and iv.dim() == 1 and _same_size(iv.shape[0], sval.shape[0])):
+            return None, "the index is not one entry per row"
+    if _val(idx).dtype not in (torch.int64, torch.int32):
+        return None, f"the index is {_val(idx).dtype}, not int64 or int32"
+    return base, idx, src
+
+
+def apply_unpermute(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
+    count, declined = 0, []
+    for node in [*graph.find_nodes(op="call_function", target=aten.scatter_add.default),
+                 *graph.find_nodes(op="call_function", target=aten.index_add.default)]:
+        site = _unpermute_site(node)
+        if site is None:
+            continue
+        if site[0] is None:
+            declined.append({"op": str(node.target), "node": node.name, "reason": (
+                f"not megatron-core's unpermute (rows summed into zeros by one token index): {site[1]}")})
+            continue
+        zeros, idx, src = site
+        rows = _token_count(graph, zeros, node)
+        with graph.inserting_before(node):
+            call = graph.call_function(torch.ops.npu_compile.unpermute_tokens.default, (src, idx, rows))
+        call.meta = {**node.meta}
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        if not zeros.users:
+            graph.erase_node(zeros)
+        count += 1
+    return count, declined
+
+
+register_graph_rule(GraphRule(UNPERMUTE, apply_unpermute))

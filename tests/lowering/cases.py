@@ -123,6 +123,17 @@ def _experts(rows: tuple[int, ...], transpose: bool, dtype: torch.dtype = torch.
 
 
 GROUPED_MATMUL = ("npu.npu_grouped_matmul",)
+UNPERMUTE = ("npu.npu_moe_token_unpermute_with_routing_map",)
+
+
+def _routed(tokens: int, topk: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """megatron-core's permuted rows: each token's topk copies in expert order (the rows of a routing map's
+    columns), [tokens * topk, H], and each row's token (int64, as masked_select gives)."""
+    experts = 4
+    chosen = torch.rand(tokens, experts).argsort(dim=1)[:, :topk]
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, chosen, True)
+    index = torch.arange(tokens).unsqueeze(0).expand(experts, -1).masked_select(routing_map.t())
+    return [_t(tokens * topk, H, dtype=dtype), index]
 
 
 CASES: dict[str, Case] = {
@@ -130,6 +141,9 @@ CASES: dict[str, Case] = {
         _grouped_matmul(True), lambda: _experts((5, 0, 11, 3), True), GROUPED_MATMUL),
     "grouped_matmul_bf16": Case(
         _grouped_matmul(False), lambda: _experts((4, 9, 2), False, torch.bfloat16), GROUPED_MATMUL, tolerance=2e-2),
+    "unpermute_tokens": Case(lambda x, i: F.unpermute_tokens(x, i, 6), lambda: _routed(6, 2), UNPERMUTE),
+    "unpermute_tokens_bf16": Case(lambda x, i: F.unpermute_tokens(x, i, 5), lambda: _routed(5, 3, torch.bfloat16),
+                                  UNPERMUTE, tolerance=2e-2),
     "varlen_attention_sbnd_gqa": Case(_varlen("sbnd"), lambda: [*_qkv("sbnd"), _documents()], V3),
     "varlen_attention_bsnd_eager": Case(_varlen("bsnd"), lambda: [*_qkv("bsnd", dv=8), _documents()], V3, EAGER),
     "attention_sbnd_causal_gqa": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION),

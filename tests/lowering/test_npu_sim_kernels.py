@@ -432,3 +432,29 @@ def test_grouped_matmul_forms_not_emulated_are_refused():
         npu.npu_grouped_matmul(x, w, scale=[torch.ones(5, dtype=torch.int64)])
     with pytest.raises(ValueError, match=r"npu-sim: x\[0\] \(3, 4\) torch.float32 and weight\[0\] \(5, 4\)"):
         npu.npu_grouped_matmul(x, [torch.randn(5, 4)])
+
+
+# ---- token unpermute --------------------------------------------------------------------------------------
+
+def test_moe_token_unpermute_with_routing_map_sums_rows_into_their_tokens():
+    """The documented example's inputs without its probs (DOCS, npu_moe_token_unpermute_with_routing_map: rows
+    [1,1,1,1] and [2,2,2,2], sorted_indices [0, 1], restore_shape [2, 4]), then rows summed into a token and a -1
+    slot (documented: an empty slot), in fp16."""
+    rows = torch.tensor([[1, 1, 1, 1], [2, 2, 2, 2]], dtype=torch.float16)
+    out = npu.npu_moe_token_unpermute_with_routing_map(rows, torch.tensor([0, 1], dtype=torch.int32), [2, 4])
+    assert out.dtype == torch.float16 and torch.equal(out, rows)
+    rows = torch.arange(12, dtype=torch.float16).view(4, 3)
+    out = npu.npu_moe_token_unpermute_with_routing_map(rows, torch.tensor([2, 0, 2, -1], dtype=torch.int32), [3, 3])
+    torch.testing.assert_close(out, torch.stack([rows[1], torch.zeros(3, dtype=torch.float16), rows[0] + rows[2]]))
+
+
+def test_moe_token_unpermute_forms_not_emulated_are_refused():
+    rows, index = torch.randn(2, 4), torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="npu-sim does not emulate npu_moe_token_unpermute_with_routing_map "
+                                                  "with probs, a routing map or drop_and_pad"):
+        npu.npu_moe_token_unpermute_with_routing_map(rows, index, [2, 4], probs=torch.ones(2, 2),
+                                                     routing_map=torch.eye(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"sorted_indices must be int32 \[2\], got \(2,\) torch.int64"):
+        npu.npu_moe_token_unpermute_with_routing_map(rows, index.long(), [2, 4])
+    with pytest.raises(ValueError, match=r"sorted_indices must lie in \[-1, 1\)"):
+        npu.npu_moe_token_unpermute_with_routing_map(rows, index, [1, 4])

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatron_glue.capture.adaptations import groups_for, registry
 
 EXPERTS = 4
-MOE_RULES = ["grouped_matmul"]
+MOE_RULES = ["grouped_matmul", "unpermute"]
 
 
 @pytest.fixture
@@ -81,8 +81,14 @@ def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher
     assert report.fusions["grouped_matmul"] == 4
     assert report.lowered_ops["npu.npu_grouped_matmul"] == 4
     assert "npu_compile.grouped_matmul" not in report.lowered_ops
-    weight_grads = [u for u in report.unfused if u["rule"] == "grouped_matmul"]
+    weight_grads = [u for u in report.unfused if u.get("rule") == "grouped_matmul"]
     assert [u["reason"].split(" weight-gradient")[0] for u in weight_grads] == [str(2 * EXPERTS)], weight_grads
+    # megatron-core's unpermute (scatter_add into zeros), and the permute's input gradient (index_add into zeros:
+    # the same sum of rows into tokens), one npu_moe_token_unpermute_with_routing_map each
+    assert report.fusions["unpermute"] == 2
+    assert report.lowered_ops["npu.npu_moe_token_unpermute_with_routing_map"] == 2
+    assert "npu_compile.unpermute_tokens" not in report.lowered_ops
+    assert [u for u in report.unfused if u.get("rule") == "unpermute"] == []
 
 
 # -- the flags: Megatron-LM's --moe-grouped-gemm names the grouped_matmul rule -------------------------------------
@@ -119,3 +125,15 @@ def test_moe_grouped_gemm_without_the_compiler_is_refused():
         "--moe-grouped-gemm is the backend's grouped_matmul fusion (megatron-core's own grouped GEMM needs a CUDA "
         "package), which --no-npu-compile turns off; drop one of them")
     _parse("--no-npu-compile")  # without the flag: the eager experts
+
+
+def test_moe_permute_fusion_is_refused_while_only_the_unpermute_is_fused():
+    from megatron_glue.training.arguments import ArgumentError
+
+    for flag in ("--moe-permute-fusion", "--use-fused-moe-token-permute-and-unpermute"):
+        with pytest.raises(ArgumentError) as info:
+            _parse(flag)
+        assert info.value.message.endswith(
+            f"{flag}: the token unpermute is fused here (the backend's unpermute rule, on by default when the job is "
+            "compiled) but the token permute is not (its row count is data-dependent), and megatron-core's fused "
+            "permute / unpermute is Transformer Engine's, CUDA-only; drop it"), info.value.message

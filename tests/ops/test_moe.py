@@ -115,3 +115,79 @@ def test_bad_inputs_name_what_is_wrong():
         ops.grouped_matmul(x * 2, [torch.randn(4, 5), torch.randn(4, 6)])
     with pytest.raises(ValueError, match=r"x\[0\] \(3, 4\) torch.float32 must be \[rows, 5\] torch.float32"):
         ops.grouped_matmul(x, [torch.randn(4, 5)], transpose_weight=True)
+
+
+# -- unpermute_tokens against megatron-core's own unpermute ----------------------------------------------------------
+
+@st.composite
+def routed_cases(draw):
+    experts = draw(st.integers(1, 6))
+    return dict(
+        tokens=draw(st.integers(1, 12)),
+        experts=experts,
+        topk=draw(st.integers(1, experts)),
+        local=draw(st.integers(1, experts)),  # the experts of this rank (allgather at EP > 1: a map's first columns)
+        hidden=draw(st.sampled_from([1, 8, 24])),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        deterministic=draw(st.booleans()),  # megatron-core 0.16.1 sums with index_add_ then, else scatter_add_
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def check_unpermute(case):
+    """megatron-core's permute of random tokens by a top-k routing map, the experts' rows, then its unpermute
+    (``moe_utils.unpermute``, no probs: as every dispatcher calls it) and ours on the same rows and indices:
+    output and the rows' gradient."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    gen = torch.Generator().manual_seed(case["seed"])
+    tokens, experts, hidden, dtype = case["tokens"], case["experts"], case["hidden"], case["dtype"]
+    chosen = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :case["topk"]]
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, chosen, True)[:, :case["local"]]
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    permuted, *rest = permute(x, routing_map)
+    sorted_indices = rest[-1]
+    rows = torch.randn(permuted.shape, generator=gen).to(dtype)
+    grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(case["deterministic"])
+    try:
+        mine, theirs = rows.clone().requires_grad_(), rows.clone().requires_grad_()
+        want = unpermute(theirs, sorted_indices, restore_shape=torch.Size((tokens, hidden)), routing_map=routing_map)
+        got = ops.unpermute_tokens(mine, sorted_indices, tokens)
+        (want_grad,) = torch.autograd.grad(want, theirs, grad)
+        (got_grad,) = torch.autograd.grad(got, mine, grad)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert got.dtype == dtype and got.shape == (tokens, hidden) and got.is_contiguous()
+    # each token is the sum of at most topk rows: the same additions in fp32, the same roundings in bf16
+    assert_matches(got, want.float(), torch.float32 if dtype == torch.float32 else dtype, "out")
+    assert got_grad.dtype == dtype and torch.equal(got_grad, want_grad)  # a row gather: exact
+
+
+@settings(max_examples=30)
+@given(routed_cases())
+def test_unpermute_tokens_is_megatron_cores_unpermute(case):
+    check_unpermute(case)
+
+
+@pytest.mark.fuzz
+@fuzz_settings()
+@given(routed_cases())
+def test_unpermute_tokens_is_megatron_cores_unpermute_fuzz(case):
+    check_unpermute(case)
+
+
+def test_unpermute_tokens_gradcheck_opcheck_and_errors():
+    rows = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([4, 0, 2, 4, 1, 0, 2])
+    torch.autograd.gradcheck(lambda r: ops.unpermute_tokens(r, index, 6), (rows,))
+    opcheck(ops.unpermute_tokens, (rows.detach().float().requires_grad_(), index.int(), 6))
+    assert ops.unpermute_tokens(rows, index, 6)[[3, 5]].abs().sum() == 0  # tokens no row routes to: zeros
+    with pytest.raises(ValueError, match=r"sorted_indices must be a 1-D int64 or int32 tensor \[rows\], got "
+                                         r"\(7,\) torch.float32"):
+        ops.unpermute_tokens(rows, index.float(), 6)
+    with pytest.raises(ValueError, match=r"permuted_tokens must be a 2-D float tensor \[rows, hidden\], got \(7,\)"):
+        ops.unpermute_tokens(rows[:, 0], index, 6)
+    with pytest.raises(RuntimeError, match="one index per row: 6 indices, 7 rows"):
+        ops.unpermute_tokens(rows, index[:6], 6)

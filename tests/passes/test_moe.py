@@ -2,6 +2,8 @@
 token counts (``.tolist()``: unbacked symbols under Dynamo), one fc1 → activation → fc2 per expert, a cat. The
 megatron-core layers themselves: tests/megatron_glue/test_moe_fusions.py."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -199,3 +201,99 @@ def test_the_cost_model_counts_a_grouped_matmul_as_its_experts_matmuls():
     grad.meta["val"] = [torch.empty(8, 8), torch.empty(8, 8)]
     assert flops(gmm) == 2 * (3 + 5) * 8 * 16
     assert flops(grad) == 2 * (3 + 5) * 8 * 8
+
+
+# -- rule unpermute: megatron-core's own permute and unpermute (moe_utils), compiled ----------------------------------
+
+def _dispatch(x, probs_logits, w, deterministic: bool):
+    """Route by top-2 of the logits, megatron-core's permute, one expert matmul, its unpermute."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    top = probs_logits.topk(2, dim=1).indices
+    routing_map = torch.zeros_like(probs_logits, dtype=torch.int32).scatter(1, top, 1).bool()
+    permuted, _, sorted_indices = permute(x, routing_map)
+    y = permuted @ w
+    return unpermute(y, sorted_indices, restore_shape=x.shape, routing_map=routing_map)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_megatron_unpermute_becomes_one_op_each_way(scalars, deterministic):
+    """scatter_add into zeros (megatron-core's unpermute; index_add_ under deterministic algorithms on 0.16.1) and
+    the permute's input gradient (index_add into zeros): two unpermute_tokens, output and gradients eager's."""
+    from npu_compile.passes.moe import apply_unpermute  # noqa: F401  (the rule registered)
+
+    gen = torch.Generator().manual_seed(3)
+    x, logits, w = (torch.randn(TOKENS, H, generator=gen), torch.randn(TOKENS, EXPERTS, generator=gen),
+                    torch.randn(H, H, generator=gen))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        runs = []
+        for fn in (_dispatch, torch.compile(_dispatch, backend="ascend", fullgraph=True,
+                                            options={"target": "reference", "fusions": ["unpermute"],
+                                                     "cache": False})):
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            with collect() as reports:
+                out = fn(xs, logits, ws, deterministic)
+                out.backward(torch.ones_like(out))
+            runs.append((out.detach(), xs.grad, ws.grad, reports))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    (want, *want_grads, _), (got, *got_grads, reports) = runs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w_ in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-6)
+    (report,) = reports
+    assert report.fusions["unpermute"] == 2
+    assert report.lowered_ops.get("aten.scatter_add", 0) == 0 and report.lowered_ops.get("aten.index_add", 0) == 0
+
+
+def test_unpermute_declines_what_it_cannot_show_is_one(scalars):
+    """Rows summed into a tensor that is not fresh zeros, and an index_add with alpha 2: declined with the
+    reason; a scatter_add along dim 1 is no candidate (nothing said)."""
+    def fn(base, rows, index):
+        a = base.index_add(0, index, rows)  # into the input: not zeros
+        b = torch.zeros_like(base).index_add(0, index, rows, alpha=2.0)
+        c = torch.zeros_like(base).scatter_add(1, index[:4].view(1, 4).expand(base.shape[0], 4), base[:, :4])
+        return a + b + c
+
+    base, rows, index = torch.randn(6, H), torch.randn(9, H), torch.tensor([0, 5, 2, 2, 1, 0, 3, 5, 4])
+    with collect() as reports:
+        out = torch.compile(fn, backend="ascend", fullgraph=True,
+                            options={"target": "reference", "fusions": ["unpermute"], "cache": False})(base, rows, index)
+    torch.testing.assert_close(out, fn(base, rows, index))
+    (report,) = reports
+    assert report.fusions.get("unpermute", 0) == 0
+    reasons = sorted(u["reason"] for u in report.unfused if u.get("rule") == "unpermute")
+    prefix = "not megatron-core's unpermute (rows summed into zeros by one token index): "
+    assert reasons == [prefix + "index_add with alpha=2.0",
+                       prefix + "the rows are summed into an existing tensor: arg0_1 is not a fresh zeros tensor"], \
+        reasons
+
+
+def test_unpermute_with_a_symbolic_token_count_keeps_its_reference_kernel_on_npu(scalars):
+    """dynamic=True: the token count is a symbol; the rule fuses, the npu lowering declines (restore_shape is
+    int[] in torch_npu's schema) with that reason, and the graph stays eager-equal for another token count."""
+    fn = torch.compile(_dispatch, backend="ascend", dynamic=True,
+                       options={"target": "npu-sim", "fusions": ["unpermute"], "cache": False})
+    for tokens in (TOKENS, 13):
+        gen = torch.Generator().manual_seed(tokens)
+        x, logits, w = (torch.randn(tokens, H, generator=gen), torch.randn(tokens, EXPERTS, generator=gen),
+                        torch.randn(H, H, generator=gen))
+        xs, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with collect() as reports:
+            out = fn(xs, logits, w, False)
+        out.backward(torch.ones_like(out))
+        want = _dispatch(x2, logits, w, False)
+        want.backward(torch.ones_like(want))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(xs.grad, x2.grad, rtol=1e-5, atol=1e-6)
+        if tokens == TOKENS:
+            (report,) = reports
+            assert report.fusions["unpermute"] == 2 and report.lowered_ops["npu_compile.unpermute_tokens"] == 2
+            reasons = [u["reason"] for u in report.unfused if u["op"] == "npu_compile.unpermute_tokens"]
+            assert len(reasons) == 2 and all(re.fullmatch(
+                r"npu: npu_moe_token_unpermute_with_routing_map takes restore_shape as int\[\]: the token count and "
+                r"hidden size must be static, got \[s\d+, s\d+\]", r) for r in reasons), reasons
+        else:
+            assert reports == []  # no recompile

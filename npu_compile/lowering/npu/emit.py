@@ -56,7 +56,8 @@ class Call:
         return arg.meta.get("val") if isinstance(arg, Node) else arg
 
     def missing_metadata(self) -> bool:
-        return any(isinstance(a, Node) and not isinstance(a.meta.get("val"), torch.Tensor) for a in self.args.values())
+        return any(isinstance(a, Node) and not isinstance(a.meta.get("val"), (torch.Tensor, torch.SymInt))
+                   for a in self.args.values())  # a size argument's node holds a SymInt
 
 
 class Emitter:

@@ -6,6 +6,15 @@ Sources (torch-npu 2.13.0 wheel, docs/npu_ops.md "Mixture of experts"): the sche
 y_i = x_i × weight_i; lists of at most 128 tensors; float16, bfloat16 or float32 (x, weight and y one dtype);
 with group_type -1 only split_item 0 or 1, x_i of one rank (2 to 6), weight_i 2-D, group_list None; weights may
 be transposed, all or none; x may not; every x_i's and weight_i's last dim below 65536 (the "InnerLimit").
+
+unpermute_tokens → npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices (int32),
+restore_shape=[tokens, hidden]), no probs, no routing map (DOCS: "当probs为None时，routing_map不需要传入"),
+drop_and_pad False: out[sorted_indices[i]] += permuted_tokens[i], out of shape restore_shape. The routing-map form
+is the one whose sorted_indices are megatron-core's (the token of each permuted row, what MindSpeed passes it:
+mindspeed/te/pytorch/permutation.py, MoeUnpermuteMaskMap) and whose output shape is restore_shape (static);
+npu_moe_token_unpermute's output has ``sorted_indices.size(0) // topK`` rows (its meta function) and its
+sorted_indices are npu_moe_token_permute's (index-based routing), not megatron-core's. DOCS: permuted_tokens
+float16, bfloat16 or float32; sorted_indices int32 1-D; restore_shape of 2 ints.
 """
 
 from __future__ import annotations
@@ -69,10 +78,32 @@ def emit_weight_grad(em: Emitter, c: Call, opts: Options) -> Outputs:
     return (em(npu_op("npu_grouped_matmul"), xs, b, split_item=0, group_type=-1),)
 
 
+def check_unpermute(c: Call) -> str | None:
+    val = c.val("permuted_tokens")
+    if problem := dtype_problem("npu_moe_token_unpermute_with_routing_map", val.dtype):
+        return problem
+    tokens, hidden = c.val("num_tokens"), val.shape[1]
+    if type(tokens) is not int or type(hidden) is not int:
+        return ("npu_moe_token_unpermute_with_routing_map takes restore_shape as int[]: the token count and hidden "
+                f"size must be static, got [{tokens}, {hidden}]")
+    return None
+
+
+def emit_unpermute(em: Emitter, c: Call, opts: Options) -> Outputs:
+    hidden = c["permuted_tokens"].meta["val"].shape[1]
+    index = em(aten._to_copy.default, c["sorted_indices"], dtype=torch.int32)
+    return (em(npu_op("npu_moe_token_unpermute_with_routing_map"), c["permuted_tokens"], index,
+               [c["num_tokens"], hidden], drop_and_pad=False),)
+
+
 ROWS = {
     fused.grouped_matmul.default: Mapping(("npu_grouped_matmul",), check_grouped_matmul, emit_grouped_matmul),
     fused.grouped_matmul_weight_grad.default: Mapping(
         ("npu_grouped_matmul",), check_weight_grad, emit_weight_grad,
         note=lambda c: "grouped_matmul_weight_grad: each expert's x transposed by a copy (npu_grouped_matmul takes "
                        "no transposed x)"),
+    fused.unpermute_tokens.default: Mapping(
+        ("npu_moe_token_unpermute_with_routing_map",), check_unpermute, emit_unpermute,
+        note=lambda c: "unpermute_tokens: sorted_indices cast to int32 (npu_moe_token_unpermute_with_routing_map "
+                       "takes int32)"),
 }

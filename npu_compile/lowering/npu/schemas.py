@@ -99,6 +99,11 @@ EMULATED: dict[str, str] = {
         "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
         "int? per_token_scale_dtype=None) -> Tensor[]"
     ),
+    # The experts' output rows summed back into their tokens (lowering/npu/moe.py).
+    "npu_moe_token_unpermute_with_routing_map": (
+        "npu_moe_token_unpermute_with_routing_map(Tensor permuted_tokens, Tensor sorted_indices, int[] restore_shape, "
+        "*, Tensor? probs=None, Tensor? routing_map=None, bool drop_and_pad=False) -> Tensor"
+    ),
 }
 
 # MC2 (matmul fused with a collective): npu-sim runs them over the c10d process group their `hcom` names.

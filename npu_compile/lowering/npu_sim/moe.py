@@ -1,4 +1,4 @@
-"""npu_grouped_matmul on the CPU, in the forms the lowering emits (no quantization, no group_list).
+"""npu_grouped_matmul and npu_moe_token_unpermute_with_routing_map on the CPU, in the forms the lowering emits (no quantization, no group_list).
 
 y_i = x_i × weight_i (+ bias_i), in fp32, rounded once to x's dtype (torch_npu/_op_plugin_docs.py,
 npu_grouped_matmul: "非量化" y dtype = x dtype, output_dtype None). split_item 0/1 gives one output per group;
@@ -48,4 +48,32 @@ def _fake(x, weight, *, split_item=0, group_type=None, group_list=None, **kwargs
     return [a.new_empty((*a.shape[:-1], w.shape[1])) for a, w in zip(x, weight)]
 
 
-KERNELS = {"npu_grouped_matmul": (npu_grouped_matmul, _fake)}
+def npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, *, probs=None,
+                                             routing_map=None, drop_and_pad=False):
+    """unpermuted[t] = the sum of permuted_tokens[i] over the i with sorted_indices[i] == t (DOCS,
+    npu_moe_token_unpermute_with_routing_map: "根据sorted_indices存储的下标，获取permuted_tokens中存储的输入数据 …
+    最后进行累加求和"), a -1 index an empty slot; as one matmul of a one-hot [tokens, rows] map in fp32, rounded
+    once to permuted_tokens' dtype. The form the lowering emits only: no probs, no routing map, drop_and_pad False."""
+    unsupported(probs is None and routing_map is None and not drop_and_pad,
+                "npu_moe_token_unpermute_with_routing_map with probs, a routing map or drop_and_pad")
+    check_float(permuted_tokens=permuted_tokens)
+    check(permuted_tokens.dim() == 2, f"permuted_tokens must be 2-D, got {tuple(permuted_tokens.shape)}")
+    check(sorted_indices.dim() == 1 and sorted_indices.dtype == torch.int32
+          and sorted_indices.shape[0] == permuted_tokens.shape[0],
+          f"sorted_indices must be int32 [{permuted_tokens.shape[0]}], got {tuple(sorted_indices.shape)} "
+          f"{sorted_indices.dtype}")
+    check(len(restore_shape) == 2 and restore_shape[1] == permuted_tokens.shape[1],
+          f"restore_shape must be [tokens, {permuted_tokens.shape[1]}], got {list(restore_shape)}")
+    tokens = restore_shape[0]
+    check(bool(((sorted_indices >= -1) & (sorted_indices < tokens)).all()),
+          f"sorted_indices must lie in [-1, {tokens})")
+    onehot = (torch.arange(tokens).unsqueeze(1) == sorted_indices.long().unsqueeze(0)).to(ACC)  # [tokens, rows]
+    return (onehot @ permuted_tokens.to(ACC)).to(permuted_tokens.dtype).contiguous()
+
+
+def _fake_unpermute(permuted_tokens, sorted_indices, restore_shape, **kwargs):
+    return permuted_tokens.new_empty(tuple(restore_shape))
+
+
+KERNELS = {"npu_grouped_matmul": (npu_grouped_matmul, _fake),
+           "npu_moe_token_unpermute_with_routing_map": (npu_moe_token_unpermute_with_routing_map, _fake_unpermute)}
