@@ -323,3 +323,26 @@ def test_parallel_layouts_equal_one_process(moe_one_process, tmp_path, layout):
     assert_close(_moe_rows(run, "load_balancing_loss"), _moe_rows(one, "load_balancing_loss"),
                  what="load_balancing_loss")
     assert " load_balancing_loss: " in run.output
+
+
+@pytest.mark.parametrize("name, dispatcher", [("pretrain_qwen3_480b_4k_A3_ptd.sh", "alltoall"),
+                                              ("pretrain_qwen3_30b_a3b_4K_ptd.sh", "alltoall_seq")])
+def test_mindspeed_llm_moe_scripts_refuse_only_what_the_bench_drops(name, dispatcher):
+    """MindSpeed-LLM master's Qwen3-MoE pretraining scripts, scaled down as bench.mindspeed_scripts runs them: the
+    argument check refuses exactly the flags the bench drops (each with its reason), and without them the script
+    parses: --moe-layer-freq -1 --first-k-dense-replace -1 make every layer MoE, --norm-topk-prob changes nothing."""
+    from test_arguments import script
+
+    from bench.mindspeed_census import scale_down
+    from bench.mindspeed_scripts import MOE_DROPPED, MOE_SIZES, _drop, _set
+    from megatron_glue.convert.at_start import refusal
+
+    argv = _set(scale_down(script(f"qwen3_moe/{name}")), MOE_SIZES)
+    assert f"--moe-token-dispatcher-type {dispatcher}" in " ".join(argv) and "--norm-topk-prob" in argv
+    with pytest.raises(ArgumentError) as info:
+        parse_args(argv, world_size=2, refusals=(refusal,))
+    refused = [line.strip().split(":")[0] for line in info.value.message.splitlines()[1:]]
+    assert sorted(refused) == sorted(f for f in MOE_DROPPED if f in argv)
+    args = parse_args(_drop(argv, MOE_DROPPED)[0], world_size=2, refusals=(refusal,))
+    assert args.moe_layer_freq == [1, 1, 1, 1] and args.norm_topk_prob and args.num_experts == 4
+    assert args.moe_token_dispatcher_type == (dispatcher if not megatron_core_in(">=0.13") else "alltoall")
