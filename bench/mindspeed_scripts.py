@@ -41,7 +41,7 @@ SCRIPTS = [
     ("Llama 2 13B", "master", "examples/mcore/llama2/pretrain_llama2_13b_ptd.sh", "hf"),
     ("Qwen2.5 7B", "2.3.0", "examples/mcore/qwen25/pretrain_qwen25_7b_32k_ptd.sh", "random"),
     ("Llama 3 70B", "2.3.0", "examples/mcore/llama3/pretrain_llama3_70b_ptd.sh", "resume"),
-    # MoE (issue 23): Qwen3-MoE's alltoall script and its alltoall_seq one (--only moe runs these alone)
+    # MoE (issue 23): Qwen3-MoE's alltoall script and its alltoall_seq one (run by --only moe)
     ("Qwen3 480B MoE", "master", "examples/mcore/qwen3_moe/pretrain_qwen3_480b_4k_A3_ptd.sh", "hf-moe"),
     ("Qwen3 30B-A3B MoE", "master", "examples/mcore/qwen3_moe/pretrain_qwen3_30b_a3b_4K_ptd.sh", "hf-moe"),
 ]
@@ -271,15 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.mindspeed_scripts", description=__doc__.split("\n")[0])
     parser.add_argument("--repo", required=True, help="a MindSpeed-LLM git directory (bare, or a work tree's .git)")
     parser.add_argument("--work", default=None, help="where the runs go (default: a temporary folder)")
-    parser.add_argument("--only", choices=["all", "dense", "moe"], default="all",
-                        help="the dense scripts, the MoE ones (results/mindspeed_moe_scripts.md), or all")
+    parser.add_argument("--only", choices=["dense", "moe"], default="dense",
+                        help="the three dense scripts (results/mindspeed_scripts.md) or the two MoE ones "
+                             "(results/mindspeed_moe_scripts.md)")
     a = parser.parse_args(argv)
     import tempfile
 
     work = Path(a.work or tempfile.mkdtemp(prefix="mindspeed_scripts_"))
     results, sources = [], []
     for name, rev, path, start in SCRIPTS:
-        if a.only != "all" and (start == "hf-moe") != (a.only == "moe"):
+        if (start == "hf-moe") != (a.only == "moe"):
             continue
         commit = _git(a.repo, "rev-parse", "--short", rev).strip()
         sources.append(f"`{rev}` {commit}")
