@@ -77,9 +77,6 @@ MOE_REFUSED: dict[str, tuple[int | str, str]] = {
                                                   "--recompute-granularity full is implemented")),
     "--n-hash-layers": (1, MOE_MINDSPEED.format("hash routing (--n-hash-layers)")),
     "--num-zero-experts": (1, MOE_MINDSPEED.format("zero experts (--num-zero-experts)")),
-    "--norm-topk-prob": (0, MOE_MINDSPEED.format("top-k probability renormalisation (--norm-topk-prob)")
-                         + " (megatron-core's softmax router normalises over the top k itself without "
-                           "--moe-router-pre-softmax)"),
     "--seq-aux": (0, MOE_MINDSPEED.format("sequence aux loss switch (--seq-aux); give "
                                           "--moe-router-load-balancing-type seq_aux_loss")),
     "--router-gating-in-fp32": (0, MOE_MINDSPEED.format("fp32 gating switch (--router-gating-in-fp32); give "
@@ -224,6 +221,12 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {
     "--attention-mask-type": (dict(choices=["causal", "general"], default="causal"),
                               "MindSpeed's mask kind for context parallelism; 'causal' is the mask this job's "
                               "attention uses ('general' is refused)"),
+    "--norm-topk-prob": (dict(action="store_true"),
+                         "MindSpeed-LLM divides the routed top-k probabilities by their sum "
+                         "(mindspeed_llm/core/transformer/moe/router.py:560-561, aux_loss routing): megatron-core's "
+                         "router has made them sum to 1 already (softmax over the top-k logits; sigmoid scores "
+                         "divided by their sum at top-k > 1), so nothing changes; with --moe-router-pre-softmax or "
+                         "--moe-router-topk-scaling-factor, where it would, it is refused"),
 }
 
 # MindSpeed's switches -> the backend's fusion rules they name (all on by default in the backend).
@@ -829,14 +832,17 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
             if kind in args.moe_router_load_balancing_type:
                 lines.append(refusal(f"--moe-router-load-balancing-type {kind}",
                                      f"{kind} balancing is not implemented here; use aux_loss, seq_aux_loss or none"))
-        if (args.expert_tensor_parallel_size or 1) > 1 or (args.expert_tensor_parallel_size is None
-                                                           and args.tensor_model_parallel_size > 1):
-            etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-            lines.append(refusal(f"--expert-tensor-parallel-size {etp}",
-                                 "experts split over tensor-parallel ranks are not implemented here; give "
-                                 "--expert-tensor-parallel-size 1 (whole experts, spread by "
-                                 "--expert-model-parallel-size)" + ("" if args.expert_tensor_parallel_size else
-                                                                    " (it defaults to --tensor-model-parallel-size)")))
+        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+        if etp > 1 and args.moe_token_dispatcher_type != "allgather":
+            lines.append(refusal(
+                f"--expert-tensor-parallel-size {etp} with --moe-token-dispatcher-type "
+                f"{args.moe_token_dispatcher_type}",
+                "experts split over tensor-parallel ranks behind the all-to-all dispatcher are not implemented here "
+                "(it all-gathers uneven token counts over the expert-tensor-parallel group, "
+                "transformer/moe/token_dispatcher.py:696-701, which gloo's all_gather refuses); give "
+                "--expert-tensor-parallel-size 1 (whole experts, spread by --expert-model-parallel-size), or the "
+                "allgather dispatcher" + ("" if args.expert_tensor_parallel_size else
+                                          " (it defaults to --tensor-model-parallel-size)")))
     if args.position_embedding_type in POSITION_EMBEDDINGS_REFUSED:
         lines.append(refusal(f"--position-embedding-type {args.position_embedding_type}",
                              POSITION_EMBEDDINGS_REFUSED[args.position_embedding_type]
@@ -1277,6 +1283,18 @@ def validate_moe(args: argparse.Namespace, fail) -> None:
         fail(f"world size {args.world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
              f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size "
              f"{args.pipeline_model_parallel_size}; use sizes whose product divides {args.world_size}")
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        # megatron-core's MoELayer.forward raises in training at TP > 1 without SP (transformer/moe/moe_layer.py:379;
+        # 0.12.1: moe_layer.py:130-137): its dispatchers take the sequence-parallel shards of the tokens
+        fail(f"MoE at --tensor-model-parallel-size {args.tensor_model_parallel_size} needs --sequence-parallel "
+             "(megatron-core's MoE layer refuses to train with tensor parallelism without it)")
+    if getattr(args, "norm_topk_prob", False) and args.moe_router_topk > 1 and "aux_loss" in \
+            args.moe_router_load_balancing_type and (args.moe_router_pre_softmax
+                                                     or args.moe_router_topk_scaling_factor is not None):
+        fail("--norm-topk-prob with " + ("--moe-router-pre-softmax" if args.moe_router_pre_softmax else
+                                         "--moe-router-topk-scaling-factor")
+             + ": MindSpeed-LLM's renormalisation of the top-k probabilities (undoing the softmax over all experts "
+               "or the scaling) is not implemented here; drop one of them")
     if not 1 <= args.moe_router_topk <= args.num_experts:
         fail(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {args.num_experts}")
     if args.add_bias_linear:
@@ -1305,8 +1323,12 @@ def validate_moe(args: argparse.Namespace, fail) -> None:
     if isinstance(freq, list) and len(freq) != args.num_layers:
         fail(f"--moe-layer-freq gives {len(freq)} layers' pattern for --num-layers {args.num_layers}; give one 0/1 "
              "per layer")
-    if isinstance(freq, int) and freq < 1:
-        fail(f"--moe-layer-freq {freq} must be >= 1")
+    if isinstance(freq, int) and freq == 0:
+        # megatron-core makes layer i an MoE layer when i % freq == 0 (gpt_layer_specs.py, get_gpt_decoder_layer_specs
+        # 0.16.1 / get_gpt_decoder_block_spec 0.12.1); a negative N means what N does there (MindSpeed-LLM's MoE
+        # scripts pass -1 with --first-k-dense-replace -1: every layer MoE); 0 divides nothing
+        fail("--moe-layer-freq 0: layer i is an MoE layer when i % N == 0, which N = 0 cannot decide; give N != 0 "
+             "(1 or -1: every layer) or a 0/1 list")
     if k:  # MindSpeed-LLM (mindspeed_llm/core/transformer/transformer_block.py, _transformer_block_build_layers)
         if isinstance(freq, list):
             fail("--first-k-dense-replace takes an integer --moe-layer-freq (MindSpeed-LLM's rule); give the "
