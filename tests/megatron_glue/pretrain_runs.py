@@ -117,3 +117,21 @@ def assert_close(a: list[float], b: list[float], rel: float = 1e-5, what: str = 
     assert len(a) == len(b) and a, f"{what}: {len(a)} values vs {len(b)}"
     worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
     assert worst <= rel, f"{what}: differ by {worst:.2e} relative (limit {rel:.0e}):\n{a}\n{b}"
+
+
+def parse_tiny(*flags: str, world_size: int = 1):
+    """The job's argument check on the tiny job (3 iterations) plus `flags`."""
+    from megatron_glue.training.arguments import parse_args
+
+    return parse_args([*TINY, "--train-iters", "3", *flags], world_size=world_size)
+
+
+def parse_error(*flags: str, world_size: int = 1) -> str:
+    """The one-line error the job's argument check gives for the tiny job plus `flags`."""
+    from megatron_glue.training.arguments import ArgumentError
+
+    try:
+        parse_tiny(*flags, world_size=world_size)
+    except ArgumentError as e:
+        return e.message
+    raise AssertionError(f"the argument check took {flags}")

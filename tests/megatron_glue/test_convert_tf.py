@@ -15,24 +15,16 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_glue.convert import main, tf_bundle, tf_io
+from test_convert_cli import _fails
 
 pytestmark = [pytest.mark.any_megatron_line, pytest.mark.usefixtures("process_state_kept")]
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tf_gpt2"
-PREFIX = "npu-compile convert: error: "
 
 
 def _convert(src, dst, kind="tf", *flags):
     return ["--load-model-type", kind, "--save-model-type", "mg", "--load-dir", str(src), "--save-dir", str(dst),
             *flags]
-
-
-def _fails(argv, capsys) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(PREFIX), err  # one line, no traceback
-    return code, err[len(PREFIX):].rstrip("\n")
 
 
 def _dist_tensors(folder: Path, tmp: Path) -> dict[str, torch.Tensor]:

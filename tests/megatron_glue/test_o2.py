@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from megatron_glue.training import o2
-from megatron_glue.training.arguments import ArgumentError, parse_args
-from pretrain_runs import TINY, pretrain
+from pretrain_runs import parse_error as _error, parse_tiny as _args, pretrain
 
 
 def _params(seed):
@@ -72,16 +71,6 @@ def test_enable_refuses_what_it_does_not_change():
     with pytest.raises(TypeError, match=r"--o2-optimizer works on torch's Adam/AdamW, which megatron-core builds "
                                         r"without apex or Transformer Engine; this optimizer is torch.optim.sgd.SGD"):
         o2.enable(torch.optim.SGD(_params(0), lr=0.1))
-
-
-def _args(*flags, world_size=1):
-    return parse_args([*TINY, "--train-iters", "3", *flags], world_size=world_size)
-
-
-def _error(*flags) -> str:
-    with pytest.raises(ArgumentError) as info:
-        _args(*flags)
-    return info.value.message
 
 
 def test_gradient_dtype_as_megatron_lm_sets_it():

@@ -8,20 +8,9 @@ import json
 
 import pytest
 
-from megatron_glue.training.arguments import ArgumentError, parse_args
-from pretrain_runs import TINY, pretrain
+from pretrain_runs import parse_error as _error, parse_tiny as _parse, pretrain
 
 FLAG = "--recompute-activation-function"
-
-
-def _parse(*flags):
-    return parse_args([*TINY, "--train-iters", "3", *flags], world_size=1)
-
-
-def _error(*flags) -> str:
-    with pytest.raises(ArgumentError) as info:
-        _parse(*flags)
-    return info.value.message
 
 
 def test_maps_onto_the_backends_always_recomputed_activation():
