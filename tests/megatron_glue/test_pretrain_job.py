@@ -174,7 +174,8 @@ def test_mindspeed_switches_name_fusions():
     # the backend's own check, with the other flags, before any model is built
     assert _parse_error([*TINY, "--train-iters", "5", "--npu-compile-options", '{"budget": 0.5}']) == (
         "pretrain_gpt: error: --npu-compile-options: unknown npu_compile option(s) 'budget'; valid options are "
-        "target, graph_mode, fusions, memory_budget, device_memory, resident_memory, activation_copies, recompute, overlap, "
+        "target, graph_mode, fusions, memory_budget, device_memory, resident_memory, activation_copies, recompute, "
+        "offload, overlap, "
         "mc2, dump_dir, verify, fast_gelu, cache, torchair_check")
 
 
