@@ -403,7 +403,8 @@ def test_packed_batch_counts_answers_and_attends_within_records(how, byte_tokeni
     (train, _, _) = sft.datasets_provider(args)
     stored = _read(packed_data)
     samples = [train[i] for i in range(2)]
-    assert train.batching.lengths  # the compiled job (megatron-core >= 0.13): lengths; --no-npu-compile: the mask
+    # the compiled job on megatron-core >= 0.13: lengths; 0.12 and --no-npu-compile: the mask
+    assert train.batching.lengths == megatron_core_in(">=0.13")
     batch = sft.collate(samples, dataclasses.replace(train.batching, lengths=False))
     assert batch["tokens"].shape == (2, 128) and "packed_seq_params" not in batch
     eot = _sp("<|eot_id|>")
@@ -427,7 +428,8 @@ def test_packed_batch_counts_answers_and_attends_within_records(how, byte_tokeni
     assert torch.equal(batch["attention_mask"], document_mask(cu, 2, 128))
     if how == "neat":  # a record sees none of the others: each is one document
         assert len(cu) == sum(len(_segments(stored["attention_mask"][i])) + 1 for i in train.order[:2].tolist())
-    lengths = train.collate(samples)
+    lengths = train.collate(samples) if train.batching.lengths else sft.collate(samples, dataclasses.replace(
+        train.batching, lengths=True))  # 0.12: the same lengths, as 0.13 passes them
     assert "attention_mask" not in lengths
     params = lengths["packed_seq_params"]
     assert params.cu_seqlens_q.shape == (256,) and torch.equal(params.cu_seqlens_q[:len(cu)], cu)
