@@ -310,11 +310,27 @@ def check_architecture(args, saved: dict, where: str, reshards: bool = False) ->
                 and saved.get("orig_vocab_size") == ours["orig_vocab_size"]:
             continue
         if key == "orig_vocab_size" and key in saved and ours[key] != saved[key]:
+            if _vocabulary_of_the_rows(args, saved):
+                args.orig_vocab_size = saved[key]
+                continue
             raise CheckpointError(_vocabulary_refusal(args, saved[key], where))
         if key in saved and ours[key] != saved[key]:
             flag = "--" + key.replace("_", "-")
             raise CheckpointError(f"the checkpoint at {where} was saved with {flag} {saved[key]!r}, this job has "
                                   f"{ours[key]!r}; use the checkpoint's value")
+
+
+def _vocabulary_of_the_rows(args, saved: dict) -> bool:
+    """--padded-vocab-size given as the checkpoint's embedding rows, and a tokenizer whose ids all have a row the
+    checkpoint trained: the job's model vocabulary is the checkpoint's (MindSpeed-LLM's scripts give Qwen's
+    --padded-vocab-size 152064, the HF embedding's rows, for a tokenizer of 151665 ids, and no --vocab-size).
+    Megatron-LM loads such a checkpoint by the embedding's shape alone; the job takes the checkpoint's vocabulary
+    (what `npu-compile convert` writes back to HF)."""
+    tokens = getattr(getattr(args, "tokenizer", None), "vocab_size", None)
+    return bool(getattr(args, "padded_vocab_size_given", False) and getattr(args, "vocab_size", None) is None
+                and getattr(args, "tokenizer_type", None) != "NullTokenizer" and tokens is not None
+                and saved.get("padded_vocab_size") == args.padded_vocab_size
+                and tokens <= saved["orig_vocab_size"] <= args.padded_vocab_size)
 
 
 def _vocabulary_refusal(args, saved: int, where: str) -> str:

@@ -52,6 +52,7 @@ def set_vocabulary(args) -> None:
     args.tokenizer = tokenizer_for(args)
     args.orig_vocab_size = model_vocab_size(args)
     given = getattr(args, "padded_vocab_size", None)
+    args.padded_vocab_size_given = given is not None  # checkpointing.check_architecture reads it
     if given is not None:
         if given < args.orig_vocab_size:
             raise ArgumentError(f"pretrain_gpt: error: --padded-vocab-size {given} is smaller than the model's "

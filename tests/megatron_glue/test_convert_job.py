@@ -469,6 +469,24 @@ def test_a_smaller_tokenizer_is_refused_and_vocab_size_fixes_it(converted, other
                                   "job's --vocab-size gives 520; use --vocab-size 512")
 
 
+def test_padded_vocab_size_of_the_checkpoint_takes_its_vocabulary(converted, other_tokenizers):
+    """MindSpeed-LLM's Qwen scripts: --padded-vocab-size the HF embedding's rows (152064) for a tokenizer of fewer
+    ids (151665), no --vocab-size. The converted checkpoint's 512 rows load for the tokenizer's 500 ids, and the
+    job's model vocabulary becomes the checkpoint's (what an export writes back); other rows stay refused."""
+    from megatron_glue.training.checkpointing import CheckpointError
+
+    small = other_tokenizers[500]
+    args = job_args(_flags(converted, small, "--padded-vocab-size", "512"))
+    assert (args.tokenizer.vocab_size, args.orig_vocab_size, args.padded_vocab_size) == (500, 500, 512)
+    _check(args, converted)
+    assert (args.tokenizer.vocab_size, args.orig_vocab_size, args.padded_vocab_size) == (500, 512, 512)
+    with pytest.raises(CheckpointError) as refused:
+        _check(job_args(_flags(converted, small, "--padded-vocab-size", "640")), converted)
+    assert str(refused.value) == (f"the checkpoint at {converted / 'release'} has a vocabulary of 512 tokens, this "
+                                  "job's tokenizer gives 500; use the checkpoint's tokenizer, or --vocab-size 512 "
+                                  "where the model's embedding is larger than the tokenizer")
+
+
 def test_a_larger_tokenizer_is_refused(converted, other_tokenizers):
     from megatron_glue.training.checkpointing import CheckpointError
 
