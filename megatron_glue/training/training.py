@@ -543,11 +543,13 @@ class _NoWriter:
 def moe_metrics(args, iteration: int) -> dict[str, float]:
     """This iteration's MoE losses as Megatron-LM logs them: megatron-core's track_moe_metrics (reduced over the
     pipeline and the router's groups, scaled by 1 / micro-batches, averaged over the MoE layers; the tracker
-    cleared), the same value on every rank."""
+    cleared; the load-balancing loss averaged over DP on 0.12 too: versions.average_load_balancing_over_dp), the
+    same value on every rank."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
     totals: dict = {}
+    versions.average_load_balancing_over_dp(args)
     # a writer that writes nothing: 0.12's track_moe_metrics fills total_loss_dict only when given a writer (0.12.1:
     # transformer/moe/moe_utils.py:692), 0.16's always
     track_moe_metrics(loss_scale=1 / get_num_microbatches(), iteration=iteration, writer=_NoWriter(),

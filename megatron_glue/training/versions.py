@@ -148,6 +148,27 @@ def moe_track_names(args) -> list[str]:
     return names + (["z_loss"] if args.moe_z_loss_coeff is not None else [])
 
 
+def average_load_balancing_over_dp(args) -> None:
+    """megatron-core 0.12 logs the load-balancing loss of the last rank's data-parallel replica alone: its tracker
+    reduces over the pipeline and the router's TP x CP group, never over DP (0.12.1
+    `transformer/moe/moe_utils.py:634-651`, the router passes no avg_group: `router.py:297-303`), so at DP > 1 the
+    logged value is that replica's micro-batches' (EP=2 on 2 processes: 3.1e-4 relative off one process of the
+    same global batch). 0.13 on average it over DP (0.16.1 `moe_utils.py:940-948`, the router's tp_cp
+    reduce group). The job logs 0.16's value on both lines: the average over the DP group, set on the tracker
+    before megatron-core reduces it (the router sets the entry's avg_group to None at each forward)."""
+    if megatron_core_in(">=0.13"):
+        return
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+    if group.size() == 1:
+        return
+    tracker = moe_tracker()
+    for name in moe_track_names(args):
+        if name != "z_loss" and name in tracker:  # 0.16 averages z_loss over no group either (router.py:505-507)
+            tracker[name]["avg_group"] = group
+
+
 def moe_tracker() -> dict:
     """megatron-core's per-layer MoE loss tracker (0.16: moe_utils; 0.12: parallel_state)."""
     try:

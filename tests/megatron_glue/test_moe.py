@@ -310,7 +310,10 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.training
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# megatron_lines: the eager layouts, where the logged load-balancing loss is averaged over DP by the job on 0.12
+# (versions.average_load_balancing_over_dp; without it 3.1e-4 off at EP=2)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.megatron_lines] if name.endswith("eager")
+                                                 else []) for name in LAYOUTS])
 def test_parallel_layouts_equal_one_process(moe_one_process, tmp_path, layout):
     """EP=2 (allgather and alltoall), TP=2 with EP=2 (experts whole or split over the TP ranks) and PP=2 with EP=2,
     compiled and eager, equal one process of the same global batch: losses, gradient norms and the load-balancing
