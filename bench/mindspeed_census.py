@@ -113,10 +113,18 @@ def _values(argv: list[str], i: int) -> int:
     return j - i - 1
 
 
+def _noop_layers(text: str, full: int) -> str:
+    """The script's empty layers (--noop-layers, indices of its --num-layers `full`) at the same places of the
+    scaled-down model's layers (Qwen3-235B's 94,95 of 96: 3 of 4), never all of them."""
+    layers = int(SIZES["--num-layers"])
+    scaled = sorted({min(layers - 1, int(i) * layers // full) for i in text.split(",") if i.strip().isdigit()})
+    return ",".join(map(str, scaled[-(layers - 1):])) or text
+
+
 def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
     """The script's flags for a tiny model on `nproc` processes: sizes, parallel sizes and paths replaced, every
     other flag and value kept. TP or PP (whichever the script uses; PP where it interleaves) becomes `nproc`, the
-    other 1; GQA keeps 2 groups; the warm-up stays below the decay."""
+    other 1; GQA keeps 2 groups; the warm-up stays below the decay; empty layers (--noop-layers) keep their place."""
     flags = {a: argv[i + 1] if _values(argv, i) == 1 else None for i, a in enumerate(argv) if a.startswith("--")}
     tp = int(flags.get("--tensor-model-parallel-size") or 1)
     pp = int(flags.get("--pipeline-model-parallel-size") or 1)
@@ -142,6 +150,8 @@ def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
             values = [sizes[flag]]
         elif flag in PER_FREQUENCY and n == 1:
             values = [_per_frequency(values[0])]
+        elif flag == "--noop-layers" and n == 1:
+            values = [_noop_layers(values[0], int(flags.get("--num-layers") or SIZES["--num-layers"]))]
         out += [flag, *values]
         i += 1 + n
     return out

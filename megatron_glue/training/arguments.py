@@ -57,8 +57,6 @@ ROPE_EXTENSION = ("YaRN / PLM RoPE scaling is not implemented here; Llama 3's sc
                   "(--rope-scaling-type longrope)")
 RECOMPUTE = ("it is not implemented here; Megatron's --recompute-granularity full/selective is, and the compiler "
              "recomputes by its memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'")
-NOOP_LAYERS = ("MindSpeed's no-op (identity) layers are not implemented here; leave them out of --num-layers and "
-               "give each pipeline stage its real layers with --num-layer-list")
 MG_CONVERT = ("converting to HF at each save is not implemented here; convert a saved checkpoint with `npu-compile "
               "convert --load-model-type mg --save-model-type hf ...`")
 
@@ -138,7 +136,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
                             "over DP with --use-distributed-optimizer"),
     "--swap-optimizer-times": (1, "MindSpeed's swap of optimizer state to host memory is not implemented here; "
                                   "shard it over DP with --use-distributed-optimizer"),
-    "--noop-layers": (1, NOOP_LAYERS),
     "--schedules-method": (1, "MindSpeed's DualPipeV schedule is not implemented here; Megatron's 1F1B (with "
                               "--num-layers-per-virtual-pipeline-stage, interleaved) is"),
     "--disable-gloo-group": (0, "running without Megatron's gloo groups is not implemented here"),
@@ -562,6 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(one per stage, summing to --num-layers; not with virtual stages). Built with megatron-core's "
                         "own uneven stages: num_layers_in_first/last_pipeline_stage where the stages between are "
                         "equal, else (megatron-core 0.16) pipeline_model_parallel_layout")
+    g.add_argument("--noop-layers", default=None, metavar="I,I,...",
+                   help="MindSpeed's empty layers: the 0-based global indices of layers that pass their input through "
+                        "(no parameters, not compiled), so that --num-layers divides the pipeline; the FLOPs of "
+                        "--log-throughput and the MoE losses' mean count the real layers only "
+                        "(megatron_glue/training/noop_layers.py)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo", "hccl"], default="nccl",
                    help="nccl: the machine's accelerator backend, as torch_npu makes it mean (hccl on an Ascend NPU, "
@@ -1074,6 +1076,14 @@ def validate(args: argparse.Namespace) -> None:
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM turns it off at TP=1 too
 
+    if args.noop_layers is not None:
+        from megatron_glue.training import noop_layers
+
+        args.noop_layers = noop_layers.parse(args.noop_layers, args.num_layers, fail)
+        if args.enable_hf2mg_convert:
+            fail(f"--noop-layers with --enable-hf2mg-convert: `npu-compile convert` does not place HF layers around "
+                 f"empty layers; convert with --num-layers {args.num_layers - len(args.noop_layers)} and train "
+                 "without --noop-layers, or start from a Megatron checkpoint")
     if args.num_layer_list is not None:
         args.num_layer_list = num_layer_list(args, fail)
     elif args.num_layers % pp:

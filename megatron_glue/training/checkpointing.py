@@ -304,7 +304,18 @@ def check_architecture(args, saved: dict, where: str, reshards: bool = False) ->
     --make-vocab-size-divisible-by) when the vocabulary itself is the same; megatron-core loads the embedding and
     output layer across it."""
     saved = resolved_architecture(saved)
-    ours = resolved_architecture({k: getattr(args, k, None) for k in (*ARCHITECTURE, "group_query_attention")})
+    ours = resolved_architecture({k: getattr(args, k, None) for k in (*ARCHITECTURE, "group_query_attention",
+                                                                      "noop_layers")})
+    saved_noop, our_noop = set(saved.get("noop_layers") or ()), set(ours.get("noop_layers") or ())
+    if reshards:  # torch_dist: the layer axis holds the real layers alone (noop_layers._compact_sharded_state_dict)
+        if saved.get("num_layers") is not None:
+            saved["num_layers"] -= len(saved_noop)
+        ours["num_layers"] -= len(our_noop)
+    elif saved_noop != our_noop:  # torch: each rank's file keys the layers by their place in its stage
+        raise CheckpointError(f"the checkpoint at {where} was saved with --noop-layers "
+                              f"{','.join(map(str, sorted(saved_noop))) or '(none)'}, this job has "
+                              f"{','.join(map(str, sorted(our_noop))) or '(none)'}; use the checkpoint's value (or "
+                              "save and load in the torch_dist format, where only the real layers count)")
     for key in ARCHITECTURE:
         if key == "padded_vocab_size" and reshards and saved.get("orig_vocab_size") is not None \
                 and saved.get("orig_vocab_size") == ours["orig_vocab_size"]:

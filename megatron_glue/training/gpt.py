@@ -16,6 +16,7 @@ from functools import partial
 import torch
 
 from megatron_glue.capture import quiet_megatron
+from megatron_glue.training import noop_layers
 from megatron_glue.training.arguments import ArgumentError, parse_args
 
 
@@ -95,6 +96,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, rope_scaling=getattr(args, "use_rope_scaling", False),
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0), **gpt_model_kwargs(vp_stage))
+    noop_layers.replace(model, getattr(args, "noop_layers", None))  # MindSpeed's --noop-layers: empty layers
     if getattr(args, "post_norm", False):
         add_post_norms(model, config, args)
     if getattr(args, "rope_scaling_type", None) == "longrope":
@@ -116,7 +118,7 @@ def add_post_norms(model, config, args) -> None:
     from megatron.core.transformer.spec_utils import build_module
 
     norm = get_gpt_layer_local_spec(normalization=args.normalization).submodules.input_layernorm
-    for layer in model.decoder.layers:
+    for layer in noop_layers.real_layers(model.decoder.layers):
         for name, sublayer in (("post_attn_norm", layer.self_attention), ("post_mlp_layernorm", layer.mlp)):
             module = build_module(norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
             setattr(layer, name, module)

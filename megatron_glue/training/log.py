@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_glue.training import monitor
+from megatron_glue.training import monitor, noop_layers
 
 
 def is_rank0() -> bool:
@@ -65,7 +65,8 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     (megatron/training/training.py `num_floating_point_operations`, the dense GPT case): every GEMM three times
     (forward, weight and data gradients), 2 FLOPs per multiply-add, the attention matrix half (causal), the
     logits over the padded vocabulary."""
-    heads, hidden, layers, seq = args.num_attention_heads, args.hidden_size, args.num_layers, args.seq_length
+    heads, hidden, seq = args.num_attention_heads, args.hidden_size, args.seq_length
+    layers = args.num_layers - noop_layers.count(args)  # MindSpeed's calc_flop: the real layers only
     groups = args.num_query_groups if args.group_query_attention else heads
     query_ratio = args.kv_channels * heads / hidden
     glu = 3 / 2 if args.swiglu else 1

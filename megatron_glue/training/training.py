@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_glue.capture import quiet_megatron
-from megatron_glue.training import checkpointing, device as glue_device, monitor, versions
+from megatron_glue.training import checkpointing, device as glue_device, monitor, noop_layers, versions
 from megatron_glue.training.log import (Metrics, TensorBoard, arguments_lines, iteration_line,
                                         num_floating_point_operations, parameters_line, peak_memory_mb, print_rank0,
                                         validation_lines)
@@ -254,7 +254,8 @@ def compile_model(chunk, args) -> None:
         options["dump_dir"] = os.path.join(dump_dir, f"rank{dist.get_rank()}")
     if getattr(args, "num_experts", None):
         moe_dynamo_config()
-    modules = list(chunk.decoder.layers)
+    layers = noop_layers.real_layers(chunk.decoder.layers)  # --noop-layers' empty layers: nothing to compile
+    modules = list(layers)
     if chunk.pre_process:
         modules.append(chunk.embedding)
     if chunk.post_process:
@@ -269,9 +270,9 @@ def compile_model(chunk, args) -> None:
         # graph hold theirs at once (every layer of the chunk, for each micro-batch in flight), unless given
         options.setdefault("resident_memory", model_state_bytes(chunk, args))
         layer_options = {**options}
-        layer_options.setdefault("activation_copies", len(chunk.decoder.layers) * in_flight_micro_batches(args))
+        layer_options.setdefault("activation_copies", len(layers) * in_flight_micro_batches(args))
     for module in modules:
-        opts = layer_options if module in chunk.decoder.layers else options
+        opts = layer_options if module in layers else options
         module.forward = precompile.compile(module.forward, opts)
         setattr(module, COMPILED_FORWARD, True)
 
@@ -555,7 +556,9 @@ def moe_metrics(args, iteration: int) -> dict[str, float]:
     track_moe_metrics(loss_scale=1 / get_num_microbatches(), iteration=iteration, writer=_NoWriter(),
                       total_loss_dict=totals, track_names=versions.moe_track_names(args), num_layers=args.num_layers,
                       moe_layer_freq=args.moe_layer_freq)
-    return {name: float(value) for name, value in totals.items()}
+    # MindSpeed's --noop-layers: the mean over the MoE layers less the empty ones (moe_metrics_tracker.py get_mean)
+    scale = noop_layers.moe_mean_scale(args)
+    return {name: float(value) * scale for name, value in totals.items()}
 
 
 def _count_graphs() -> dict:

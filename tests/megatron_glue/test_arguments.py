@@ -449,11 +449,10 @@ def test_help_lists_refused_and_no_effect_flags_with_their_reasons():
 
 def test_refused_flags_take_their_values():
     """A refused flag's values are its own (never read as flags of their own, or as unknown)."""
-    assert error([*JOB, "--lora-target-modules", "linear_qkv", "linear_proj", "--noop-layers", "0,3"]) == "\n".join([
+    assert error([*JOB, "--lora-target-modules", "linear_qkv", "linear_proj", "--fc-type", "h_to_4h"]) == "\n".join([
         PROG + "2 flags of this command line are refused or unknown:",
         "  --lora-target-modules: LoRA is not implemented here; fine-tune all weights (--finetune)",
-        "  --noop-layers: MindSpeed's no-op (identity) layers are not implemented here; leave them out of "
-        "--num-layers and give each pipeline stage its real layers with --num-layer-list"])
+        "  --fc-type: MindSpeed-LLM's alternative MLP layouts (--fc-type) are not implemented here"])
 
 
 # -- real MindSpeed-LLM launch lines, scaled down to 2 processes ----------------------------------------------------
