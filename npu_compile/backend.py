@@ -36,7 +36,7 @@ from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.report import Recorder
 from npu_compile.debug.verify import verified
 from npu_compile.device.profile import load as load_profile
-from npu_compile.passes import offload, recompute
+from npu_compile.passes import offload, recompute, unbacked_hints
 from npu_compile.passes.memory import is_saved_activation
 from npu_compile.passes.reorder import reorder_for_peak
 
@@ -124,6 +124,7 @@ class _Compilation:
             # graph of its own always has inputs
             return self._partition_region(joint, **kwargs)
         self.dump.stage("joint", "aot_joint", joint)
+        self.record.unbacked_hints(unbacked_hints.seed(joint.graph))  # before any memory analysis, cached or not
         key, hit = self._cached("partition", joint, joint_inputs)
         primals = sum(1 for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
         if hit is not None and sum(1 for n in hit["fw"].graph.nodes if n.op == "placeholder") == primals:
@@ -237,6 +238,7 @@ class _Compilation:
             self.dump.stage(kind, "aot", gm)
             key, hit = self._cached(kind, gm, example_inputs)
             if kind == "inference":
+                self.record.unbacked_hints(unbacked_hints.seed(gm.graph))
                 self.record.inference_input(gm)
             if hit is not None:
                 lowered = hit["gm"]

@@ -274,6 +274,12 @@ class Recorder:
         self.report.memory["peak_bytes_before"] = liveness(*self.before).peak
         self.partitioned_bw = bw
 
+    def unbacked_hints(self, hints: dict[str, int]) -> None:
+        """The size hints given to the graph's data-dependent sizes (passes/unbacked_hints.py): report.json
+        memory ``unbacked_hints``."""
+        if hints:
+            self.report.memory["unbacked_hints"] = hints
+
     def inference_input(self, gm: torch.fx.GraphModule) -> None:
         """The memory of an inference graph as aot_autograd gave it."""
         gb = graph_buffers(gm.graph)

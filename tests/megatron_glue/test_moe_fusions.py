@@ -89,6 +89,10 @@ def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher
     assert report.lowered_ops["npu.npu_moe_token_unpermute_with_routing_map"] == 2
     assert "npu_compile.unpermute_tokens" not in report.lowered_ops
     assert [u for u in report.unfused if u.get("rule") == "unpermute"] == []
+    # the memory analysis sizes the routed rows by the router's top-k (16 tokens x top-2, exact) and each
+    # expert's rows (and, alltoall, each split of the dispatch) by an even share (passes/unbacked_hints.py)
+    hints = sorted(report.memory["unbacked_hints"].values())
+    assert hints[-2:] == [32, 32] and set(hints[:-2]) == {32 // EXPERTS}, hints
 
 
 # -- the flags: Megatron-LM's --moe-grouped-gemm names the grouped_matmul rule -------------------------------------
