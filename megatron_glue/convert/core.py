@@ -474,6 +474,26 @@ def _check_same_architecture(args, saved: dict, folder: str, hf_cfg_dir: str | N
                                f"{ours[key]!r}: it describes another model")
 
 
+def check_job_architecture(job, family: Family, cfg: dict, source: str) -> None:
+    """A training job's parsed args build the model `cfg` describes (the vocabulary aside: the job's tokenizer sets
+    it later); ConvertError naming the first value that differs. The job's --enable-mg2hf-convert asks it before
+    it starts, so that its saves convert."""
+    from megatron_glue.training.checkpointing import ARCHITECTURE, resolved_architecture
+
+    ours = architecture(family, cfg)
+    keys = [k for k in ARCHITECTURE if k not in ("orig_vocab_size", "padded_vocab_size")]
+    want = resolved_architecture({k: getattr(ours, k, None) for k in (*keys, "group_query_attention")})
+    have = resolved_architecture({k: getattr(job, k, None) for k in (*keys, "group_query_attention")})
+    for key in keys:
+        if want[key] != have[key]:
+            raise ConvertError(f"its config.json gives {key} {want[key]!r} ({family.name}: "
+                               f"{' '.join(ours.flags)}); the job's flags give {have[key]!r}: it describes another "
+                               "model")
+    if bool(getattr(job, "qk_layernorm", False)) != ("--qk-layernorm" in ours.flags):
+        raise ConvertError(f"its config.json gives qk_layernorm {'--qk-layernorm' in ours.flags} ({family.name}); the "
+                           f"job's flags give {bool(getattr(job, 'qk_layernorm', False))}: it describes another model")
+
+
 def _write_config(cfg: dict, family: Family, hf_cfg_dir: str | None, save_dir: str, dtype) -> None:
     if hf_cfg_dir is not None:
         hf_io.carry_files(hf_cfg_dir, save_dir)
