@@ -217,3 +217,13 @@ def test_an_unwritable_target_is_named(tmp_path, hf_cfg, capsys):
     assert (code, line) == (1, f"pretrain_gpt: error: --hf-save-dir {blocker} is a file; the mg2hf_iteration<N> "
                                "folders of --enable-mg2hf-convert go in a folder")
 
+
+
+def test_mg_save_dir_names_the_hf2mg_cache():
+    """MindSpeed-LLM's --mg-save-dir (initialize.py:258-282): where --enable-hf2mg-convert puts its weights."""
+    from megatron_glue.convert import at_start
+
+    args = parse_tiny("--enable-hf2mg-convert", "--load", "HF", "--mg-save-dir", "/somewhere/cache")
+    assert at_start.cache_dir(args) == "/somewhere/cache"
+    assert at_start.cache_dir(parse_tiny("--enable-hf2mg-convert", "--load", "HF")) == \
+        "HF/megatron_cache_tp1pp1_torch_dist"
