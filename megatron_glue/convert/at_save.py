@@ -9,8 +9,8 @@ config files of `--hf-cfg-dir` (with `--enable-hf2mg-convert`, `--load`: convert
 
 Here: `check(args)`, run by the door before any process group starts (`at_start.before_start`), refuses an
 `--hf-cfg-dir` that is not an HF config folder, a config.json of a family the converter does not have (or not the
-one `--model-type-hf` names), one that describes another architecture than the job's flags, and a target folder
-this process cannot write; then `export` is registered with the job's checkpointing
+one `--model-type-hf` names), one that describes another architecture or vocabulary than the job's flags and
+tokenizer, and a target folder this process cannot write; then `export` is registered with the job's checkpointing
 (`checkpointing.AFTER_INTERVAL_SAVE`). After such a save rank 0 converts the iteration folder with the converter
 (`core.mg_to_hf`, in its process: one layer in memory at a time) into `mg2hf_iteration{N}.partial`, renamed to
 `mg2hf_iteration{N}` once complete (an earlier export of the same iteration, by a resumed job, is replaced); every
@@ -70,11 +70,27 @@ def check(args) -> None:
         check_job_architecture(args, family, cfg, f"{where} {cfg_dir}")
     except (ConfigError, ConvertError) as e:
         raise CheckpointError(f"--enable-mg2hf-convert: {where} {cfg_dir}: {e}") from None
+    vocab = _job_vocabulary(args)
+    if vocab != cfg.get("vocab_size"):
+        raise CheckpointError(f"--enable-mg2hf-convert: {where} {cfg_dir}: its config.json gives vocab_size "
+                              f"{cfg.get('vocab_size')}; the job's vocabulary has {vocab} tokens (its tokenizer, "
+                              "or --vocab-size where the model's embedding is larger): it describes another model")
     if args.hf_save_dir:
         line = _writable_refusal(args.hf_save_dir, "--hf-save-dir")
         if line:
             raise CheckpointError(line)
     # --save itself is checked by the argument check (checkpointing.save_refusal)
+
+
+def _job_vocabulary(args) -> int:
+    """The model vocabulary the job will have (its tokenizer's, or --vocab-size), as the job sets it after the door."""
+    import copy
+
+    from megatron_glue.training.gpt import set_vocabulary
+
+    probe = copy.copy(args)
+    set_vocabulary(probe)
+    return probe.orig_vocab_size
 
 
 def before_start(args) -> None:
