@@ -135,6 +135,7 @@ def meta_model(args, dtype: torch.dtype, num_layers: int | None = None, pre_proc
     checkpoint's keys and global shapes do not depend on the layout); `num_layers`, pre/post_process: one
     pipeline stage of the legacy format."""
     from megatron_glue.capture import quiet_megatron
+    from megatron_glue.capture.adaptations import set_current_device
     from megatron_glue.training import gpt, training
 
     one = copy.copy(args)
@@ -145,10 +146,14 @@ def meta_model(args, dtype: torch.dtype, num_layers: int | None = None, pre_proc
     config = training.transformer_config(one, types.SimpleNamespace(device=torch.device("cpu")))
     config.perform_initialization = False
     config.params_dtype = dtype
-    with torch.device("meta"), quiet_megatron():
-        model = gpt.model_provider(one, config, pre_process=pre_process, post_process=post_process)
-        # every tensor in the HF checkpoint's dtype (megatron-core makes its norms fp32 whatever params_dtype is)
-        return model.to(dtype)
+    set_current_device("meta")
+    try:
+        with torch.device("meta"), quiet_megatron():
+            model = gpt.model_provider(one, config, pre_process=pre_process, post_process=post_process)
+    finally:
+        set_current_device(None)
+    # every tensor in the HF checkpoint's dtype (megatron-core makes its norms fp32 whatever params_dtype is)
+    return model.to(dtype)
 
 
 @contextlib.contextmanager
@@ -162,10 +167,14 @@ def _single_process():
     from megatron_glue.capture.adaptations import groups_for, registry
     from megatron_glue.capture.models import init_single_process, teardown_single_process
 
-    # building a model (on the meta device) needs only what megatron-core needs off CUDA, and the unit-offset
-    # RMSNorm of --add-rmsnorm-offset (Gemma 2), which megatron-core's local norm refuses
-    adapt(tuple(g for g in groups_for() if g == "cpu"))
-    registry.apply("zero_centered_rms_norm")
+    # building a model (on the meta device) needs only what megatron-core needs off CUDA (and, where the machine
+    # lacks the `fla` package, the "linear_attention" group's stand-ins that let megatron-core's GatedDeltaNet be
+    # built: Qwen3-Next), and the unit-offset RMSNorm of --add-rmsnorm-offset (Gemma 2, Qwen3-Next), which
+    # megatron-core's local norm refuses
+    adapt(tuple(g for g in groups_for() if g in ("cpu", "linear_attention")))
+    # GatedDeltaNet puts some parameters on torch.cuda.current_device() (ssm/gated_delta_net.py:172,187,196): the
+    # stand-in answers the meta device while meta_model builds
+    registry.apply("zero_centered_rms_norm", "current_device_stand_in")
     ours = not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
     if not ours and (dist.get_world_size() > 1 or parallel_state.get_tensor_model_parallel_world_size() > 1
                      or parallel_state.get_pipeline_model_parallel_world_size() > 1):

@@ -287,3 +287,21 @@ def test_the_legacy_format_is_refused(hybrid, hf, tmp_path):
     with pytest.raises(core.ConvertError, match=r"--ckpt-format torch: the legacy format of a hybrid model "
                                                 r"\(qwen3_next: layers of two kinds\) is not written here"):
         core.hf_to_mg(str(folder), str(tmp_path / "mg"), "qwen3-next", ckpt_format="torch")
+
+
+@pytest.mark.training
+def test_the_converted_model_gives_transformers_logits(hf, tmp_path):
+    """The converted checkpoint loaded by the job's own load into the job's Gated DeltaNet model (at PP=2 over two
+    gloo processes: Gated DeltaNet takes no TP here) gives transformers' logits (fp32, |logits| ~ 1)."""
+    if not _job_takes_linear_attention():
+        pytest.skip("needs the job's Gated DeltaNet model (the linear-attention block of megatron_glue.training.gpt "
+                    "and the stand-ins for the fla kernels), which lands on its own branch")
+    import hf_models
+
+    model, folder = hf
+    core.hf_to_mg(str(folder), str(tmp_path / "mg"), "qwen3-next")
+    ids = hf_models.tokens()
+    with torch.no_grad():
+        want = model(ids).logits
+    got = hf_models.megatron_logits([(str(tmp_path / "mg"), hf_models.read_config(str(folder)), ids)], pp=2)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
