@@ -9,6 +9,8 @@ keeps its cache in the same place, `<load>/megatron_cache_tp{TP}pp{PP}ep{EP}`, m
 in the job's `--ckpt-format` and layout, while the other ranks wait for its tracker file (the converter writes it
 last) or its error, within `--distributed-timeout-minutes`; then `--load` is that folder, a release checkpoint,
 which the job loads as weights only (iteration 0). A cache whose tracker file is there is used as it is.
+`--mg-save-dir` names another cache folder (MindSpeed-LLM's, initialize.py: args.mg_save_dir). With
+`--enable-mg2hf-convert`, `before_start` also runs `at_save`'s check and has the job's saves export to HF.
 """
 
 from __future__ import annotations
@@ -34,14 +36,22 @@ def converter_name(model_type_hf: str | None) -> str | None:
 
 def refusal(args) -> str | None:
     """The argument check's line for a --model-type-hf the converter lacks (None: it has it, or none is named)."""
-    if not (args.enable_hf2mg_convert and args.model_type_hf) or converter_name(args.model_type_hf) in MODEL_TYPES:
+    if not args.model_type_hf or converter_name(args.model_type_hf) in MODEL_TYPES:
         return None
-    return (f"--model-type-hf {args.model_type_hf}: converting {args.model_type_hf} weights at start is not "
-            f"implemented here (the converter's families: {', '.join(sorted({*MODEL_TYPES, *HF_MODEL_TYPE_ALIASES}))}"
-            "); start from a Megatron checkpoint without --enable-hf2mg-convert")
+    families = ", ".join(sorted({*MODEL_TYPES, *HF_MODEL_TYPE_ALIASES}))
+    if args.enable_hf2mg_convert:
+        return (f"--model-type-hf {args.model_type_hf}: converting {args.model_type_hf} weights at start is not "
+                f"implemented here (the converter's families: {families}); start from a Megatron checkpoint without "
+                "--enable-hf2mg-convert")
+    if getattr(args, "enable_mg2hf_convert", False):
+        return (f"--model-type-hf {args.model_type_hf}: converting {args.model_type_hf} checkpoints to HF at save "
+                f"is not implemented here (the converter's families: {families}); drop --enable-mg2hf-convert")
+    return None
 
 
 def cache_dir(args) -> str:
+    if getattr(args, "mg_save_dir", None):  # MindSpeed-LLM's --mg-save-dir (initialize.py: args.mg_save_dir)
+        return args.mg_save_dir
     return os.path.join(args.load, f"megatron_cache_tp{args.tensor_model_parallel_size}"
                                    f"pp{args.pipeline_model_parallel_size}_{args.ckpt_format}")
 
@@ -70,7 +80,11 @@ def check(args) -> None:
 
 
 def before_start(args) -> None:
-    """With --enable-hf2mg-convert: check, convert on rank 0 (others wait), --load becomes the cache."""
+    """With --enable-hf2mg-convert: check, convert on rank 0 (others wait), --load becomes the cache. With
+    --enable-mg2hf-convert: its check, and the job's saves export (`at_save`)."""
+    from megatron_glue.convert import at_save
+
+    at_save.before_start(args)  # before --load becomes the cache: its --hf-cfg-dir may be the HF folder
     if not getattr(args, "enable_hf2mg_convert", False):
         return
     check(args)

@@ -109,12 +109,33 @@ def _when(row, args) -> bool:
     return row.when is None or bool(getattr(args, row.when))
 
 
+def on_layer(row, args, layer: int) -> bool:
+    """Whether layer `layer` has the row's tensor (a hybrid model's layers differ: families.LAYER_KINDS)."""
+    from megatron_glue.convert.families import LAYER_KINDS
+
+    return row.layers is None or LAYER_KINDS[row.layers](args, layer)
+
+
+def _split_part(family: Family, name: str):
+    """(module tensor name, part index, sizes function) when `name` is one of the keys megatron-core splits a
+    tensor into (families.Family.split), else None."""
+    for module, parts, sizes in family.split:
+        if name.startswith(module + ".") and name[len(module) + 1:] in parts:
+            return module, parts.index(name[len(module) + 1:]), sizes
+    return None
+
+
+def _heterogeneous(family: Family) -> bool:
+    return bool(family.split) or any(r.layers for r in family.tensors)
+
+
 def meta_model(args, dtype: torch.dtype, num_layers: int | None = None, pre_process: bool = True,
                post_process: bool = True):
     """megatron-core GPTModel of this architecture on the meta device (no memory), at TP=PP=1 (a torch_dist
     checkpoint's keys and global shapes do not depend on the layout); `num_layers`, pre/post_process: one
     pipeline stage of the legacy format."""
     from megatron_glue.capture import quiet_megatron
+    from megatron_glue.capture.adaptations import set_current_device
     from megatron_glue.training import gpt, training
 
     one = copy.copy(args)
@@ -125,10 +146,14 @@ def meta_model(args, dtype: torch.dtype, num_layers: int | None = None, pre_proc
     config = training.transformer_config(one, types.SimpleNamespace(device=torch.device("cpu")))
     config.perform_initialization = False
     config.params_dtype = dtype
-    with torch.device("meta"), quiet_megatron():
-        model = gpt.model_provider(one, config, pre_process=pre_process, post_process=post_process)
-        # every tensor in the HF checkpoint's dtype (megatron-core makes its norms fp32 whatever params_dtype is)
-        return model.to(dtype)
+    set_current_device("meta")
+    try:
+        with torch.device("meta"), quiet_megatron():
+            model = gpt.model_provider(one, config, pre_process=pre_process, post_process=post_process)
+    finally:
+        set_current_device(None)
+    # every tensor in the HF checkpoint's dtype (megatron-core makes its norms fp32 whatever params_dtype is)
+    return model.to(dtype)
 
 
 @contextlib.contextmanager
@@ -142,10 +167,14 @@ def _single_process():
     from megatron_glue.capture.adaptations import groups_for, registry
     from megatron_glue.capture.models import init_single_process, teardown_single_process
 
-    # building a model (on the meta device) needs only what megatron-core needs off CUDA, and the unit-offset
-    # RMSNorm of --add-rmsnorm-offset (Gemma 2), which megatron-core's local norm refuses
-    adapt(tuple(g for g in groups_for() if g == "cpu"))
-    registry.apply("zero_centered_rms_norm")
+    # building a model (on the meta device) needs only what megatron-core needs off CUDA (and, where the machine
+    # lacks the `fla` package, the "linear_attention" group's stand-ins that let megatron-core's GatedDeltaNet be
+    # built: Qwen3-Next), and the unit-offset RMSNorm of --add-rmsnorm-offset (Gemma 2, Qwen3-Next), which
+    # megatron-core's local norm refuses
+    adapt(tuple(g for g in groups_for() if g in ("cpu", "linear_attention")))
+    # GatedDeltaNet puts some parameters on torch.cuda.current_device() (ssm/gated_delta_net.py:172,187,196): the
+    # stand-in answers the meta device while meta_model builds
+    registry.apply("zero_centered_rms_norm", "current_device_stand_in")
     ours = not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
     if not ours and (dist.get_world_size() > 1 or parallel_state.get_tensor_model_parallel_world_size() > 1
                      or parallel_state.get_pipeline_model_parallel_world_size() > 1):
@@ -189,6 +218,10 @@ def hf_to_mg(load_dir: str, save_dir: str, model_type_hf: str | None = None, tp:
     if ckpt_format == "torch" and any(r.expert for r in family.tensors):
         raise ConvertError(f"--ckpt-format torch: the legacy format of an MoE model ({family.name}) is not written "
                            "here; use --ckpt-format torch_dist (the job loads it at any layout)")
+    if ckpt_format == "torch" and _heterogeneous(family):
+        raise ConvertError(f"--ckpt-format torch: the legacy format of a hybrid model ({family.name}: layers of "
+                           "two kinds) is not written here; use --ckpt-format torch_dist (the job loads it at any "
+                           "layout)")
     reader = tf_io.TFGPT2Reader(load_dir) if source == "tf" else hf_io.HFReader(load_dir)
     first = family.tensors[0].hf[0]
     dtype = params_dtype or (reader.get(first).dtype if first in reader else torch.float32)
@@ -259,7 +292,8 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
                 t = TRANSFORMS[row.transform].to_mcore(hf, args).to(dtype)
             except ValueError as e:  # a transform's check of its input, e.g. the embedding's rows
                 raise ConvertError(f"{', '.join(names)}: {e}")
-            want = shapes.get(f"{torch_dist.LAYERS}0.{name.format(e=expert)}" if layer is not None else name)
+            first = next((i for i in range(layers) if on_layer(row, args, i)), 0)
+            want = shapes.get(f"{torch_dist.LAYERS}{first}.{name.format(e=expert)}" if layer is not None else name)
             if want is not None and tuple(t.shape) != want:
                 raise ConvertError(f"the {family.name} table's {row.transform!r} of {', '.join(row.hf)} gives "
                                    f"{name} the shape {tuple(t.shape)}; megatron-core's model has {want}")
@@ -269,13 +303,24 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
     def produce(key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
         lead = 0  # leading axes of the key that index tensors (layer; layer and expert)
         if key.startswith(torch_dist.LAYERS):
-            layer = offsets[0]
             sub = key[len(torch_dist.LAYERS):]
+            numbered = torch_dist.numbered_layer(sub)
+            if numbered is not None:  # a hybrid block's keys: decoder.layers.<i>.<name>, no layer axis
+                layer, sub = numbered
+            else:
+                layer = offsets[0]
             expert_name = torch_dist.expert_name(sub)
             if expert_name is not None:
                 t, lead = full(expert_name, layer, offsets[1]).unsqueeze(0).unsqueeze(0), 2
             else:
-                t, lead = full(torch_dist.module_name(sub, args.normalization), layer).unsqueeze(0), 1
+                name = torch_dist.module_name(sub, args.normalization)
+                part = _split_part(family, name)
+                if part is not None:  # one of the keys megatron-core saves this tensor as
+                    module, index, part_sizes = part
+                    t = full(module, layer).split(part_sizes(args))[index]
+                else:
+                    t = full(name, layer)
+                t, lead = (t, 0) if numbered is not None else (t.unsqueeze(0), 1)
             if layer not in done_layers:
                 done_layers.add(layer)
                 bar.update(1)
@@ -286,7 +331,7 @@ def _save(args, family, cfg, reader, rows, dtype, layers, save_dir, model_type_h
             if dim >= lead:
                 t = t.narrow(dim, o, s)
         if len(expect) != len(sizes):
-            raise ConvertError(f"{key}: the family table gives shape {expect[1:]}, megatron-core expects {sizes}")
+            raise ConvertError(f"{key}: the family table gives shape {expect[lead:]}, megatron-core expects {sizes}")
         return t.contiguous()
 
     os.makedirs(save_dir, exist_ok=True)
@@ -319,7 +364,7 @@ def _check_names(reader, family, rows, args, layers) -> None:
             if r.expert:
                 wanted |= {name.format(i=i, e=e) for i in range(layers) for e in experts}
             else:
-                wanted |= {name.format(i=i) for i in range(layers)} if r.layer else {name}
+                wanted |= {name.format(i=i) for i in range(layers) if on_layer(r, args, i)} if r.layer else {name}
     have = set(reader.names())
     missing = sorted(wanted - have)
     # a TensorFlow checkpoint's names are its own (tf_io.TFGPT2Reader.source_name), not transformers'
@@ -391,18 +436,33 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
 
     if is_dist:
         metadata = torch_dist.tensor_metadata(folder)
+        numbered = any(torch_dist.numbered_layer(k[len(torch_dist.LAYERS):]) for k in metadata
+                       if k.startswith(torch_dist.LAYERS))
+
+        def keys_of(name: str, layer: int | None) -> list[str]:
+            if layer is None:
+                return [name]
+            split = next(((m, p) for m, p, _ in family.split if m == name), None)
+            parts = [f"{name}.{p}" for p in split[1]] if split else [name]  # saved as several keys: read each
+            # a hybrid block saves each layer under its own number (transformer_block.py, non_homogeneous_layers)
+            stem = f"{torch_dist.LAYERS}{layer}." if numbered else torch_dist.LAYERS
+            return [stem + torch_dist.sharded_name(n, args.normalization) for n in parts]
 
         def read(names: list[str], layer: int | None):
-            keys = [(torch_dist.LAYERS + torch_dist.sharded_name(n, args.normalization)) if layer is not None else n
-                    for n in names]
-            absent = [k for k in keys if k not in metadata]
+            keys = {n: keys_of(n, layer) for n in names}
+            flat = [k for ks in keys.values() for k in ks]
+            absent = [k for k in flat if k not in metadata]
             if absent:
                 raise ConvertError(f"{folder} has no tensor {absent[0]!r}; is it a {family.name} model?")
-            got = torch_dist.load_slices(folder, {k: layer for k in keys}, metadata)
-            return {n: got[k] for n, k in zip(names, keys)}
+            got = torch_dist.load_slices(folder, {k: None if numbered else layer for k in flat}, metadata)
+            return {n: got[ks[0]] if len(ks) == 1 else torch.cat([got[k] for k in ks])
+                    for n, ks in keys.items()}
     else:
         if any(r.expert for r in rows):
             raise ConvertError(f"{folder}: a --ckpt-format torch checkpoint of an MoE model ({family.name}) is not "
+                               "read here; save it as torch_dist (the job's --ckpt-format torch_dist) and convert that")
+        if _heterogeneous(family):
+            raise ConvertError(f"{folder}: a --ckpt-format torch checkpoint of a hybrid model ({family.name}) is not "
                                "read here; save it as torch_dist (the job's --ckpt-format torch_dist) and convert that")
         read = legacy.reader(folder, family, args, saved)
 
@@ -412,9 +472,10 @@ def mg_to_hf(load_dir: str, save_dir: str, hf_cfg_dir: str | None = None,
     bar = _progress(layers + 1, "mg -> hf")
     dtype = None
     for layer in range(layers):
-        got = read([r.mcore for r in layer_rows], layer)
+        here = [r for r in layer_rows if on_layer(r, args, layer)]
+        got = read([r.mcore for r in here], layer)
         out = {}
-        for r in layer_rows:
+        for r in here:
             for name, t in zip(r.hf, TRANSFORMS[r.transform].to_hf(got[r.mcore], args)):
                 out[name.format(i=layer)] = t if params_dtype is None else t.to(params_dtype)
         for e in range(args.num_experts or 0) if expert_rows else ():
@@ -472,6 +533,26 @@ def _check_same_architecture(args, saved: dict, folder: str, hf_cfg_dir: str | N
         if ours[key] != saved[key]:
             raise ConvertError(f"{folder} was saved with {key} {saved[key]!r}; {source} gives "
                                f"{ours[key]!r}: it describes another model")
+
+
+def check_job_architecture(job, family: Family, cfg: dict, source: str) -> None:
+    """A training job's parsed args build the model `cfg` describes (the vocabulary aside: the job's tokenizer sets
+    it later); ConvertError naming the first value that differs. The job's --enable-mg2hf-convert asks it before
+    it starts, so that its saves convert."""
+    from megatron_glue.training.checkpointing import ARCHITECTURE, resolved_architecture
+
+    ours = architecture(family, cfg)
+    keys = [k for k in ARCHITECTURE if k not in ("orig_vocab_size", "padded_vocab_size")]
+    want = resolved_architecture({k: getattr(ours, k, None) for k in (*keys, "group_query_attention")})
+    have = resolved_architecture({k: getattr(job, k, None) for k in (*keys, "group_query_attention")})
+    for key in keys:
+        if want[key] != have[key]:
+            raise ConvertError(f"its config.json gives {key} {want[key]!r} ({family.name}: "
+                               f"{' '.join(ours.flags)}); the job's flags give {have[key]!r}: it describes another "
+                               "model")
+    if bool(getattr(job, "qk_layernorm", False)) != ("--qk-layernorm" in ours.flags):
+        raise ConvertError(f"its config.json gives qk_layernorm {'--qk-layernorm' in ours.flags} ({family.name}); the "
+                           f"job's flags give {bool(getattr(job, 'qk_layernorm', False))}: it describes another model")
 
 
 def _write_config(cfg: dict, family: Family, hf_cfg_dir: str | None, save_dir: str, dtype) -> None:

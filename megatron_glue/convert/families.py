@@ -42,6 +42,7 @@ class Tensor:
     layer: bool = True
     when: str | None = None
     expert: bool = False
+    layers: str | None = None  # a key of LAYER_KINDS: only the layers of that kind have the tensor (else every one)
 
 
 # A config.json field -> flag value: a field name, or a function of the whole config.
@@ -60,6 +61,9 @@ class Family:
     refuse: tuple[tuple[Callable[[dict], bool], str], ...] = ()
     ignored_hf: tuple[str, ...] = ()     # HF tensors that are not weights (buffers some checkpoints carry)
     notes: tuple[tuple[Callable[[dict], bool], str], ...] = field(default=())  # warned, converted anyway
+    # megatron-core tensors its sharded_state_dict saves as several keys, split along dim 0: (module tensor name,
+    # the key suffixes in order, their sizes as a function of the architecture)
+    split: tuple[tuple[str, tuple[str, ...], Callable[[Any], list[int]]], ...] = ()
 
 
 # -- config readers --------------------------------------------------------------------------------------------
@@ -437,15 +441,122 @@ QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", QWEN_MOE_
                    LLAMA_FLAGS + ("--qk-layernorm",), _moe_tensors(QWEN3_TENSORS, _QM, "gate", "up", "down"),
                    LLAMA_REFUSE + (_MOE_DENSE_LAYERS,), ignored_hf=LLAMA.ignored_hf, notes=(_SLIDING,))
 
+# -- Qwen3-Next (dense): Gated DeltaNet layers with a full-attention layer every full_attention_interval ---------
+# The Megatron side is megatron-core 0.16's own hybrid model: experimental_attention_variant "gated_delta_net"
+# with linear_attention_freq N (models/gpt/experimental_attention_variant_module_specs.py:316-350: layer i, 0-based,
+# is full attention when (i + 1) % N == 0, as transformers' default layer_types), GatedDeltaNet
+# (ssm/gated_delta_net.py) in the others, megatron-core's attention with attention_output_gate in the full ones.
+# transformers' Qwen3NextForCausalLM (models/qwen3_next/modeling_qwen3_next.py), dense when num_experts is 0:
+# - linear_attn.in_proj_qkvz [per key head g: q_g (dk); k_g (dk); v_g (nv/nk x dv); z_g (nv/nk x dv)] and
+#   in_proj_ba [per key head g: b_g (nv/nk); a_g (nv/nk)] (`fix_query_key_value_ordering`) -> GatedDeltaNet's one
+#   in_proj [q (nk x dk); k; v (nv x dv); z; beta (nv); alpha (nv)] (gated_delta_net.py:139,309-318), saved as six
+#   keys in_proj.weight.{query,key,value,z,beta,alpha}, each split over TP along dim 0 (:474-488);
+# - linear_attn.conv1d.weight [q; k; v channels, 1, kernel] -> conv1d.weight, saved as conv1d.weight.{query,key,value}
+#   (:495-509); A_log, dt_bias [nv] as they are (split over TP); out_proj as it is (RowParallel);
+# - linear_attn.norm (Qwen3NextRMSNormGated: w x normalized, weight init 1) -> out_norm, built with the layer's
+#   config: with --add-rmsnorm-offset (Qwen3-Next's other norms are (1 + w), Qwen3NextRMSNorm) it applies 1 + w, so
+#   it holds w - 1 (exact both ways for 0.5 <= w <= 2, Sterbenz);
+# - self_attn.q_proj [per head h: q_h (d); gate_h (d)] (`torch.chunk(..., 2)` of each head's 2d rows), k_proj,
+#   v_proj -> linear_qkv with attention_output_gate [per query group g: q_g (nh/ng heads); gate_g; k_g; v_g]
+#   (attention.py:1265-1267,1414-1432); q_norm / k_norm ((1 + w)) -> q_layernorm / k_layernorm;
+# - input_layernorm: a full layer's -> input_layernorm (saved as linear_qkv.layer_norm_weight); a Gated DeltaNet
+#   layer's -> saved as self_attention.in_proj.layer_norm_weight, where Transformer Engine's fused norm + in_proj
+#   (the spec's column_parallel_layer_norm_linear, :68) keeps it.
+
+def _linear_attention_layer(a, i: int) -> bool:
+    return (i + 1) % a.full_attention_interval != 0
+
+
+LAYER_KINDS = {"linear_attention": _linear_attention_layer,
+               "full_attention": lambda a, i: not _linear_attention_layer(a, i)}
+
+
+def _gdn_sizes(a) -> tuple[int, int, int]:
+    """(qk_dim, v_dim, value heads) of a Gated DeltaNet layer."""
+    return (a.linear_key_head_dim * a.linear_num_key_heads, a.linear_value_head_dim * a.linear_num_value_heads,
+            a.linear_num_value_heads)
+
+
+def _in_proj_parts(a) -> list[int]:
+    qk, v, nv = _gdn_sizes(a)
+    return [qk, qk, v, v, nv, nv]
+
+
+def _conv_parts(a) -> list[int]:
+    qk, v, _ = _gdn_sizes(a)
+    return [qk, qk, v]
+
+
+def _partial_rotary(cfg: dict) -> float:
+    """transformers 5 keeps it in rope_parameters, 4.x beside them."""
+    return float(rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+
+
+def _full_attention_interval(cfg: dict) -> int:
+    """transformers 5 saves the pattern as layer_types only (full_attention_interval gives its default)."""
+    types_ = cfg.get("layer_types")
+    if types_ and "full_attention" in types_:
+        return list(types_).index("full_attention") + 1
+    return cfg.get("full_attention_interval") or 4
+
+
+def _qwen3_next_layer_types(cfg: dict) -> bool:
+    interval = _full_attention_interval(cfg)
+    want = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(cfg["num_hidden_layers"])]
+    return cfg.get("layer_types") is not None and list(cfg["layer_types"]) != want
+
+
+_N = _layer_tensors("model.layers", {
+    "ln1": "input_layernorm.weight", "qkvz": "linear_attn.in_proj_qkvz.weight", "ba": "linear_attn.in_proj_ba.weight",
+    "conv": "linear_attn.conv1d.weight", "A": "linear_attn.A_log", "dt": "linear_attn.dt_bias",
+    "norm": "linear_attn.norm.weight", "out": "linear_attn.out_proj.weight"})
+_LIN, _FULL = "linear_attention", "full_attention"
+QWEN3_NEXT_TENSORS = (
+    LLAMA_TENSORS[0],  # the embedding
+    Tensor("input_layernorm.weight", (_L["ln1"],), layers=_FULL),
+    Tensor("self_attention.linear_qkv.weight", (_L["q"], _L["k"], _L["v"]), "gated_qkv", 0, layers=_FULL),
+    Tensor("self_attention.linear_proj.weight", (_L["o"],), tp_dim=1, layers=_FULL),
+    Tensor("self_attention.q_layernorm.weight", (_Q3["qn"],), layers=_FULL),
+    Tensor("self_attention.k_layernorm.weight", (_Q3["kn"],), layers=_FULL),
+    Tensor("self_attention.in_proj.layer_norm_weight", (_N["ln1"],), layers=_LIN),
+    Tensor("self_attention.in_proj.weight", (_N["qkvz"], _N["ba"]), "gdn_in_proj", 0, layers=_LIN),
+    Tensor("self_attention.conv1d.weight", (_N["conv"],), tp_dim=0, layers=_LIN),
+    Tensor("self_attention.A_log", (_N["A"],), tp_dim=0, layers=_LIN),
+    Tensor("self_attention.dt_bias", (_N["dt"],), tp_dim=0, layers=_LIN),
+    Tensor("self_attention.out_norm.weight", (_N["norm"],), "unit_offset", layers=_LIN),
+    Tensor("self_attention.out_proj.weight", (_N["out"],), tp_dim=1, layers=_LIN),
+) + tuple(t for t in LLAMA_TENSORS[4:] if t.mcore != "self_attention.linear_proj.weight")
+QWEN3_NEXT_CONFIG = LLAMA_CONFIG + (
+    ("--full-attention-interval", _full_attention_interval),
+    ("--linear-key-head-dim", "linear_key_head_dim"),
+    ("--linear-value-head-dim", "linear_value_head_dim"),
+    ("--linear-num-key-heads", "linear_num_key_heads"),
+    ("--linear-num-value-heads", "linear_num_value_heads"),
+    ("--mamba-d-conv", "linear_conv_kernel_dim"),
+    ("--partial-rotary-factor", lambda c: None if _partial_rotary(c) == 1.0 else _partial_rotary(c)),
+)
+QWEN3_NEXT_REFUSE = LLAMA_REFUSE + (
+    (lambda c: bool(c.get("num_experts")), "num_experts: Qwen3-Next's mixture-of-experts layers are not converted "
+                                           "here (the dense model, num_experts 0, is)"),
+    (_qwen3_next_layer_types, "layer_types other than a full-attention layer every full_attention_interval "
+                              "(megatron-core's linear_attention_freq pattern)"),
+)
+QWEN3_NEXT = Family(
+    "qwen3_next", ("qwen3_next",), "Qwen3NextForCausalLM", QWEN3_NEXT_CONFIG,
+    LLAMA_FLAGS + ("--qk-layernorm", "--add-rmsnorm-offset"), QWEN3_NEXT_TENSORS, QWEN3_NEXT_REFUSE,
+    split=(("self_attention.in_proj.weight", ("query", "key", "value", "z", "beta", "alpha"), _in_proj_parts),
+           ("self_attention.conv1d.weight", ("query", "key", "value"), _conv_parts)))
+
 FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "seed_oss": SEED_OSS, "phi3": PHI3,
             "gpt2": GPT2, "gemma2": GEMMA2, "mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE,
-            "qwen3_moe": QWEN3_MOE}
+            "qwen3_moe": QWEN3_MOE, "qwen3_next": QWEN3_NEXT}
 # --model-type-hf values (MindSpeed-LLM's names: convert_ckpt_v2.py's and convert_ckpt.py's choices, and the
 # spellings of the models' own names) -> family. MindSpeed-LLM's Magistral is a Mistral-architecture checkpoint.
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "magistral": "mistral", "qwen2": "qwen2",
                "qwen2.5": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3", "seed-oss": "seed_oss", "phi3": "phi3",
                "phi3.5": "phi3", "gpt2": "gpt2", "gemma2": "gemma2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
-               "qwen3-moe": "qwen3_moe"}
+               "qwen3-moe": "qwen3_moe", "qwen3-next": "qwen3_next"}
 # MindSpeed-LLM's convert_ckpt.py (its 2.x scripts) says `--model-type-hf llama2` for every Llama-layout checkpoint,
 # Qwen 1.5 / 2 / 2.5 included (with --add-qkv-bias): the family is then config.json's, among these.
 LLAMA_LAYOUT = {"llama2": ("llama", "qwen2")}
@@ -453,7 +564,7 @@ LLAMA_LAYOUT = {"llama2": ("llama", "qwen2")}
 _NOT_CONVERTED = {
     "a mixture-of-experts model other than Mixtral, Qwen2-MoE and Qwen3-MoE": (
                            "deepseek2", "deepseek2-lite", "deepseek3", "deepseek32", "deepseek4", "deepseek4_base",
-                           "glm45", "glm45-air", "glm5", "bailing_mini", "qwen3-next", "phi3.5-moe", "minicpm-moe", "longcat", "minimax_m2", "HYV3", "hunyuan"),
+                           "glm45", "glm45-air", "glm5", "bailing_mini", "phi3.5-moe", "minicpm-moe", "longcat", "minimax_m2", "HYV3", "hunyuan"),
     "a state-space (Mamba) model": ("mamba2",),
 }
 

@@ -29,6 +29,14 @@ def _keys_map(normalization: str) -> dict[str, str]:
     return dict(get_gpt_layer_local_spec(normalization=normalization).submodules.sharded_state_dict_keys_map)
 
 
+def numbered_layer(sharded: str) -> tuple[int, str] | None:
+    """(layer, the rest) of a key after decoder.layers. that names its layer: megatron-core's block saves each
+    layer under its own number, with no layer axis, when its layers differ (transformer_block.py
+    `sharded_state_dict`: non_homogeneous_layers, e.g. linear_attention_freq > 1); None for a stacked key."""
+    head, dot, rest = sharded.partition(".")
+    return (int(head), rest) if dot and head.isdigit() else None
+
+
 def module_name(sharded: str, normalization: str) -> str:
     """A layer tensor's module name (the family tables' names) from its checkpoint key (after decoder.layers.)."""
     for module, key in _keys_map(normalization).items():

@@ -74,6 +74,54 @@ def _slice_vocab(t, a):
     return [t[: a.orig_vocab_size].contiguous()]
 
 
+def _gated_qkv_to_mcore(hf, a):
+    """Qwen3-Next's full attention: q_proj [per head: q_h (d); gate_h (d)], k_proj, v_proj -> megatron-core's
+    linear_qkv with attention_output_gate [per query group: q_g (nh/ng heads); gate_g; k_g; v_g]."""
+    q_gate, k, v = hf
+    ng, per_group, d = _groups(a)
+    rest = q_gate.shape[1:]
+    q, gate = q_gate.reshape(ng * per_group, 2, d, *rest).unbind(1)
+    grouped = torch.cat([q.reshape(ng, per_group * d, *rest), gate.reshape(ng, per_group * d, *rest),
+                         k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)], dim=1)
+    return grouped.reshape(ng * (2 * per_group + 2) * d, *rest).contiguous()
+
+
+def _gated_qkv_to_hf(t, a):
+    ng, per_group, d = _groups(a)
+    rest = t.shape[1:]
+    q, gate, k, v = t.reshape(ng, (2 * per_group + 2) * d, *rest).split(
+        [per_group * d, per_group * d, d, d], dim=1)
+    q_gate = torch.stack([q.reshape(ng * per_group, d, *rest), gate.reshape(ng * per_group, d, *rest)], dim=1)
+    return [x.reshape(-1, *rest).contiguous() for x in (q_gate, k, v)]
+
+
+def _gdn(a):
+    nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
+    return nk, nv // nk, a.linear_key_head_dim, a.linear_value_head_dim
+
+
+def _gdn_in_proj_to_mcore(hf, a):
+    """Qwen3-Next's in_proj_qkvz [per key head g: q_g (dk); k_g (dk); v_g (r x dv); z_g (r x dv)], r = value heads
+    per key head, and in_proj_ba [per key head g: b_g (r); a_g (r)] -> GatedDeltaNet's in_proj [q (nk x dk); k;
+    v (nv x dv); z; beta (nv); alpha (nv)], each part in head order."""
+    qkvz, ba = hf
+    nk, r, dk, dv = _gdn(a)
+    rest = qkvz.shape[1:]
+    q, k, v, z = qkvz.reshape(nk, 2 * dk + 2 * r * dv, *rest).split([dk, dk, r * dv, r * dv], dim=1)
+    beta, alpha = ba.reshape(nk, 2 * r, *rest).split([r, r], dim=1)
+    return torch.cat([x.reshape(-1, *rest) for x in (q, k, v, z, beta, alpha)]).contiguous()
+
+
+def _gdn_in_proj_to_hf(t, a):
+    nk, r, dk, dv = _gdn(a)
+    rest = t.shape[1:]
+    q, k, v, z, beta, alpha = t.split([nk * dk, nk * dk, nk * r * dv, nk * r * dv, nk * r, nk * r])
+    qkvz = torch.cat([q.reshape(nk, dk, *rest), k.reshape(nk, dk, *rest), v.reshape(nk, r * dv, *rest),
+                      z.reshape(nk, r * dv, *rest)], dim=1)
+    ba = torch.cat([beta.reshape(nk, r, *rest), alpha.reshape(nk, r, *rest)], dim=1)
+    return [qkvz.reshape(-1, *rest).contiguous(), ba.reshape(-1, *rest).contiguous()]
+
+
 TRANSFORMS: dict[str, Transform] = {
     "copy": Transform(lambda hf, a: hf[0].contiguous(), lambda t, a: [t.contiguous()]),
     "qkv": Transform(_qkv_to_mcore, _qkv_to_hf),
@@ -86,6 +134,10 @@ TRANSFORMS: dict[str, Transform] = {
     "gate_up": Transform(lambda hf, a: torch.cat(hf, dim=0).contiguous(),
                          lambda t, a: [x.contiguous() for x in t.chunk(2, dim=0)]),
     "vocab": Transform(_pad_vocab, _slice_vocab),
+    "gated_qkv": Transform(_gated_qkv_to_mcore, _gated_qkv_to_hf),
+    "gdn_in_proj": Transform(_gdn_in_proj_to_mcore, _gdn_in_proj_to_hf),
+    # a norm weight w applied as w by HF and as 1 + w by megatron-core's zero-centered norm: stored as w - 1
+    "unit_offset": Transform(lambda hf, a: (hf[0] - 1).contiguous(), lambda t, a: [(t + 1).contiguous()]),
 }
 
 

@@ -57,8 +57,6 @@ ROPE_EXTENSION = ("YaRN / PLM RoPE scaling is not implemented here; Llama 3's sc
                   "(--rope-scaling-type longrope)")
 RECOMPUTE = ("it is not implemented here; Megatron's --recompute-granularity full/selective is, and the compiler "
              "recomputes by its memory plan: --npu-compile-options '{\"memory_budget\": \"auto\"}'")
-MG_CONVERT = ("converting to HF at each save is not implemented here; convert a saved checkpoint with `npu-compile "
-              "convert --load-model-type mg --save-model-type hf ...`")
 
 # MoE flags refused with --num-experts; without it they configure nothing (Megatron-LM and MindSpeed read them only for
 # experts) and are accepted, as there. --num-experts and megatron-core's MoE settings are implemented (the parser's
@@ -141,8 +139,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--disable-gloo-group": (0, "running without Megatron's gloo groups is not implemented here"),
     "--calculate-per-token-loss": (0, "per-token loss normalisation is not implemented here"),
     "--no-shuffle": (0, "unshuffled datasets are not implemented here"),
-    # checkpoints
-    "--enable-mg2hf-convert": (0, MG_CONVERT),
     # Megatron-LM flags of features not implemented here
     "--train-samples": (1, "sample-based training is not implemented here; give --train-iters"),
     "--rampup-batch-size": ("+", "batch-size ramp-up is not implemented here; give a fixed --global-batch-size"),
@@ -200,8 +196,6 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {
     "--loss-compute-mode": (dict(choices=["default", "chunk"], default="default"),
                             "'default' is the plain cross-entropy this job computes ('chunk' is refused)"),
     "--loss-chunk-size": (dict(type=int, default=1024), "used only by --loss-compute-mode chunk"),
-    "--hf-cfg-dir": (dict(default=None), "the HF config folder for --enable-mg2hf-convert (refused here); alone it "
-                                         "changes nothing, as in MindSpeed-LLM"),
     "--handler-name": (dict(default=""),
                        "MindSpeed-LLM preprocesses at start only a --data-path that names raw data (a .jsonl/.json/"
                        ".parquet/... file or folder); for a .bin/.idx prefix it changes nothing. Raw data is refused "
@@ -289,6 +283,31 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers") from None
+
+
+def _check_mg2hf(args, fail) -> None:
+    """MindSpeed-LLM's rules for --enable-mg2hf-convert (mindspeed_llm/features_manager/convert_checkpoint/
+    convert_checkpoint.py:147-154), and the saves it converts (mindspeed_llm/training/training.py:827-840: those of
+    the training loop, every --save-interval iterations)."""
+    if not args.enable_mg2hf_convert:
+        for flag in ("--only-convert-last-checkpoint", "--hf-save-dir"):
+            if getattr(args, flag[2:].replace("-", "_")):
+                fail(f"{flag} says which saves --enable-mg2hf-convert converts, and where; give "
+                     "--enable-mg2hf-convert with it, or drop it")
+        return
+    if not args.save:
+        fail("--enable-mg2hf-convert needs --save: it converts the checkpoints the job saves there")
+    if not args.save_interval:
+        fail("--enable-mg2hf-convert converts the checkpoints the training loop saves every --save-interval "
+             "iterations; give --save-interval")
+    if args.only_convert_last_checkpoint and args.train_iters % args.save_interval:
+        fail(f"--only-convert-last-checkpoint converts the save at iteration --train-iters {args.train_iters}, which "
+             f"the training loop makes only when --save-interval divides it ({args.save_interval} does not)")
+    if args.enable_hf2mg_convert and not args.hf_cfg_dir:
+        args.hf_cfg_dir = args.load  # MindSpeed-LLM's default: the HF folder the job started from
+    if not args.hf_cfg_dir:
+        fail("--enable-mg2hf-convert needs --hf-cfg-dir, the HF folder whose config.json the exported folders get "
+             "(transformers cannot load weights without it); with --enable-hf2mg-convert it is --load")
 
 
 def _check_sliding_window(args, fail) -> None:
@@ -520,6 +539,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --enable-hf2mg-convert: the HF family (MindSpeed-LLM's names; default: config.json's "
                         "model_type); a family the converter lacks, or a folder of another family, is refused "
                         "before the job starts")
+    # MindSpeed-LLM's Megatron -> HF export at save (megatron_glue.convert.at_save, docs/convert.md)
+    g.add_argument("--enable-mg2hf-convert", action="store_true",
+                   help="after each checkpoint the training loop saves every --save-interval iterations, rank 0 "
+                        "converts it (`npu-compile convert`) into <--hf-save-dir or --save>/mg2hf_iteration{N}, a "
+                        "folder transformers loads, every rank waiting (MindSpeed-LLM's meaning)")
+    g.add_argument("--only-convert-last-checkpoint", action="store_true",
+                   help="with --enable-mg2hf-convert: convert only the save at iteration --train-iters")
+    g.add_argument("--hf-save-dir", default=None,
+                   help="with --enable-mg2hf-convert: the folder the mg2hf_iteration{N} folders go in (default --save)")
+    g.add_argument("--hf-cfg-dir", default=None,
+                   help="with --enable-mg2hf-convert: the HF folder whose config.json (and tokenizer files) the "
+                        "exported folders get (default with --enable-hf2mg-convert: --load); alone it changes "
+                        "nothing, as in MindSpeed-LLM")
+    g.add_argument("--mg-save-dir", default=None,
+                   help="with --enable-hf2mg-convert: the folder the converted weights go in (default "
+                        "<load>/megatron_cache_tp{TP}pp{PP}_{--ckpt-format})")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop when there is no checkpoint there, instead of starting from random weights")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist")
@@ -1163,6 +1198,9 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--manual-gc-interval {args.manual_gc_interval} must be >= 0 (0: no collection between iterations)")
     if args.enable_hf2mg_convert and not args.load:
         fail("--enable-hf2mg-convert needs --load, the HuggingFace folder to start from")
+    if args.mg_save_dir and not args.enable_hf2mg_convert:
+        fail("--mg-save-dir is where --enable-hf2mg-convert puts the converted weights; give both, or neither")
+    _check_mg2hf(args, fail)
     if args.save:  # a job that cannot write its checkpoints is refused here, not after training to its first save
         from megatron_glue.training.checkpointing import save_refusal
 

@@ -65,6 +65,12 @@ class CheckpointError(RuntimeError):
     pass
 
 
+# Run on every rank after each save the training loop makes every --save-interval iterations, as (args, iteration):
+# the converter's --enable-mg2hf-convert export (megatron_glue.convert.at_save), registered by the job's door
+# before it starts (this room does not import the converter). Keyed by who registered it.
+AFTER_INTERVAL_SAVE: dict = {}
+
+
 def iteration_dir(root: str, iteration: int | str) -> str:
     return os.path.join(root, "release" if iteration == "release" else f"iter_{iteration:07d}")
 

@@ -735,6 +735,8 @@ def _train_loop(args, forward_step, chunks, optimizer, scheduler, train_it, vali
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, state.iteration, chunks, optimizer, scheduler,
                                           state.consumed_train_samples, state.consumed_valid_samples)
+            for after_save in checkpointing.AFTER_INTERVAL_SAVE.values():
+                after_save(args, state.iteration)
         if getattr(args, "manual_gc", False) and args.manual_gc_interval and \
                 state.iteration % args.manual_gc_interval == 0:
             gc.collect()

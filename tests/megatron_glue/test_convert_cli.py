@@ -280,7 +280,7 @@ def test_model_type_hf_names(hf, tmp_path, capsys):
     assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "llama3"), capsys) == (
         1, "--model-type-hf llama3 expects config.json model_type llama, the config says 'qwen2'")
     known = ("llama2, llama3, mistral, magistral, qwen2, qwen2.5, qwen25, qwen3, seed-oss, phi3, phi3.5, gpt2, "
-             "gemma2, mixtral, qwen2-moe, qwen3-moe")
+             "gemma2, mixtral, qwen2-moe, qwen3-moe, qwen3-next")
     assert _fails(_hf_to_mg(qwen, tmp_path / "z", "--model-type-hf", "deepseek3"), capsys) == (
         2, f"--model-type-hf deepseek3: not a family this converter has (deepseek3 is a mixture-of-experts model "
            f"other than Mixtral, Qwen2-MoE and Qwen3-MoE: not converted here); it converts {known}")
