@@ -216,13 +216,15 @@ def forward_step(data_iterator, model):
 
 def on_this_cp_rank(batch: dict) -> dict:
     """This context-parallel rank's part of each sequence of the batch: megatron-core's get_batch_on_this_cp_rank
-    (2 x CP chunks, rank r holding chunks r and 2CP-1-r; the batch as is at CP 1)."""
+    (2 x CP chunks, rank r holding chunks r and 2CP-1-r; the batch as is at CP 1). Packed documents' mask
+    (eager) stays whole, as their lengths (compiled) do: the CP attention reads the whole rows' documents (Ulysses
+    attends over whole rows; the ring takes each step's block of it by global position), docs/context_parallel.md."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
-    keys = ("tokens", "labels", "position_ids", "loss_mask", "attention_mask")
+    keys = ("tokens", "labels", "position_ids", "loss_mask")
     split = get_batch_on_this_cp_rank({k: batch[k] for k in keys if batch.get(k) is not None})
     return {**batch, **split}
 

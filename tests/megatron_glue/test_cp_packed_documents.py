@@ -1,0 +1,137 @@
+"""Packed documents under context parallelism (docs/context_parallel.md "Packed documents"): the ring's blocks
+masked by document over simulated ranks equal document-masked attention over the whole rows (values and q/k/v
+gradients), from the documents' lengths and from Megatron's dense mask alike; the door takes
+--reset-attention-mask at CP > 1 and --attention-mask-type general. The job over gloo processes:
+test_cp_packed_job.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_glue.capture import context_parallel as cp
+from pretrain_runs import parse_tiny
+from test_context_parallel import split_like_megatron
+
+
+def documents_attention(q, k, v, scale, cu, batch):
+    """Reference: softmax attention over the whole rows [s, b, n, d] under npu_compile's document_mask (Megatron's
+    reset mask: causal within each document), fully masked entries removed."""
+    n, g = q.size(2), k.size(2)
+    k, v = k.repeat_interleave(n // g, 2), v.repeat_interleave(n // g, 2)
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k) * scale
+    mask = torch.ops.npu_compile.document_mask(cu, batch, q.size(0))
+    return torch.einsum("bnst,tbnd->sbnd", torch.softmax(scores.masked_fill(mask, float("-inf")), -1), v)
+
+
+def ring_over_ranks(q, k, v, scale, size, hidden_of):
+    """ring_attention_local on `size` simulated ranks (each exchange answers the previous rank's K/V of that step),
+    `hidden_of(c)` the ranks' document mask provider; the outputs put back in sequence order."""
+    qs, ks, vs = (split_like_megatron(t, size) for t in (q, k, v))
+    kvs = [torch.cat([a, b], dim=-1) for a, b in zip(ks, vs)]
+    c = q.size(0) // (2 * size)
+    chunks = [None] * (2 * size)
+    for r in range(size):
+        calls = []
+
+        def exchange(kv, r=r, calls=calls):
+            calls.append(kv)
+            return kvs[(r - len(calls)) % size]
+
+        out = cp.ring_attention_local(qs[r], ks[r], vs[r], scale, r, size, exchange, hidden=hidden_of(c))
+        chunks[r], chunks[2 * size - 1 - r] = out[:c], out[c:]
+    return torch.cat(chunks)
+
+
+def random_documents(gen, batch, seq):
+    """Cumulative document ends over the b·s tokens (each row end one of them), padded with b·s repeats as the
+    job pads them: documents of 1 to seq tokens, some shorter than a chunk, some across several."""
+    ends = []
+    for row in range(batch):
+        cuts = sorted(set(torch.randint(1, seq, (int(torch.randint(0, 5, (1,), generator=gen)),),
+                                        generator=gen).tolist()))
+        ends += [row * seq + e for e in cuts] + [(row + 1) * seq]
+    return torch.tensor(ends + [batch * seq] * 3, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("given_as", ["lengths", "mask"])
+def test_ring_over_documents_equals_document_attention(megatron_cpu, size, given_as):
+    """Packed rows on the ring: each block masked by document (a query whose document begins after the block's
+    keys sees none of them: weight 0 in the merge) gives document-masked attention over the whole rows, and the
+    same q/k/v gradients (fp64, 1e-10), GQA, several random packings per CP size."""
+    import npu_compile.ops  # noqa: F401  (document_mask)
+
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(100 * size + seed)
+        b, c = 2, 3
+        s, (n, g), d = 2 * size * c, [(2, 2), (4, 2), (4, 1), (1, 1)][seed], 4
+        q, k, v = (torch.randn(s, b, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
+                   for h in (n, g, g))
+        cu = random_documents(gen, b, s)
+        if given_as == "lengths":
+            def hidden_of(c, cu=cu, b=b, s=s):
+                return cp.documents_hidden(cp.document_ids(cu, b, s), c)
+        else:
+            mask = torch.ops.npu_compile.document_mask(cu, b, s)
+
+            def hidden_of(c, mask=mask):
+                return cp.mask_hidden(mask, c)
+        scale = 1 / math.sqrt(d)
+        weights = torch.randn(s, b, n, d, generator=gen, dtype=torch.float64)
+        ring = ring_over_ranks(q, k, v, scale, size, hidden_of).to(torch.float64)
+        expected = documents_attention(q, k, v, scale, cu, b)
+        torch.testing.assert_close(ring, expected, rtol=1e-10, atol=1e-10)
+        got = torch.autograd.grad((ring * weights).sum(), (q, k, v))
+        want = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+        for name, a, e in zip("qkv", got, want):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_a_block_a_query_sees_nothing_of_weighs_nothing():
+    """A block whose keys all belong to earlier documents: out 0, sum 0, max -inf; merged into a partial result it
+    changes nothing (and its gradient is 0, not NaN)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 1, 2, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    hidden = torch.tensor([[True] * 3, [False] * 3, [True, False, True]]).view(1, 1, 3, 3)
+    out, top, total = cp.attention_with_statistics(q, k, v, 0.5, causal=False, hidden=hidden)
+    assert out[0].abs().max() == 0 and total[..., 0].eq(0).all() and torch.isneginf(top[..., 0]).all()
+    mine = cp.attention_with_statistics(q, q, v, 0.5, causal=True)
+    merged = cp.ring_attention_update(*mine, out, top, total)
+    torch.testing.assert_close(merged[0][0], mine[0][0], rtol=0, atol=0)
+    grads = torch.autograd.grad(merged[0].sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_document_ids_are_the_document_masks_documents():
+    import npu_compile.ops  # noqa: F401
+
+    cu = torch.tensor([2, 4, 5, 8, 11, 16, 16, 16])
+    ids = cp.document_ids(cu, 2, 8)
+    assert ids.tolist() == [[0, 0, 1, 1, 2, 3, 3, 3], [4, 4, 4, 5, 5, 5, 5, 5]]
+    whole = cp.documents_hidden(ids, 2)(range(4), range(4))
+    assert torch.equal(whole, torch.ops.npu_compile.document_mask(cu, 2, 8))
+
+
+@pytest.mark.parametrize("algorithm", ["ulysses_cp_algo", "megatron_cp_algo"])
+def test_the_door_takes_packed_rows_under_cp_and_either_mask_type(algorithm):
+    flags = ["--context-parallel-size", "2", "--context-parallel-algo", algorithm, "--reset-attention-mask",
+             "--reset-position-ids", "--eod-mask-loss"]
+    for kind in ("causal", "general"):
+        args = parse_tiny(*flags, "--attention-mask-type", kind, world_size=2)
+        assert args.reset_attention_mask and args.attention_mask_type == kind
+        assert parse_tiny(*flags, "--cp-attention-mask-type", kind, world_size=2).attention_mask_type == kind
+    assert parse_tiny("--attention-mask-type", "general").attention_mask_type == "general"
+
+
+def test_the_help_says_what_each_mask_type_means(capsys):
+    from megatron_glue.training.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "'causal' its accelerated kernels" in text and "'general' its baseline over the full mask" in text
+    assert "Here both give the same attention" in text

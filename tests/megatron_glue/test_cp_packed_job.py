@@ -1,0 +1,53 @@
+"""Packed rows (--reset-attention-mask --reset-position-ids --eod-mask-loss) at --context-parallel-size 2 over 2
+gloo processes, Ulysses and ring, eager and compiled: lm losses and gradient norms equal to one process at CP 1
+on the same packed batches (fp32, 1e-5); --attention-mask-type general gives what causal gives. The arithmetic in
+one process: test_cp_packed_documents.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pretrain_runs import assert_close, pretrain
+from test_packed_sequences import PACKING, _on_demo_data, demo_data, short_documents  # noqa: F401  (fixtures)
+
+
+@pytest.fixture(scope="module")
+def packed_reference(short_documents, tmp_path_factory):  # noqa: F811
+    """One process, CP 1, eager (Megatron's dense reset mask): the losses and gradient norms CP 2 must give."""
+    folder = tmp_path_factory.mktemp("packed_cp1")
+    argv = [*_on_demo_data(short_documents), "--data-cache-path", str(folder / "cache")]
+    return argv, pretrain(folder / "run", *PACKING, "--no-npu-compile", base=argv).check()
+
+
+@pytest.mark.slow
+@pytest.mark.training
+@pytest.mark.parametrize("algorithm, compiled, mask_type", [
+    pytest.param("ulysses_cp_algo", False, "causal", id="ulysses-eager"),
+    pytest.param("ulysses_cp_algo", True, "general", id="ulysses-compiled-general"),
+    pytest.param("megatron_cp_algo", False, "general", id="ring-eager-general"),
+    pytest.param("megatron_cp_algo", True, "causal", id="ring-compiled"),
+])
+def test_packed_rows_at_cp2_equal_cp1(packed_reference, algorithm, compiled, mask_type, tmp_path):
+    argv, reference = packed_reference
+    flags = [*PACKING, "--context-parallel-size", "2", "--context-parallel-algo", algorithm,
+             "--attention-mask-type", mask_type]
+    dumps = tmp_path / "dumps"
+    flags += ["--npu-compile-options", json.dumps({"dump_dir": str(dumps)})] if compiled else ["--no-npu-compile"]
+    run = pretrain(tmp_path / "run", *flags, nproc=2, base=argv).check()
+    assert_close(run.losses, reference.losses, what=f"{algorithm} packed lm loss")
+    assert_close([r["grad_norm"] for r in run.rows("train")], [r["grad_norm"] for r in reference.rows("train")],
+                 what=f"{algorithm} packed grad norm")
+    if not compiled:
+        return
+    for rank in (0, 1):
+        reports = [json.loads(p.read_text()) for p in (dumps / f"rank{rank}").glob("*/report.json")]
+        assert reports and all(r["graph_breaks"] == 0 for r in reports)
+        layer = [r for r in reports if r["lowered_ops"].get("_c10d_functional.all_to_all_single")]
+        assert layer, f"rank {rank}: no graph holds the CP all-to-all"
+        if algorithm == "ulysses_cp_algo":
+            # the whole rows' documents after the all-to-all: the lengths reach the fused varlen attention
+            assert all(r["fusions"].get("varlen_attention") for r in layer)
+            assert all(r["lowered_ops"].get("npu_compile.varlen_attention") for r in layer)
+        assert not any("npu_compile.document_mask" in r["lowered_ops"] for r in reports)
