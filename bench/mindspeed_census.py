@@ -88,6 +88,8 @@ def extract(script: str) -> list[str]:
 PATHS = {"--data-path": "data/corpus_text_document", "--tokenizer-name-or-path": "tokenizer",
          "--tokenizer-model": "tokenizer", "--load": "ckpt", "--save": "ckpt", "--hf-cfg-dir": "hf",
          "--tensorboard-dir": "tb"}
+# what a script scaled from pipeline stages to CP x 1 stage cannot keep (the door refuses them at PP 1)
+PIPELINE_ONLY = ("--num-layer-list", "--num-layers-per-virtual-pipeline-stage")
 SIZES = {"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
          "--kv-channels": "16", "--seq-length": "32", "--max-position-embeddings": "32", "--micro-batch-size": "1",
          "--global-batch-size": "4", "--train-iters": "20", "--lr-decay-iters": "20", "--padded-vocab-size": "512",
@@ -116,17 +118,23 @@ def _values(argv: list[str], i: int) -> int:
 def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
     """The script's flags for a tiny model on `nproc` processes: sizes, parallel sizes and paths replaced, every
     other flag and value kept. TP or PP (whichever the script uses; PP where it interleaves) becomes `nproc`, the
-    other 1; GQA keeps 2 groups; the warm-up stays below the decay."""
+    other 1; GQA keeps 2 groups; the warm-up stays below the decay. A script with context parallelism above 1
+    keeps it at `nproc` (its algorithm kept), TP and PP 1; the flags that need pipeline stages then
+    (PIPELINE_ONLY) are left out."""
     flags = {a: argv[i + 1] if _values(argv, i) == 1 else None for i, a in enumerate(argv) if a.startswith("--")}
     tp = int(flags.get("--tensor-model-parallel-size") or 1)
     pp = int(flags.get("--pipeline-model-parallel-size") or 1)
-    if "--num-layer-list" in flags or "--num-layers-per-virtual-pipeline-stage" in flags or (pp > 1 and tp == 1):
+    cp = int(flags.get("--context-parallel-size") or 1)
+    if cp > 1:
+        tp, pp, cp = 1, 1, nproc
+    elif "--num-layer-list" in flags or "--num-layers-per-virtual-pipeline-stage" in flags or (pp > 1 and tp == 1):
         tp, pp = 1, nproc
     elif tp > 1:
         tp, pp = nproc, 1
     else:
         tp, pp = 1, 1
     sizes = dict(SIZES, **{"--tensor-model-parallel-size": str(tp), "--pipeline-model-parallel-size": str(pp),
+                           "--context-parallel-size": str(cp),
                            "--num-query-groups": "2", "--lr-warmup-iters": "2",
                            # uneven stages stay uneven: the first stage one layer, the rest even
                            "--num-layer-list": ",".join(["1", *[str((int(SIZES["--num-layers"]) - 1) // (pp - 1))]
@@ -136,6 +144,9 @@ def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
     while i < len(argv):
         flag, n = argv[i], _values(argv, i)
         values = argv[i + 1:i + 1 + n]
+        if flag in PIPELINE_ONLY and pp == 1:
+            i += 1 + n
+            continue
         if flag in PATHS and n == 1:
             values = [PATHS[flag]]
         elif flag in sizes and n == 1:
