@@ -135,3 +135,30 @@ def test_the_help_says_what_each_mask_type_means(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "'causal' its accelerated kernels" in text and "'general' its baseline over the full mask" in text
     assert "Here both give the same attention" in text
+
+
+def test_the_census_scales_a_cp_script_to_cp2_on_its_2_processes():
+    """bench.mindspeed_census.scale_down: a CP 4 script (the flags of MindSpeed-LLM's
+    qwen25/pretrain_qwen25_72b_32k_ptd.sh that set its layout) runs at CP 2 with its algorithm, TP and PP 1, and
+    leaves out what needs pipeline stages or TP (the door refuses them there); the job's check admits it."""
+    from bench.mindspeed_census import scale_down
+
+    script = ["--context-parallel-size", "4", "--context-parallel-algo", "megatron_cp_algo",
+              "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4", "--sequence-parallel",
+              "--use-ascend-mc2", "--num-layers", "80", "--num-layer-list", "17,20,22,21", "--hidden-size", "8192",
+              "--num-attention-heads", "64", "--seq-length", "32768", "--max-position-embeddings", "32768",
+              "--micro-batch-size", "1", "--global-batch-size", "32", "--train-iters", "2000", "--mock-data",
+              "--attention-dropout", "0.0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+              "--lr", "1e-6"]
+    argv = scale_down(script)
+    flags = dict(zip(argv, argv[1:]))
+    assert (flags["--context-parallel-size"], flags["--context-parallel-algo"]) == ("2", "megatron_cp_algo")
+    assert (flags["--tensor-model-parallel-size"], flags["--pipeline-model-parallel-size"]) == ("1", "1")
+    assert "--num-layer-list" not in argv and "--use-ascend-mc2" not in argv and "--sequence-parallel" in argv
+    from megatron_glue.training.arguments import parse_args
+
+    args = parse_args(argv, world_size=2)
+    assert (args.context_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 1, 1)
+    # without CP nothing changes: TP scripts keep TP 2 (and MC2)
+    tp = scale_down(["--tensor-model-parallel-size", "8", "--use-ascend-mc2", "--num-layers", "80"])
+    assert tp == ["--tensor-model-parallel-size", "2", "--use-ascend-mc2", "--num-layers", "4"]
