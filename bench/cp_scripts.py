@@ -3,9 +3,9 @@
     python -m bench.cp_scripts --repo /path/to/MindSpeed-LLM.git
 
 - Ring: `qwen25/pretrain_qwen25_72b_32k_ptd.sh` (`--context-parallel-algo megatron_cp_algo`, CP 4 x TP 8 x PP 4
-  there), its launch line through `bench.mindspeed_scripts`' machinery: pretraining data of the project's own text,
-  a byte-level BPE tokenizer folder, its own `--enable-hf2mg-convert --model-type-hf qwen25` start from a
-  random-init transformers Qwen2 saved at `--load`.
+  there), its launch line through `bench.mindspeed_scripts`' machinery: pretraining data of the project's own text
+  tokenized by bench.sft_scripts' tokenizer (512 tokens, the scaled-down `--padded-vocab-size`), its own
+  `--enable-hf2mg-convert --model-type-hf qwen25` start from a random-init transformers Qwen2 saved at `--load`.
 - Packed Ulysses: `qwen25/data_convert_qwen25_instruction_pack.sh` (`--prompt-type qwen --pack --neat-pack`) through
   `npu-compile preprocess`, and `qwen25/tune_qwen25_72b_32k_full_pack.sh` (`--context-parallel-algo
   ulysses_cp_algo --reset-attention-mask --neat-pack --padded-samples`, CP 4 x TP 8 x PP 2 there) through
@@ -71,34 +71,34 @@ def _dropped(original: list[str], scaled: list[str]) -> list[str]:
     return [f for f in original if f.startswith("--") and f not in scaled and f in PIPELINE_ONLY + TENSOR_ONLY]
 
 
-def save_hf_qwen2(argv: list[str], root: Path) -> None:
-    """A random-init transformers Qwen2 of the scaled-down script's architecture (vocabulary: the job's padded one,
-    as bench.mindspeed_scripts.save_hf_llama), saved where --load points."""
-    import torch
-    import transformers
+def prepare_ring(folder: Path) -> None:
+    """tokenizer/ as bench.sft_scripts makes it (a byte-level BPE of the project's text with Qwen's chat specials:
+    512 tokens, the scaled-down --padded-vocab-size, so that the HF Qwen2 the script converts at start has the
+    job's vocabulary) and data/corpus_text_document, the project's text tokenized by it with end-of-document
+    tokens (`npu-compile preprocess`'s PretrainedFromHF)."""
+    import json
+    import os
 
-    from megatron_glue.training.arguments import parse_args
-    from megatron_glue.training.gpt import set_vocabulary
+    from megatron_glue.data.demo_data import corpus_documents
+    from megatron_glue.data.preprocess import preprocess
 
-    args = parse_args(argv, world_size=2)
-    args.tokenizer_name_or_path = str(root / args.tokenizer_name_or_path)
-    set_vocabulary(args)
-    config = transformers.Qwen2Config(
-        vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-        num_key_value_heads=args.num_query_groups, max_position_embeddings=args.max_position_embeddings,
-        rms_norm_eps=args.norm_epsilon, rope_theta=float(args.rotary_base),
-        tie_word_embeddings=not args.untie_embeddings_and_output_weights)
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(root / args.load)
+    sft.prepare(folder)
+    if (folder / "data" / "corpus_text_document.idx").exists():
+        return
+    (folder / "data").mkdir(exist_ok=True)
+    corpus = folder / "data" / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d["text"]}) + "\n" for d in corpus_documents()))
+    with open(os.devnull, "w") as quiet:
+        preprocess(str(corpus), str(folder / "data" / "corpus"), tokenizer_type="PretrainedFromHF",
+                   tokenizer_name_or_path=str(folder / "tokenizer"), append_eod=True, log=quiet)
 
 
 def run_ring(flags: list[str], folder: Path, timeout: float = 1200) -> Result:
     folder.mkdir(parents=True, exist_ok=True)
-    pretraining.prepare(folder)
+    prepare_ring(folder)
     argv = pretraining._set(scale_down(flags), {**pretraining.RUN, "--train-iters": str(ITERATIONS),
                                                 "--lr-decay-iters": str(ITERATIONS), "--load": "hf"})
-    save_hf_qwen2(argv, folder)
+    sft.save_hf(argv, folder, "qwen25")
     argv += ["--no-progress-bar", "--metrics-file", "metrics.jsonl"]
     result = Result(RING[0], RING[1].removeprefix("examples/mcore/"), layout=_layout(argv),
                     dropped=_dropped(flags, argv))
@@ -146,7 +146,7 @@ def report(results: list[Result], source: str) -> str:
             lines.append(f"| {r.scripts} | {r.layout} | {r.data} | **failed** (exit {r.returncode}): "
                          f"`{tail[0][:300]}` | | | {dropped} |")
             continue
-        lines.append(f"| {r.scripts} | {r.layout} | {r.data or 'pretraining text, 500-token BPE'} | "
+        lines.append(f"| {r.scripts} | {r.layout} | {r.data or 'the project\'s text, BPE of 512 tokens'} | "
                      f"{r.losses[0]:.4f} → {r.losses[-1]:.4f} ({len(r.losses)} iterations) | {r.graphs} | "
                      f"{r.breaks} | {dropped} |")
     if any(r.dropped for r in results):

@@ -1,6 +1,6 @@
 """Packed rows (--reset-attention-mask --reset-position-ids --eod-mask-loss) at --context-parallel-size 2 over 2
 gloo processes, Ulysses and ring, eager and compiled: lm losses and gradient norms equal to one process at CP 1
-on the same packed batches (fp32, 1e-5); --attention-mask-type general gives what causal gives. The arithmetic in
+on the same packed batches (fp32, 1e-5), with RoPE and GQA; --attention-mask-type general gives what causal gives. The arithmetic in
 one process: test_cp_packed_documents.py."""
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from test_packed_sequences import PACKING, _on_demo_data, demo_data, short_docum
 def packed_reference(short_documents, tmp_path_factory):  # noqa: F811
     """One process, CP 1, eager (Megatron's dense reset mask): the losses and gradient norms CP 2 must give."""
     folder = tmp_path_factory.mktemp("packed_cp1")
-    argv = [*_on_demo_data(short_documents), "--data-cache-path", str(folder / "cache")]
+    # RoPE (megatron-core splits it per CP rank: the adaptation rope_cp_split_on_its_device) and GQA, as the
+    # scripts that pack rows under CP have them
+    argv = [*_on_demo_data(short_documents), "--data-cache-path", str(folder / "cache"), "--position-embedding-type",
+            "rope", "--group-query-attention", "--num-query-groups", "2"]
     return argv, pretrain(folder / "run", *PACKING, "--no-npu-compile", base=argv).check()
 
 
