@@ -36,6 +36,7 @@ PACKED = ("Qwen2.5 72B 32K, packed SFT, Ulysses (ulysses_cp_algo)",
           "examples/mcore/qwen25/data_convert_qwen25_instruction_pack.sh",
           "examples/mcore/qwen25/tune_qwen25_72b_32k_full_pack.sh")
 ITERATIONS = 20
+RING_DATA = "the project's text, a BPE of 512 tokens"
 
 
 @dataclass
@@ -146,14 +147,17 @@ def report(results: list[Result], source: str) -> str:
             lines.append(f"| {r.scripts} | {r.layout} | {r.data} | **failed** (exit {r.returncode}): "
                          f"`{tail[0][:300]}` | | | {dropped} |")
             continue
-        lines.append(f"| {r.scripts} | {r.layout} | {r.data or 'the project\'s text, BPE of 512 tokens'} | "
+        lines.append(f"| {r.scripts} | {r.layout} | {r.data or RING_DATA} | "
                      f"{r.losses[0]:.4f} → {r.losses[-1]:.4f} ({len(r.losses)} iterations) | {r.graphs} | "
                      f"{r.breaks} | {dropped} |")
-    if any(r.dropped for r in results):
-        lines += ["", "Dropped by the scale-down (2 processes hold CP 2, so TP and PP are 1): `--num-layer-list` "
-                  "(the door: \"needs --pipeline-model-parallel-size > 1\": it splits the layers over pipeline "
-                  "stages), `--use-ascend-mc2` (the door: \"needs --sequence-parallel and "
-                  "--tensor-model-parallel-size > 1\": MC2 fuses tensor parallelism's collectives)."]
+    reasons = {"--num-layer-list": "the door: \"needs --pipeline-model-parallel-size > 1\": it splits the layers "
+                                   "over pipeline stages",
+               "--use-ascend-mc2": "the door: \"needs --sequence-parallel and --tensor-model-parallel-size > 1\": "
+                                   "MC2 fuses tensor parallelism's collectives"}
+    dropped = list(dict.fromkeys(d for r in results for d in r.dropped))
+    if dropped:
+        lines += ["", "Dropped by the scale-down (2 processes hold CP 2, so TP and PP are 1): "
+                  + "; ".join(f"`{d}` ({reasons[d]})" for d in dropped) + "."]
     return "\n".join(lines)
 
 
