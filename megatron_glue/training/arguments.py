@@ -907,10 +907,6 @@ def _context_parallel_refusals(args) -> list[str]:
         lines.append(refusal("--interleave-sliding-window",
                              "sliding-window attention under ring attention (megatron_cp_algo) is not implemented "
                              "here; use ulysses_cp_algo"))
-    if getattr(args, "num_experts", None):
-        lines.append(refusal(f"--num-experts at --context-parallel-size {cp}",
-                             "MoE layers under context parallelism are not implemented here (their token "
-                             "dispatch over CP ranks is not tested); use --context-parallel-size 1"))
     return lines
 
 
