@@ -903,11 +903,29 @@ def _context_parallel_refusals(args) -> list[str]:
         lines.append(refusal(f"--attention-dropout {args.attention_dropout:g}",
                              "attention dropout under ring attention (megatron_cp_algo) is not implemented here; "
                              "give --attention-dropout 0, or use ulysses_cp_algo"))
+    if getattr(args, "num_experts", None) and _moe_balancing_loss(args):
+        from megatron_glue.capture.adaptations import megatron_core_in
+
+        if not megatron_core_in(">=0.13"):
+            lines.append(refusal(
+                f"--num-experts with a load-balancing loss at --context-parallel-size {cp}",
+                "on megatron-core 0.12 the schedule scales the router's aux-loss gradient by 1 / micro-batches only "
+                "(0.12.1 pipeline_parallel/schedules.py:321), not also by CP as 0.13 on do (0.16.1 schedules.py:292), "
+                "so the router would learn 1/CP of what it learns at CP 1; use megatron-core 0.13 or later, or "
+                "--moe-aux-loss-coeff 0"))
     if algo == "megatron_cp_algo" and getattr(args, "interleave_sliding_window", None) is not None:
         lines.append(refusal("--interleave-sliding-window",
                              "sliding-window attention under ring attention (megatron_cp_algo) is not implemented "
                              "here; use ulysses_cp_algo"))
     return lines
+
+
+def _moe_balancing_loss(args) -> bool:
+    """Whether the router adds a load-balancing loss (a type other than none with a coefficient above 0)."""
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    types = types if isinstance(types, (list, tuple)) else [types]
+    coeffs = coeffs if isinstance(coeffs, (list, tuple)) else [coeffs] * len(types)
+    return any(t != "none" and c for t, c in zip(types, coeffs))
 
 
 def _is_raw_data(path: str) -> bool:

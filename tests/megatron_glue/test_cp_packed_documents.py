@@ -162,3 +162,43 @@ def test_the_census_scales_a_cp_script_to_cp2_on_its_2_processes():
     # without CP nothing changes: TP scripts keep TP 2 (and MC2)
     tp = scale_down(["--tensor-model-parallel-size", "8", "--use-ascend-mc2", "--num-layers", "80"])
     assert tp == ["--tensor-model-parallel-size", "2", "--use-ascend-mc2", "--num-layers", "4"]
+
+
+def test_batches_cut_to_their_longest_sample_must_split_over_cp():
+    """posttrain_gpt --no-pad-to-seq-lengths pads each batch to a multiple of --pad-to-multiple-of (MindSpeed-LLM's
+    default 8); under CP the length must split into 2 x CP chunks."""
+    from megatron_glue.training.sft import posttrain_refusal
+
+    def refusal(cp, *flags):
+        args = parse_tiny("--stage", "sft", "--is-instruction-dataset", "--prompt-type", "qwen",
+                          "--no-pad-to-seq-lengths", "--context-parallel-size", str(cp), "--context-parallel-algo",
+                          "megatron_cp_algo", *flags, world_size=cp)
+        args.mock_data = False  # the instruction data's path is not the point here
+        return posttrain_refusal(args)
+
+    assert refusal(2) is None and refusal(4) is None  # 8 splits into 4 and 8 chunks
+    assert refusal(8) == ("--no-pad-to-seq-lengths at --context-parallel-size 8: each batch is padded to a multiple "
+                          "of 8 (--pad-to-multiple-of), and megatron-core splits its sequence into 2 x CP = 16 "
+                          "chunks; give --pad-to-multiple-of a multiple of 16")
+    assert refusal(8, "--pad-to-multiple-of", "16") is None
+
+
+def test_moe_at_cp_is_taken_where_megatron_core_scales_its_aux_loss_by_cp():
+    """MoE at CP > 1 (test_cp_moe_job.py: equal to CP 1 on 0.16); megatron-core 0.12's schedule leaves the
+    aux-loss gradient unscaled by CP (1/CP of CP 1's, measured 7e-5 relative in the grad norm), so there a
+    load-balancing loss under CP is refused, and MoE without one runs."""
+    from megatron_glue.capture.adaptations import megatron_core_in
+    from pretrain_runs import parse_error
+
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--context-parallel-size", "2"]
+    assert parse_tiny(*moe, "--moe-aux-loss-coeff", "0", world_size=2).num_experts == 4
+    with_loss = [*moe, "--moe-aux-loss-coeff", "0.01"]
+    if megatron_core_in(">=0.13"):
+        assert parse_tiny(*with_loss, world_size=2).context_parallel_size == 2
+    else:
+        assert parse_error(*with_loss, world_size=2).endswith(
+            "--num-experts with a load-balancing loss at --context-parallel-size 2: on megatron-core 0.12 the "
+            "schedule scales the router's aux-loss gradient by 1 / micro-batches only (0.12.1 "
+            "pipeline_parallel/schedules.py:321), not also by CP as 0.13 on do (0.16.1 schedules.py:292), so the "
+            "router would learn 1/CP of what it learns at CP 1; use megatron-core 0.13 or later, or "
+            "--moe-aux-loss-coeff 0")
