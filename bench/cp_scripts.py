@@ -134,8 +134,8 @@ def report(results: list[Result], source: str) -> str:
         "iterations compiled (backend ascend); the SFT pair's data through `npu-compile preprocess` with its data "
         "script's flags (bench.sft_scripts). What else changes: the bench's docstring. Graphs and breaks: the job's "
         "count at its end (Dynamo's unique graphs and graph breaks in the process that logs), a compile cache "
-        "of the run's own for the SFT pair. Runs differ in the last digits from one to the next (bf16, as the "
-        "scripts ask; the tokenizer trained afresh): an earlier run of the same code gave 6.2520 → 6.0145 and "
+        "of the run's own for the SFT pair. Runs differ in the last digits from one to the next (not traced further; the "
+        "scripts train in bf16): an earlier run of the same code gave 6.2520 → 6.0145 and "
         "6.2527 → 5.6437.",
         "",
         "| scripts | layout (2 processes) | data | loss first → last | compiled graphs | graph breaks | "
