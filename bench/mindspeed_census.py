@@ -88,6 +88,10 @@ def extract(script: str) -> list[str]:
 PATHS = {"--data-path": "data/corpus_text_document", "--tokenizer-name-or-path": "tokenizer",
          "--tokenizer-model": "tokenizer", "--load": "ckpt", "--save": "ckpt", "--hf-cfg-dir": "hf",
          "--tensorboard-dir": "tb"}
+# what a script scaled from pipeline stages to CP x 1 stage cannot keep (the door refuses them at PP 1), and from
+# tensor parallelism to CP x TP 1 (MC2 fuses TP's collectives: the door refuses it at TP 1)
+PIPELINE_ONLY = ("--num-layer-list", "--num-layers-per-virtual-pipeline-stage")
+TENSOR_ONLY = ("--use-ascend-mc2",)
 SIZES = {"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
          "--kv-channels": "16", "--seq-length": "32", "--max-position-embeddings": "32", "--micro-batch-size": "1",
          "--global-batch-size": "4", "--train-iters": "20", "--lr-decay-iters": "20", "--padded-vocab-size": "512",
@@ -124,17 +128,23 @@ def _noop_layers(text: str, full: int) -> str:
 def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
     """The script's flags for a tiny model on `nproc` processes: sizes, parallel sizes and paths replaced, every
     other flag and value kept. TP or PP (whichever the script uses; PP where it interleaves) becomes `nproc`, the
-    other 1; GQA keeps 2 groups; the warm-up stays below the decay; empty layers (--noop-layers) keep their place."""
+    other 1; GQA keeps 2 groups; the warm-up stays below the decay; empty layers (--noop-layers) keep their place.
+    A script with context parallelism above 1 keeps it at `nproc` (its algorithm kept), TP and PP 1; the flags that
+    need pipeline stages or tensor parallelism then (PIPELINE_ONLY, TENSOR_ONLY) are left out."""
     flags = {a: argv[i + 1] if _values(argv, i) == 1 else None for i, a in enumerate(argv) if a.startswith("--")}
     tp = int(flags.get("--tensor-model-parallel-size") or 1)
     pp = int(flags.get("--pipeline-model-parallel-size") or 1)
-    if "--num-layer-list" in flags or "--num-layers-per-virtual-pipeline-stage" in flags or (pp > 1 and tp == 1):
+    cp = int(flags.get("--context-parallel-size") or 1)
+    if cp > 1:
+        tp, pp, cp = 1, 1, nproc
+    elif "--num-layer-list" in flags or "--num-layers-per-virtual-pipeline-stage" in flags or (pp > 1 and tp == 1):
         tp, pp = 1, nproc
     elif tp > 1:
         tp, pp = nproc, 1
     else:
         tp, pp = 1, 1
     sizes = dict(SIZES, **{"--tensor-model-parallel-size": str(tp), "--pipeline-model-parallel-size": str(pp),
+                           "--context-parallel-size": str(cp),
                            "--num-query-groups": "2", "--lr-warmup-iters": "2",
                            # uneven stages stay uneven: the first stage one layer, the rest even
                            "--num-layer-list": ",".join(["1", *[str((int(SIZES["--num-layers"]) - 1) // (pp - 1))]
@@ -144,6 +154,9 @@ def scale_down(argv: list[str], nproc: int = 2) -> list[str]:
     while i < len(argv):
         flag, n = argv[i], _values(argv, i)
         values = argv[i + 1:i + 1 + n]
+        if (flag in PIPELINE_ONLY and pp == 1 or flag in TENSOR_ONLY and tp == 1) and cp > 1:
+            i += 1 + n
+            continue
         if flag in PATHS and n == 1:
             values = [PATHS[flag]]
         elif flag in sizes and n == 1:

@@ -454,6 +454,32 @@ def _rope_forward_0_12(self, max_seq_len, offset=0, packed_seq=False):
     return emb
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group=None):
+    # Megatron's split of the rotary embedding (chunks r and 2CP-1-r of 2CP along seq_dim), its index built on the
+    # embedding's device; 0.12's signature has no cp_group (the CP group of parallel_state)
+    if cp_group is None:
+        from megatron.core import parallel_state
+
+        size, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    else:
+        size, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * size - 1 - rank], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+_POS_EMB_REASON = ("get_pos_emb_on_this_cp_rank builds its chunk index with pin_memory=True and moves it with .cuda() "
+                   "(0.16.1: models/common/embeddings/rope_utils.py:62-64; 0.12.1: rope_utils.py:59-61), reached by "
+                   "RoPE at --context-parallel-size > 1; the same split with the index on the embedding's device")
+registry.replaces("rope_cp_split_on_its_device",
+                  "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank", "cpu",
+                  reason=_POS_EMB_REASON + " (the name RotaryEmbedding.forward calls)")(_pos_emb_on_this_cp_rank)
+registry.replaces("rope_cp_split_on_its_device_rope_utils",
+                  "megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank", "cpu",
+                  reason=_POS_EMB_REASON + " (the name rope_stays_on_device_0_12 calls)")(_pos_emb_on_this_cp_rank)
+
+
 @registry.replaces(
     "cp_batch_split_on_its_device", "megatron.core.utils.get_batch_on_this_cp_rank", "cpu",
     reason="get_batch_on_this_cp_rank builds its chunk index with pin_memory=True and moves it with .cuda() "

@@ -33,11 +33,14 @@ ALGORITHMS = ("ulysses_cp_algo", "megatron_cp_algo")
 
 # -- the ring's arithmetic (no process group: unit-tested against full attention) ----------------------------------
 
-def attention_with_statistics(query, key, value, scale: float, causal: bool):
+def attention_with_statistics(query, key, value, scale: float, causal: bool, hidden=None):
     """Softmax attention of `query` [sq, b, n, d] over `key` / `value` [sk, b, g, d] (GQA: query head h reads key
-    head h // (n / g)), `causal`: query i sees keys <= i (sq == sk). Returns (out [sq, b, n, d], softmax_max
-    [b, n, sq], softmax_sum [b, n, sq]), all in fp32 (fp64 for fp64 inputs): out = exp(s - max) v / sum, so that partial results over
-    disjoint key blocks merge exactly (ring_attention_update)."""
+    head h // (n / g)), `causal`: query i sees keys <= i (sq == sk); `hidden`, when given: a bool mask broadcast to
+    [b, n, sq, sk], True where a query does not see a key (packed documents). Returns (out [sq, b, n, d],
+    softmax_max [b, n, sq], softmax_sum [b, n, sq]), all in fp32 (fp64 for fp64 inputs): out = exp(s - max) v /
+    sum, so that partial results over disjoint key blocks merge exactly (ring_attention_update). A query row that
+    sees no key of the block (a document that began after the block's keys) gets out 0, sum 0 and max -inf: the
+    merge gives it weight 0."""
     n, g = query.size(2), key.size(2)
     if g != n:
         key = key.repeat_interleave(n // g, dim=2)
@@ -46,13 +49,22 @@ def attention_with_statistics(query, key, value, scale: float, causal: bool):
     scores = torch.einsum("sbnd,tbnd->bnst", query.to(dtype), key.to(dtype)) * scale
     if causal:
         sq, sk = scores.shape[-2:]
-        hidden = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(hidden, float("-inf"))
-    softmax_max = scores.amax(dim=-1)
-    weights = torch.exp(scores - softmax_max.unsqueeze(-1))
+        later = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(later, float("-inf"))
+    if hidden is None:
+        softmax_max = scores.amax(dim=-1)
+        weights = torch.exp(scores - softmax_max.unsqueeze(-1))
+        softmax_sum = weights.sum(dim=-1)
+        out = torch.einsum("bnst,tbnd->sbnd", weights, value.to(dtype))
+        return out / softmax_sum.permute(2, 0, 1).unsqueeze(-1), softmax_max, softmax_sum
+    scores = scores.masked_fill(hidden, float("-inf"))
+    row_max = scores.amax(dim=-1)
+    empty = torch.isinf(row_max)  # every key of the block hidden from this query
+    weights = torch.exp(scores - torch.where(empty, 0.0, row_max).unsqueeze(-1))  # exp(-inf) = 0 where hidden
     softmax_sum = weights.sum(dim=-1)
     out = torch.einsum("bnst,tbnd->sbnd", weights, value.to(dtype))
-    return out / softmax_sum.permute(2, 0, 1).unsqueeze(-1), softmax_max, softmax_sum
+    out = out / torch.where(empty, 1.0, softmax_sum).permute(2, 0, 1).unsqueeze(-1)
+    return out, torch.where(empty, float("-inf"), row_max), softmax_sum
 
 
 def ring_attention_update(prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum):
@@ -87,31 +99,40 @@ def ring_steps(rank: int, size: int):
             yield step, source, "second", "all"
 
 
-def ring_attention_local(query, key, value, scale: float, rank: int, size: int, exchange):
+def ring_attention_local(query, key, value, scale: float, rank: int, size: int, exchange, hidden=None):
     """Causal attention of this rank's queries over the whole sequence, the sequence split as
     get_batch_on_this_cp_rank splits it (chunks rank and 2·size-1-rank of 2·size, concatenated). `exchange(kv)`
     returns the previous rank's tensor (the ring); `query` [2c, b, n, d], `key`/`value` [2c, b, g, d]. Returns out
-    [2c, b, n, d] in fp32."""
+    [2c, b, n, d] in fp32. `hidden(query_chunks, key_chunks)`, when given (packed documents): the bool mask
+    [b, 1, len_q, len_k] (True = not seen) of the queries in those chunks (global chunk numbers, in that order)
+    against the keys in those; it must hide every later key (a document mask is causal), so that the blocks the
+    causal plan skips stay skipped, and show each query itself (every row of step 0 sees a key)."""
     c = query.size(0) // 2
+    own = (rank, 2 * size - 1 - rank)
     kv = torch.cat([key, value], dim=-1)
     d = key.size(-1)
     out = softmax_max = softmax_sum = None
-    for step, _source, queries, keys in ring_steps(rank, size):
+    for step, source, queries, keys in ring_steps(rank, size):
         if step > 0:
             kv = incoming
         if step + 1 < size:
             incoming = exchange(kv)  # issued before this step's attention, so that they overlap
         k, v = kv[..., :d], kv[..., d:]
+        held = (source, 2 * size - 1 - source)
         if step == 0:
-            out, softmax_max, softmax_sum = attention_with_statistics(query, k, v, scale, causal=True)
+            mask = None if hidden is None else hidden(own, own)
+            out, softmax_max, softmax_sum = attention_with_statistics(query, k, v, scale, causal=hidden is None,
+                                                                      hidden=mask)
             continue
         if keys == "first":
-            k, v = k[:c], v[:c]
+            k, v, held = k[:c], v[:c], held[:1]
         if queries == "all":
-            cur = attention_with_statistics(query, k, v, scale, causal=False)
+            mask = None if hidden is None else hidden(own, held)
+            cur = attention_with_statistics(query, k, v, scale, causal=False, hidden=mask)
             out, softmax_max, softmax_sum = ring_attention_update(out, softmax_max, softmax_sum, *cur)
         else:
-            cur = attention_with_statistics(query[c:], k, v, scale, causal=False)
+            mask = None if hidden is None else hidden(own[1:], held)
+            cur = attention_with_statistics(query[c:], k, v, scale, causal=False, hidden=mask)
             second = ring_attention_update(out[c:], softmax_max[..., c:], softmax_sum[..., c:], *cur)
             out = torch.cat([out[:c], second[0]])
             softmax_max = torch.cat([softmax_max[..., :c], second[1]], dim=-1)
@@ -172,12 +193,60 @@ def _cp_group():
             parallel_state.get_context_parallel_world_size())
 
 
-def _refuse_inputs(attention_mask, packed_seq_params, attention_bias, algorithm: str):
-    if packed_seq_params is not None or attention_mask is not None:
-        raise NotImplementedError(f"{algorithm}: packed documents or an explicit attention mask under context "
-                                  "parallelism are not implemented here (causal attention only)")
+def _check_inputs(query, attention_mask, packed_seq_params, attention_bias, algorithm: str, size: int):
+    """Packed documents come as megatron-core's PackedSeqParams in qkv_format 'sbhd' (the compiled job's lengths,
+    cu_seqlens over the whole rows: gpt.packed_documents, sft.collate) or as the dense mask of the whole rows
+    (eager; the batch split leaves it whole: gpt.on_this_cp_rank), never both."""
     if attention_bias is not None:
         raise NotImplementedError(f"{algorithm}: an attention bias under context parallelism is not implemented here")
+    if packed_seq_params is not None:
+        if packed_seq_params.qkv_format != "sbhd":
+            raise NotImplementedError(
+                f"{algorithm}: packed_seq_params in qkv_format {packed_seq_params.qkv_format!r} (Transformer "
+                "Engine's THD) under context parallelism is not implemented here; the job passes 'sbhd' (lengths "
+                "over whole rows)")
+        if attention_mask is not None:
+            raise ValueError(f"{algorithm}: packed documents come either as lengths (packed_seq_params) or as a "
+                             "mask, not both")
+    whole = query.size(0) * size
+    if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (whole, whole):
+        raise ValueError(f"{algorithm}: the attention mask must cover whole rows ([..., {whole}, {whole}]: this "
+                         f"rank's {query.size(0)} tokens x {size} CP ranks), got {tuple(attention_mask.shape)}; "
+                         "the batch split leaves it whole (megatron_glue.training.gpt.on_this_cp_rank)")
+
+
+def document_ids(cu_seqlens, batch: int, seq: int):
+    """[batch, seq] int64: the document each token of the whole rows belongs to (documents numbered over the
+    batch), from cumulative ends without a leading 0 (npu_compile.ops.varlen_attention's convention)."""
+    flat = torch.arange(batch * seq, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens, flat, right=True).view(batch, seq)
+
+
+def _chunk_positions(chunks, c: int, device):
+    return torch.cat([torch.arange(chunk * c, (chunk + 1) * c, device=device) for chunk in chunks])
+
+
+def documents_hidden(documents, c: int):
+    """ring_attention_local's `hidden` for packed documents given as document ids [b, s] of the whole rows, the
+    sequence in chunks of c tokens: a query sees the keys of its own document up to itself."""
+    def hidden(query_chunks, key_chunks):
+        q = _chunk_positions(query_chunks, c, documents.device)
+        k = _chunk_positions(key_chunks, c, documents.device)
+        other = documents[:, q, None] != documents[:, None, k]
+        return (other | (k[None, :] > q[:, None])).unsqueeze(1)
+
+    return hidden
+
+
+def mask_hidden(mask, c: int):
+    """ring_attention_local's `hidden` from a dense mask of the whole rows ([b, 1, s, s], True = hidden:
+    Megatron's reset mask, causal within each document), its blocks taken by global position."""
+    def hidden(query_chunks, key_chunks):
+        q = _chunk_positions(query_chunks, c, mask.device)
+        k = _chunk_positions(key_chunks, c, mask.device)
+        return mask.index_select(-2, q).index_select(-1, k)
+
+    return hidden
 
 
 class UlyssesAttention(MegatronModule):
@@ -201,12 +270,14 @@ class UlyssesAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        _refuse_inputs(attention_mask, packed_seq_params, attention_bias, "ulysses_cp_algo")
+        _check_inputs(query, attention_mask, packed_seq_params, attention_bias, "ulysses_cp_algo", self.size)
         if self.repeat_kv:
             key = key.repeat_interleave(query.size(2) // key.size(2), dim=2)
             value = value.repeat_interleave(query.size(2) // value.size(2), dim=2)
         q, k, v = (sequence_to_heads(t, self.group, self.size) for t in (query, key, value))
-        context = self.attention(q, k, v, None, attn_mask_type=attn_mask_type)
+        # the whole rows in order: packed documents' mask or lengths are those of the unsplit batch, as at CP 1
+        context = self.attention(q, k, v, attention_mask, attn_mask_type=attn_mask_type,
+                                 packed_seq_params=packed_seq_params)
         return heads_to_sequence(context, self.group, self.size, q.size(3))
 
 
@@ -233,9 +304,15 @@ class RingAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        _refuse_inputs(attention_mask, packed_seq_params, attention_bias, "megatron_cp_algo")
+        _check_inputs(query, attention_mask, packed_seq_params, attention_bias, "megatron_cp_algo", self.size)
+        c, hidden = query.size(0) // 2, None
+        if packed_seq_params is not None:  # packed documents, compiled: their lengths over the whole rows
+            hidden = documents_hidden(document_ids(packed_seq_params.cu_seqlens_q, query.size(1),
+                                                   query.size(0) * self.size), c)
+        elif attention_mask is not None:  # eager: Megatron's dense reset mask of the whole rows
+            hidden = mask_hidden(attention_mask, c)
         out = ring_attention_local(query, key, value, self.softmax_scale, self.rank, self.size,
-                                   lambda kv: ring_exchange(kv, self.group, self.rank, self.size))
+                                   lambda kv: ring_exchange(kv, self.group, self.rank, self.size), hidden=hidden)
         return out.to(query.dtype).reshape(query.size(0), query.size(1), -1)
 
 

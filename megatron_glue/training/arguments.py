@@ -42,9 +42,6 @@ INSTRUCTION = ("this part of MindSpeed-LLM's instruction data (variable p2p shap
                "here; -m megatron_glue.posttrain_gpt trains Alpaca/ShareGPT data padded to --seq-length, packed "
                "(--reset-attention-mask [--neat-pack]) or per batch (--no-pad-to-seq-lengths): "
                "docs/instruction_tuning.md")
-PACKED = ("MindSpeed-LLM's general attention mask (a mask per sample, for context parallelism) is not implemented "
-          "here; packed rows are read with --reset-attention-mask (--neat-pack for instruction data), each document "
-          "attending within itself")
 DPO = "preference training (DPO) is not implemented here"
 MLA = "multi-latent attention (MLA) is not implemented here; use a model with standard (GQA) attention"
 MTP = "multi-token prediction (MTP) is not implemented here; drop the MTP flags"
@@ -210,8 +207,12 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {
                           "`npu-compile preprocess`); in training MindSpeed-LLM reads it only to cut a sample "
                           "longer than --seq-length, which this job refuses"),
     "--attention-mask-type": (dict(choices=["causal", "general"], default="causal"),
-                              "MindSpeed's mask kind for context parallelism; 'causal' is the mask this job's "
-                              "attention uses ('general' is refused)"),
+                              "MindSpeed's two ways of computing the same attention mask (its "
+                              "docs/zh/features/eod-reset.md:20: equal results): 'causal' its accelerated kernels "
+                              "(causal sparse modes; with packed rows under CP, documents padded and split one by "
+                              "one), 'general' its baseline over the full mask. Here both give the same attention: "
+                              "causal, within each document with --reset-attention-mask, at any "
+                              "--context-parallel-size (docs/context_parallel.md)"),
     "--norm-topk-prob": (dict(action="store_true"),
                          "MindSpeed-LLM divides the routed top-k probabilities by their sum "
                          "(mindspeed_llm/core/transformer/moe/router.py:560-561, aux_loss routing): megatron-core's "
@@ -849,8 +850,6 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                              "(megatron-core's own layers, the default here)"))
     if args.context_parallel_size > 1:
         lines.extend(_context_parallel_refusals(args))
-    if args.attention_mask_type == "general":
-        lines.append(refusal("--attention-mask-type general", PACKED))
     if args.spec is not None:
         module = args.spec[0] if args.spec else ""
         if len(args.spec) != 2 or args.spec[1] != "layer_spec" or module not in SPECS_BUILT:
@@ -937,24 +936,33 @@ def _context_parallel_refusals(args) -> list[str]:
         lines.append(refusal(f"--cp-window-size {args.cp_window_size}",
                              "MindSpeed's double-ring attention (windows of the CP ring) is not implemented here; "
                              "give --cp-window-size 1 (one ring)"))
-    if getattr(args, "reset_attention_mask", False):
-        lines.append(refusal(f"--reset-attention-mask at --context-parallel-size {cp}",
-                             "packed documents under context parallelism are not implemented here (megatron-core "
-                             "splits packed rows only through Transformer Engine's THD partitioning); train packed "
-                             "rows at --context-parallel-size 1"))
     if algo == "megatron_cp_algo" and args.attention_dropout:
         lines.append(refusal(f"--attention-dropout {args.attention_dropout:g}",
                              "attention dropout under ring attention (megatron_cp_algo) is not implemented here; "
                              "give --attention-dropout 0, or use ulysses_cp_algo"))
+    if getattr(args, "num_experts", None) and _moe_balancing_loss(args):
+        from megatron_glue.capture.adaptations import megatron_core_in
+
+        if not megatron_core_in(">=0.13"):
+            lines.append(refusal(
+                f"--num-experts with a load-balancing loss at --context-parallel-size {cp}",
+                "on megatron-core 0.12 the schedule scales the router's aux-loss gradient by 1 / micro-batches only "
+                "(0.12.1 pipeline_parallel/schedules.py:321), not also by CP as 0.13 on do (0.16.1 schedules.py:292), "
+                "so the router would learn 1/CP of what it learns at CP 1; use megatron-core 0.13 or later, or "
+                "--moe-aux-loss-coeff 0"))
     if algo == "megatron_cp_algo" and getattr(args, "interleave_sliding_window", None) is not None:
         lines.append(refusal("--interleave-sliding-window",
                              "sliding-window attention under ring attention (megatron_cp_algo) is not implemented "
                              "here; use ulysses_cp_algo"))
-    if getattr(args, "num_experts", None):
-        lines.append(refusal(f"--num-experts at --context-parallel-size {cp}",
-                             "MoE layers under context parallelism are not implemented here (their token "
-                             "dispatch over CP ranks is not tested); use --context-parallel-size 1"))
     return lines
+
+
+def _moe_balancing_loss(args) -> bool:
+    """Whether the router adds a load-balancing loss (a type other than none with a coefficient above 0)."""
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    types = types if isinstance(types, (list, tuple)) else [types]
+    coeffs = coeffs if isinstance(coeffs, (list, tuple)) else [coeffs] * len(types)
+    return any(t != "none" and c for t, c in zip(types, coeffs))
 
 
 def _is_raw_data(path: str) -> bool:

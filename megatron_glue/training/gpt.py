@@ -181,24 +181,29 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     num_tokens = mask.sum().detach().to(torch.int)
     report = torch.cat([loss.detach().view(1), mask.sum().detach().view(1)])
     if cp_loss_over_group():
-        # megatron-core 0.12 multiplies the loss by the CP size: as Megatron-LM 0.12's loss_func, the sum and the
-        # token count over the CP group (the value; the gradient stays this rank's sum's)
+        # as MindSpeed-LLM's loss_func (pretrain_gpt.py:155-161, sft_trainer.py:191-195) and Megatron-LM 0.12's: the
+        # sum and the token count over the CP group, so that the loss is the mean over the whole rows even where
+        # the CP ranks hold unequal token counts (packed rows with --eod-mask-loss, instruction data's prompts).
+        # The value is the group's sum; the gradient this rank's sum's times CP (DDP averages over DP x CP), the
+        # factor megatron-core 0.12's schedule applies itself (versions.loss_times_cp_size)
         from megatron.core import parallel_state
+
+        from megatron_glue.training.versions import loss_times_cp_size
 
         total = torch.stack([loss.detach(), mask.sum().detach()])
         torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+        if not loss_times_cp_size():
+            loss = loss * parallel_state.get_context_parallel_world_size()
         loss = loss + (total[0] - loss.detach())
         num_tokens = total[1].to(torch.int)
     return loss, num_tokens, {"lm loss": report}
 
 
 def cp_loss_over_group() -> bool:
-    """At CP > 1 on megatron-core 0.12 (versions.loss_times_cp_size)."""
+    """At CP > 1."""
     from megatron.core import parallel_state
 
-    from megatron_glue.training.versions import loss_times_cp_size
-
-    return parallel_state.get_context_parallel_world_size() > 1 and loss_times_cp_size()
+    return parallel_state.get_context_parallel_world_size() > 1
 
 
 def forward_step(data_iterator, model):
@@ -219,13 +224,15 @@ def forward_step(data_iterator, model):
 
 def on_this_cp_rank(batch: dict) -> dict:
     """This context-parallel rank's part of each sequence of the batch: megatron-core's get_batch_on_this_cp_rank
-    (2 x CP chunks, rank r holding chunks r and 2CP-1-r; the batch as is at CP 1)."""
+    (2 x CP chunks, rank r holding chunks r and 2CP-1-r; the batch as is at CP 1). Packed documents' mask
+    (eager) stays whole, as their lengths (compiled) do: the CP attention reads the whole rows' documents (Ulysses
+    attends over whole rows; the ring takes each step's block of it by global position), docs/context_parallel.md."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
-    keys = ("tokens", "labels", "position_ids", "loss_mask", "attention_mask")
+    keys = ("tokens", "labels", "position_ids", "loss_mask")
     split = get_batch_on_this_cp_rank({k: batch[k] for k in keys if batch.get(k) is not None})
     return {**batch, **split}
 

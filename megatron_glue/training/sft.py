@@ -283,6 +283,11 @@ def posttrain_refusal(args) -> str | None:
                 "padded to --seq-length: give both or neither")
     if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
         return f"--pad-to-multiple-of must be >= 1, got {args.pad_to_multiple_of}"
+    cp = getattr(args, "context_parallel_size", 1)
+    if args.no_pad_to_seq_lengths and cp > 1 and pad_to_multiple_of(args) % (2 * cp):
+        return (f"--no-pad-to-seq-lengths at --context-parallel-size {cp}: each batch is padded to a multiple of "
+                f"{pad_to_multiple_of(args)} (--pad-to-multiple-of), and megatron-core splits its sequence into "
+                f"2 x CP = {2 * cp} chunks; give --pad-to-multiple-of a multiple of {2 * cp}")
     return None
 
 

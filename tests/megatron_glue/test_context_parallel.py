@@ -191,9 +191,7 @@ def test_what_context_parallelism_refuses_says_why():
             "implemented here") in message
     assert ("--cp-window-size 2: MindSpeed's double-ring attention (windows of the CP ring) is not implemented here; "
             "give --cp-window-size 1 (one ring)") in message
-    assert ("--reset-attention-mask at --context-parallel-size 2: packed documents under context parallelism are "
-            "not implemented here (megatron-core splits packed rows only through Transformer Engine's THD "
-            "partitioning); train packed rows at --context-parallel-size 1") in message
+    assert "--reset-attention-mask" not in message  # packed rows under CP: test_cp_packed_documents.py
     for algo, what in (("adaptive_cp_algo", "adaptive"), ("hybrid_adaptive_cp_algo", "hybrid adaptive"),
                        ("kvallgather_cp_algo", "K/V all-gather")):
         assert error([*CP2, "--context-parallel-algo", algo], world_size=2).endswith(
@@ -205,9 +203,6 @@ def test_mindspeeds_cp_flags_with_their_meanings():
     args = parse_args([*CP2, "--context-parallel-algo", "megatron_cp_algo", "--use-cp-send-recv-overlap",
                        "--cp-window-size", "1", "--cp-attention-mask-type", "causal"], world_size=2)
     assert args.use_cp_send_recv_overlap and args.cp_window_size == 1 and args.attention_mask_type == "causal"
-    assert error([*CP2, "--cp-attention-mask-type", "general"], world_size=2).endswith(
-        "--attention-mask-type general: MindSpeed-LLM's general attention mask (a mask per sample, for context "
-        "parallelism) is not implemented here; packed rows are read with --reset-attention-mask (--neat-pack for "
-        "instruction data), each document attending within itself")
+    assert parse_args([*CP2, "--cp-attention-mask-type", "general"], world_size=2).attention_mask_type == "general"
     # at size 1 the algorithm and its flags configure nothing, as in MindSpeed
     parse_args([*TINY, "--train-iters", "2", "--context-parallel-algo", "hybrid_cp_algo", "--use-cp-send-recv-overlap"])

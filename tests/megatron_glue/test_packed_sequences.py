@@ -42,10 +42,6 @@ def test_what_stays_refused_says_why():
             "--stage / --is-instruction-dataset / --prompt-type / --neat-pack / --no-pad-to-seq-lengths / "
             "--padded-samples / --pad-to-multiple-of: instruction tuning runs as MindSpeed-LLM's posttrain_gpt.py "
             "does, through -m megatron_glue.posttrain_gpt")
-    assert error([*JOB, "--context-parallel-size", "2", "--reset-attention-mask"], world_size=2).endswith(
-        "--reset-attention-mask at --context-parallel-size 2: packed documents under context parallelism are not "
-        "implemented here (megatron-core splits packed rows only through Transformer Engine's THD partitioning); "
-        "train packed rows at --context-parallel-size 1")
 
 
 def test_more_than_two_pipeline_stages_are_refused():
