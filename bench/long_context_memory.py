@@ -241,7 +241,7 @@ def _fmt(n: float | None) -> str:
 
 
 def table(results: dict, seqs: list[int], eager_seqs: list[int], per_token: float) -> str:
-    head = ["tokens per row", "eager Megatron, dense mask (step + buffer + mask)", "compiled packed (varlen)",
+    head = ["tokens per row", "eager Megatron, dense mask (step + mask)", "compiled packed (varlen)",
             "compiled causal, CP 1", "compiled CP 2 Ulysses (per rank)", "compiled CP 2 ring (per rank)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for seq in sorted(set(seqs) | set(eager_seqs)):
@@ -306,14 +306,14 @@ def plot(results: dict, seqs: list[int], eager_seqs: list[int], per_token: float
         if planned:
             ax.plot(*zip(*planned), "x:", color=colors[kind], label=f"{names[kind]}: planned")
     ax.axhline(CAP / MiB, color="grey", linewidth=0.8)
-    ax.text(every[0], CAP / MiB * 1.1, "device_memory of the auto runs", fontsize=7, color="grey")
+    ax.text(every[-1], CAP / MiB * 1.1, "device_memory of the auto runs", fontsize=7, color="grey", ha="right")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(every, [f"{s // 1024}K" for s in every])
     ax.set_xlabel("tokens per row")
     ax.set_ylabel("peak MiB, one forward + backward (per rank)")
     ax.set_title(f"megatron-core GPT, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, fp32, CPU")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -341,13 +341,61 @@ def notes(results: dict, eager_seqs: list[int], per_token: float) -> list[str]:
             f"points gives a = {count:.2f} (the formula says {LAYERS + 3}). Formula against measured step peak: "
             + ", ".join(errors) + ". Where eager is not run the figure is this formula: at 32K, u alone is "
             f"{_fmt(eager_formula(32768)['u'])}.", ""]
+    def peak(kind, seq):
+        ranks = results.get((kind, seq))
+        if not ranks or any(r.get("refused") for r in ranks):
+            return None
+        return max(r["peak"] for r in ranks)
+
+    top = max((s for (k, s) in results if k == "packed"), default=None)
+    if top and all(peak(k, top) for k in ("packed", "causal", "ulysses")):
+        f = eager_formula(top)
+        eager_top = f["quadratic"] + per_token * top + f["mask"]
+        if ("eager", top) in results:
+            eager_top = results[("eager", top)][0]["peak"] + f["mask"]
+        packed_top, causal_top, ulysses_top = peak("packed", top), peak("causal", top), peak("ulysses", top)
+        low = min(s for (k, s) in results if k == "packed")
+        ring_rows = results.get(("ring", top), [])
+        if any(r.get("refused") for r in ring_rows):
+            least = min((p for r in ring_rows if r.get("refused") for p in r["plans"]), key=lambda p: p[1])
+            ring = (f"at {top // 1024}K the planner refuses it before a step runs: no budget fits "
+                    f"{_fmt(CAP)} (the least, {_fmt(least[1])} at budget {least[0]})")
+        else:
+            ring = f"{_fmt(peak('ring', top))} a rank at {top // 1024}K" if ring_rows else "not run here"
+        out += [
+            "**What it shows.**", "",
+            f"- Packed rows, compiled: {_fmt(packed_top)} at {top // 1024}K against eager Megatron's "
+            f"{_fmt(eager_top)} ({'measured' if ('eager', top) in results else 'computed'}), "
+            f"{eager_top / packed_top:.0f}× less; the largest buffer live at the peak "
+            f"{_fmt(results[('packed', top)][0]['largest'])} (one layer's s×s fp32 scores would be "
+            f"{_fmt(eager_formula(top)['u'])}): varlen attention runs each document on its own.",
+            f"- Compiled causal rows (one document a row) grow ×{causal_top / peak('causal', low):.1f} from "
+            f"{low // 1024}K to {top // 1024}K (packed rows: ×{packed_top / peak('packed', low):.1f}): their largest "
+            "buffer is the s×s bool causal mask (s² B). megatron-core's `DotProductAttention` given no mask asks "
+            "`get_default_causal_mask(s)` (here the \"cpu\" adaptation `causal_mask_on_default_device`: "
+            "`triu(ones(s, s, bool), 1)`), and the attention rule fuses over that mask as a general bool mask "
+            "instead of taking it as causal, so the graph builds the mask every step.",
+            f"- CP = 2 Ulysses ({_fmt(ulysses_top)} a rank at {top // 1024}K) saves little over CP 1 for the same "
+            "reason: each rank's attention covers the whole sequence (H/CP heads), with the whole s×s mask. Ring "
+            "attention's per-step attention is written out in aten ops (docs/context_parallel.md, \"Not done\"): "
+            "each step's fp32 scores ((s/CP)² a head) are made and kept for the backward; " + ring + ".",
+            "- Packed rows under CP are refused in this job (docs/context_parallel.md): the CP columns run causal "
+            "rows, to be read against the compiled causal CP 1 column.", ""]
     ratios = [(k, s, r["planned"] / r["peak"]) for (k, s), ranks in results.items() if k != "eager"
               for r in ranks if not r.get("refused")]
     if ratios:
         lo, hi = min(x[2] for x in ratios), max(x[2] for x in ratios)
         out += [f"**Planner** (`memory_budget=\"auto\"`, `device_memory` {_fmt(CAP)}; planned = report.json "
                 f"`memory.planned_peak_bytes` at the budget chosen, per rank): planned / measured from {lo:.3f} to "
-                f"{hi:.3f} over the {len(ratios)} compiled measurements (every rank).", ""]
+                f"{hi:.3f} over the {len(ratios)} compiled measurements (every rank). What the plan counts: every "
+                "buffer of the compiled forward + backward (the CP all-to-alls' outputs are graph nodes like any "
+                "other), the scratch of the backend's own kernels (run on FakeTensors of the node's shapes), and "
+                "for varlen attention, whose scratch depends on the documents (data the graph does not have), one "
+                "document a row, the longest a row can hold (passes/memory.py; it planned 0 for it before: "
+                "tests/passes/test_varlen_memory_plan.py). Not counted: scratch inside aten kernels (torch's CPU "
+                "flash-attention buffers inside the fused attention's fast path, a few hundred KiB a thread, not "
+                "growing with s) and gloo's own buffers. The eager step has no plan: it is not compiled.", ""]
+
     return out
 
 
