@@ -394,7 +394,11 @@ def notes(results: dict, eager_seqs: list[int], per_token: float) -> list[str]:
                 "document a row, the longest a row can hold (passes/memory.py; it planned 0 for it before: "
                 "tests/passes/test_varlen_memory_plan.py). Not counted: scratch inside aten kernels (torch's CPU "
                 "flash-attention buffers inside the fused attention's fast path, a few hundred KiB a thread, not "
-                "growing with s) and gloo's own buffers. The eager step has no plan: it is not compiled.", ""]
+                "growing with s) and gloo's: the CP ranks run the same graph, yet one rank of a pair can measure a "
+                "few MiB above the other (the table shows the larger), the size of a collective's buffers, which "
+                "fits gloo's worker thread releasing a finished collective's tensors after the caller's wait has "
+                "returned (megatron_glue/capture/distributed.py, end_process_group) — a race, not a term the plan "
+                "could add. The eager step has no plan: it is not compiled.", ""]
 
     return out
 
@@ -438,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eager {r['seq']}: measured step {r['peak']} B, formula {f['quadratic'] + per_token * r['seq']:.0f} B")
     import torch
 
+    here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     text = "\n".join([
         "# Memory at length: packed rows and context parallelism against eager Megatron's dense mask", "",
         f"megatron-core GPTModel (local spec), {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads (head dim "
@@ -448,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} cores shared with other jobs), torch "
         f"{torch.__version__}, one thread per process; run {started:%Y-%m-%d %H:%M} UTC at commit {commit}: "
-        f"`python -m bench.long_context_memory {command}`.",
+        f"`{' '.join(['python -m bench.long_context_memory', command]).strip()}`"
+        + (f" (this text and plot written from that run's figures at commit {here})" if args.from_raw and here != commit
+           else "") + ".",
         "", table(results, seqs, eager_seqs, per_token), "", *notes(results, eager_seqs, per_token),
     ])
     from bench.harness import write_result
