@@ -12,9 +12,9 @@ peak bytes above the level at the step's start (``bench.harness.peak_bytes``, as
 Columns:
     eager        Megatron as written over its dense reset mask (``--reset-attention-mask``: megatron-core's
                  GPTDataset mask [b, 1, s, s] bool, built before the step as the dataset does), unfused core
-                 attention (scores b·heads·s·s fp32). Its figure adds what the step needs that the profiler does
-                 not see as a new allocation after warm-up: Megatron's global memory buffer (the baddbmm input,
-                 b·heads·s·s, kept between steps) and the mask itself.
+                 attention (scores b·heads·s·s fp32). Its figure adds the mask itself (an input of the step, so
+                 not in the step's peak); Megatron's baddbmm input buffer (b·heads·s·s) is in the step's peak: on
+                 CPU the "cpu" adaptation fresh_global_buffer allocates it per call.
     packed       torch.compile(backend="ascend", target reference), the same rows as megatron-core's
                  PackedSeqParams (the compiled job's --reset-attention-mask): varlen attention per document.
     causal       the same, compiled, each row one document (causal): the baseline of the CP columns.
