@@ -82,6 +82,7 @@ bench: $(STAMP)
 	$(PY) -m bench.fused_loss
 	$(PY) -m bench.step_time
 	$(PY) -m bench.recompute
+	$(PY) -m bench.long_context_memory
 
 clean:
 	rm -rf $(VENV) $(VENV012) npu_compile_dump .pytest_cache .hypothesis

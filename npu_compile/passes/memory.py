@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
 from torch._library import custom_ops
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
@@ -144,7 +144,12 @@ class _LiveStorages(TorchDispatchMode):
         self.current = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        opdef = custom_ops._maybe_get_opdef(func._schema.name) if func.namespace == "npu_compile" else None
+        if opdef is not None:  # one of our ops called by another's kernel: its kernel's storages count too
+            with self:
+                out = opdef._init_fn(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         for key, (ref, nbytes) in list(self.live.items()):
             if ref.expired():
                 self.current -= nbytes
@@ -176,10 +181,30 @@ def _fake_like(val: object, mode: FakeTensorMode) -> object:
 _SCRATCH: dict[tuple[str, str], int] = {}  # (op, signature) -> scratch bytes
 
 
+# Ops whose kernel reads an input's values to size its work, which FakeTensors do not have: the estimate runs them on
+# real values that give the most scratch for the node's shapes. Varlen attention loops over the documents of
+# cu_seqlens (npu_compile/ops/varlen_attention.py), each document's attention the scratch of its length: one document
+# a row, the longest a batch of that shape can hold, is what the plan takes (the graph cannot know the documents).
+def _one_document_a_row(query: torch.Tensor, cu: torch.Tensor, layout: str) -> torch.Tensor:
+    s, b = query.shape[:2] if layout == "sbnd" else reversed(query.shape[:2])
+    ends = [r * s for r in range(1, b + 1)]
+    with unset_fake_temporarily():  # real values, also while a compile's FakeTensorMode is active
+        return torch.tensor(ends + [b * s] * max(cu.shape[0] - b, 0), dtype=torch.int64)
+
+
+_DATA_STAND_INS = {  # op -> (cu_seqlens' index, query's index)
+    "npu_compile::varlen_attention": (3, 0),  # query, key, value, cu_seqlens
+    "npu_compile::varlen_attention_backward": (7, 1),  # grad_out, query, key, value, out, max, sum, cu_seqlens
+}
+
+
 def _scratch(qualname: str, args: tuple, kwargs: tuple) -> int:
     opdef = custom_ops._maybe_get_opdef(qualname)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [_fake_like(a, mode) for a in args]
+    if qualname in _DATA_STAND_INS:
+        cu, query = _DATA_STAND_INS[qualname]
+        fake_args[cu] = _one_document_a_row(fake_args[query], fake_args[cu], dict(kwargs).get("layout", "sbnd"))
     fake_kwargs = {k: _fake_like(v, mode) for k, v in kwargs}
     tracker = _LiveStorages()
     try:
