@@ -27,3 +27,4 @@ from npu_compile.passes import attention, norms, activations, rotary, dropout_ad
 from npu_compile.passes import cross_entropy  # noqa: E402,F401
 from npu_compile.passes import varlen_attention  # noqa: E402,F401  (after attention: it takes what attention fused)
 from npu_compile.passes import moe  # noqa: E402,F401  (a graph rule: runs after every pattern rule)
+from npu_compile.passes import causal_mask  # noqa: E402,F401  (a graph rule: after attention and varlen_attention)
