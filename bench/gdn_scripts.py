@@ -36,8 +36,8 @@ GDN_SIZES = {"--linear-key-head-dim": "16", "--linear-value-head-dim": "16", "--
 # (its default "None": from scratch), but the census' extraction keeps both sides of that `if`
 DROPPED_CONVERSION = ("--enable-mg2hf-convert", "--model-type-hf", "--enable-hf2mg-convert")
 WHY = {
-    "--enable-mg2hf-convert": "Megatron → HF conversion at each save, for qwen3-next: the conversion side's (separate "
-                              "work; the job refuses it today); the runs save Megatron checkpoints",
+    "--enable-mg2hf-convert": "Megatron → HF conversion at each save, for qwen3-next: the conversion side's "
+                              "(separate work; the job refuses it today); the runs save Megatron checkpoints",
     "--model-type-hf": "the HF family (qwen3-next) of those conversions; the converter has no qwen3-next yet",
     "--enable-hf2mg-convert": "HF weights at start: the script passes it only when CKPT_LOAD_DIR names HF weights "
                               "(its default None trains from scratch, as here)",
@@ -60,12 +60,22 @@ def run(name: str, flags: list[str], folder: Path, iterations: int = ITERATIONS,
         sizes: dict[str, str] | None = None, extra: tuple[str, ...] = ()):
     """One script scaled down and trained in `folder` (`sizes`: more values beside GDN_SIZES, `extra`: flags added);
     (Result, its "end" metrics row)."""
-    # the run's own compile caches: a warm start from an earlier run's would load its graphs without Dynamo
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "compile_cache")
-    os.environ["NPU_COMPILE_CACHE_DIR"] = str(folder / "compile_cache" / "npu_compile")
+    # the run's own compile caches (the launch's environment is this process's): a warm start from an earlier run's
+    # would load its graphs without Dynamo, and the graph count would say 0
+    caches = {"TORCHINDUCTOR_CACHE_DIR": str(folder / "compile_cache"),
+              "NPU_COMPILE_CACHE_DIR": str(folder / "compile_cache" / "npu_compile")}
+    before = {k: os.environ.get(k) for k in caches}
+    os.environ.update(caches)
     drop = DROPPED_CONVERSION + (("--use-ascend-mc2",) if "--use-ascend-mc2" in flags else ())
-    result = run_script(name, flags, "random", folder, iterations=iterations, timeout=timeout, sizes={**GDN_SIZES, **(sizes or {})},
-                        drop=drop, extra=extra)
+    try:
+        result = run_script(name, flags, "random", folder, iterations=iterations, timeout=timeout,
+                            sizes={**GDN_SIZES, **(sizes or {})}, drop=drop, extra=extra)
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     (folder / "pretrain_gpt.log").write_text(result.output)
     return result, _end(folder)
 

@@ -256,14 +256,14 @@ MINDSPEED_FUSIONS = {
 # which the job builds (qk norms as --qk-layernorm says); the others name their family's features.
 SPECS_BUILT = {"mindspeed_llm.tasks.models.spec.qwen3_spec": "megatron-core's local GPT layer (q/k norms with "
                                                              "--qk-layernorm)",
+               "mindspeed_llm.tasks.models.spec.gemma2_spec": "megatron-core's local GPT layer with Gemma 2's "
+                                                              "post-norms (--post-norm) and sliding window "
+                                                              "(--interleave-sliding-window)",
                "mindspeed_llm.tasks.models.spec.qwen3_next_spec": "Qwen3-Next's dense hybrid stack: megatron-core's "
                                                                   "GatedDeltaNet layers, every "
                                                                   "--full-attention-interval-th layer its local "
                                                                   "attention with the output gate (megatron-core "
-                                                                  "0.16+; docs/linear_attention.md)",
-               "mindspeed_llm.tasks.models.spec.gemma2_spec": "megatron-core's local GPT layer with Gemma 2's "
-                                                              "post-norms (--post-norm) and sliding window "
-                                                              "(--interleave-sliding-window)"}
+                                                                  "0.16+; docs/linear_attention.md)"}
 SPECS_REFUSED = {
     "mindspeed_llm.tasks.models.spec.deepseek_spec": "DeepSeek's layer (" + MLA.split(" is ")[0] + ", MoE)",
     "mindspeed_llm.tasks.models.spec.deepseek4_spec": "DeepSeek-V4's layer (sparse attention, mHC, MoE)",
@@ -537,8 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("linear attention (Qwen3-Next's Gated DeltaNet: megatron-core 0.16's GatedDeltaNet; "
                              "docs/linear_attention.md)")
     g.add_argument("--full-attention-interval", type=int, default=None, metavar="N",
-                   help="Gated DeltaNet layers, every N-th layer (1-based: N, 2N, ...) full attention with Qwen3-Next's "
-                        "output gate, as MindSpeed-LLM's qwen3_next_spec builds them (TransformerConfig "
+                   help="Gated DeltaNet layers, every N-th layer (1-based: N, 2N, ...) full attention with "
+                        "Qwen3-Next's output gate, as MindSpeed-LLM's qwen3_next_spec builds them (TransformerConfig "
                         "experimental_attention_variant 'gated_delta_net', linear_attention_freq N, "
                         "attention_output_gate); needs --swiglu and the four --linear-* sizes")
     g.add_argument("--linear-key-head-dim", type=int, default=None,
