@@ -245,3 +245,24 @@ def test_megatron_core_before_016_is_refused_on_one_line():
         "python -m megatron_glue.pretrain_gpt: error: --full-attention-interval 2: Gated DeltaNet layers need "
         f"megatron-core 0.16 or later (its megatron.core.ssm.gated_delta_net); this is {megatron_core_version()}: "
         "install megatron-core>=0.16 (this project's extras pin 0.16.1)")
+
+
+@needs_gdn
+@pytest.mark.training
+def test_job_resumes_the_hybrid_model_exactly(tmp_path):
+    """Saved at iteration 2 (torch_dist: megatron-core's GatedDeltaNet splits in_proj and conv1d into q/k/v/z/b/a
+    pieces, ssm/gated_delta_net.py:423-509) and resumed: iterations 3 and 4 as a run straight through, bit for bit."""
+    from pretrain_runs import pretrain
+
+    flags = [*GDN, "--no-npu-compile", "--lr-decay-iters", "4", "--save-interval", "2"]
+    ckpt = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    pretrain(tmp_path / "first", *flags, *ckpt, "--train-iters", "2", nproc=2).check()
+    resumed = pretrain(tmp_path / "resumed", *flags, *ckpt, "--train-iters", "4", nproc=2).check()
+    straight = pretrain(tmp_path / "straight", *flags, "--train-iters", "4", nproc=2).check()
+    assert "successfully loaded checkpoint" in resumed.output
+    assert resumed.losses == straight.losses[2:], (resumed.losses, straight.losses)
+    # another layer pattern is another model: refused at load, naming the flag (the checkpoint's architecture)
+    other = pretrain(tmp_path / "other", *flags, *ckpt, "--train-iters", "4", "--full-attention-interval", "4",
+                     nproc=2)
+    assert other.returncode != 0
+    assert "was saved with --full-attention-interval 2, this job has 4; use the checkpoint's value" in other.output
