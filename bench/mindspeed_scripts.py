@@ -182,20 +182,24 @@ def _tags(folder: Path) -> list[str]:
 
 
 def run_script(name: str, flags: list[str], start: str, folder: Path, iterations: int = ITERATIONS,
-               timeout: float = 900) -> Result:
-    """One script, scaled down, trained `iterations` iterations in `folder` (its data prepared there)."""
+               timeout: float = 900, sizes: dict[str, str] | None = None, drop: tuple[str, ...] = (),
+               extra: tuple[str, ...] = ()) -> Result:
+    """One script, scaled down, trained `iterations` iterations in `folder` (its data prepared there); `sizes`: more
+    sizes to scale down (flag -> value), `drop`: flags left out (reported as dropped), `extra`: flags added."""
     folder.mkdir(parents=True, exist_ok=True)
     prepare(folder)
-    argv = _set(scale_down(flags), {**RUN, "--train-iters": str(iterations), "--lr-decay-iters": str(iterations)})
+    argv = _set(scale_down(flags), {**RUN, **(sizes or {}), "--train-iters": str(iterations),
+                                    "--lr-decay-iters": str(iterations)})
     changed = ["sizes", "paths", "--lr/--min-lr"]
-    dropped: list[str] = []
+    argv, dropped = _drop(argv, drop)
     if start == "hf-moe":
-        argv, dropped = _drop(_set(argv, MOE_SIZES), MOE_DROPPED + MOE_DROPPED_COMBINED + HF_START)
+        argv, more = _drop(_set(argv, MOE_SIZES), MOE_DROPPED + MOE_DROPPED_COMBINED + HF_START)
+        dropped += more
         changed[0] = "sizes (MoE: 4 experts of 32, top 2, EP 1)"
     if start == "hf":
         argv = _set(argv, {"--load": "hf"})
         save_hf_llama(argv, folder)
-    argv += [*ADDED, "--metrics-file", "metrics.jsonl"]
+    argv += [*ADDED, *extra, "--metrics-file", "metrics.jsonl"]
     result = Result(name, "", changed + ["+--tensorboard-dir"], hf_start=start == "hf", dropped=dropped,
                     model_type_hf=_flag(argv, "--model-type-hf") or "",
                     layout=f"TP {_flag(argv, '--tensor-model-parallel-size') or 1}, "

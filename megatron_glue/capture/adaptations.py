@@ -6,7 +6,8 @@ the new object on the owner and on every `sys.modules` entry that holds the orig
 did `from x import f` keep their own reference), once; reverting puts the originals back. Groups say when an
 adaptation is wanted: "cpu" (no CUDA device), "compile" (Dynamo capture), "tp_compile" (capture at tensor
 parallel size > 1), "sp" (sequence parallelism without TE/Apex or CUDA), "moe" (megatron-core's MoE without
-Transformer Engine or CUDA streams), "training" (training_adaptations.py).
+Transformer Engine or CUDA streams), "linear_attention" (megatron-core's Gated DeltaNet without flash-linear-
+attention), "training" (training_adaptations.py).
 `groups_for(device)` is the one place that says which groups a process applies.
 
 Megatron differs between releases. An adaptation that is needed (or possible) only on some megatron-core versions
@@ -29,6 +30,7 @@ import contextlib
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import sys
 from dataclasses import dataclass
@@ -308,6 +310,7 @@ def groups_for(device: str | torch.device | None = None, training: bool = False)
     the parallel layout, and parallel state may be set up before or after they are applied, by any means.
     "cpu" is in on a CPU (or meta) device only: elsewhere Megatron's CUDA calls have a device to run on (on an
     NPU through torch_npu's transfer_to_npu).
+    "linear_attention" is in where the `fla` package is not (its stand-ins for megatron-core's Gated DeltaNet).
     "regions" is in for `torch.compile(gpt_model)` (each layer traced and compiled once, not once per layer); not
     with `training`: the training job compiles each layer's forward on its own (training.compile_model), where a
     region would only wrap the whole graph once more.
@@ -315,7 +318,10 @@ def groups_for(device: str | torch.device | None = None, training: bool = False)
     device = machine_device() if device is None else device
     kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     groups = ("cpu",) if kind in ("cpu", "meta") else ()
-    return groups + ("compile", "tp_compile", "sp", "moe") + (("training",) if training else ("regions",))
+    # "linear_attention" where flash-linear-attention is not installed (its kernels are Triton for CUDA)
+    linear_attention = ("linear_attention",) if importlib.util.find_spec("fla") is None else ()
+    return (groups + ("compile", "tp_compile", "sp", "moe") + linear_attention
+            + (("training",) if training else ("regions",)))
 
 
 # ======================================================================================================
@@ -1026,3 +1032,76 @@ def _packed_documents(forward):
                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
 
     return packed_forward
+
+
+
+# ======================================================================================================
+# group "linear_attention": megatron-core's Gated DeltaNet layer (0.16+: ssm/gated_delta_net.py) without
+# flash-linear-attention (FLA), whose kernels are Triton for CUDA. Each stand-in is megatron-core's own torch code,
+# or the formula FLA computes; in by groups_for wherever the `fla` package is not installed. Lines are 0.16.1's.
+# ======================================================================================================
+
+registry.add(Adaptation(
+    "gated_delta_net_without_fla", "megatron.core.ssm.gated_delta_net.HAVE_FLA", "linear_attention",
+    reason="GatedDeltaNet.__init__ raises ImportError unless FLA imports (ssm/gated_delta_net.py:39-47,103-106); "
+    "its two FLA kernels have the stand-ins of this group (gated_delta_rule_in_torch, l2norm_in_torch)",
+    build=lambda have_fla: True, megatron_versions=">=0.16",
+))
+
+# The chunk length of the chunked delta rule (MindSpeed-LLM's --mamba-chunk-size); megatron-core's default.
+_gdn_chunk_size = 64
+
+
+def set_gated_delta_rule_chunk_size(chunk_size: int) -> None:
+    """The chunk length gated_delta_rule_in_torch runs megatron-core's chunked delta rule with (the training job:
+    --mamba-chunk-size). Set it before compiling: Dynamo reads it as a constant of the graph."""
+    global _gdn_chunk_size
+    if chunk_size < 1:
+        raise ValueError(f"the gated delta rule's chunk size must be >= 1, not {chunk_size}")
+    _gdn_chunk_size = int(chunk_size)
+
+
+@registry.wraps(
+    "gated_delta_rule_in_torch", "megatron.core.ssm.gated_delta_net.chunk_gated_delta_rule", "linear_attention",
+    reason="GatedDeltaNet.forward runs FLA's chunk_gated_delta_rule (ssm/gated_delta_net.py:382-391), None without "
+    "FLA; megatron-core's own torch_chunk_gated_delta_rule (ssm/gated_delta_net.py:572-664, its deterministic-mode "
+    "kernel, :370-380) computes the same chunked delta rule in plain torch ops, which Dynamo traces into the layer's "
+    "graph; its chunk length is set_gated_delta_rule_chunk_size's",
+    megatron_versions=">=0.16",
+)
+def _gated_delta_rule_in_torch(fla_kernel):
+    from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+    def chunk_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False):
+        return torch_chunk_gated_delta_rule(query, key, value, g=g, beta=beta, chunk_size=_gdn_chunk_size,
+                                            initial_state=initial_state, output_final_state=output_final_state,
+                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    return chunk_gated_delta_rule
+
+
+@registry.replaces(
+    "l2norm_in_torch", "megatron.core.ssm.gated_delta_net.l2norm", "linear_attention",
+    reason="GatedDeltaNet.forward L2-normalises q and k with FLA's l2norm (ssm/gated_delta_net.py:40,348-350), a "
+    "name only the FLA import defines; FLA's is x / sqrt(sum(x^2) + eps), eps 1e-6, in fp32 (fla/modules/l2norm.py; "
+    "MindSpeed-LLM's torch copy of it: mindspeed_llm/tasks/models/transformer/qwen3_next_gated_deltanet_attention.py"
+    ":76-79)",
+    megatron_versions=">=0.16", adds=True,
+)
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(dim=dim, keepdim=True) + eps)).to(x.dtype)
+
+
+@registry.wraps(
+    "gated_norm_in_the_layer_graph", "megatron.core.ssm.gated_delta_net.GatedDeltaNet._apply_gated_norm",
+    "linear_attention",
+    reason="GatedDeltaNet._apply_gated_norm is decorated with jit_fuser (ssm/gated_delta_net.py:411), torch.compile "
+    "with Inductor's defaults from torch 2.2 (jit.py:7,20-21): run eagerly it is an Inductor graph of its own "
+    "(a C++ build on a CPU); its undecorated function runs as plain ops, which the compiled job traces into the "
+    "layer's graph, where the backend's norm rules see them",
+    megatron_versions=">=0.16",
+)
+def _gated_norm_in_the_layer_graph(apply_gated_norm):
+    return getattr(apply_gated_norm, "_torchdynamo_orig_callable", apply_gated_norm)

@@ -48,7 +48,9 @@ MTP = "multi-token prediction (MTP) is not implemented here; drop the MTP flags"
 LORA = "LoRA is not implemented here; fine-tune all weights (--finetune)"
 DSA = "DeepSeek sparse attention (its indexer, compressed KV) is not implemented here"
 MHC = "hyper-connections (mHC) are not implemented here"
-LINEAR_ATTENTION = "linear-attention layers (Gated DeltaNet, Mamba, Qwen3-Next's) are not implemented here"
+# Gated DeltaNet layers (--full-attention-interval) are megatron-core 0.16's (docs/linear_attention.md); these
+# combinations with them are not implemented here
+LINEAR_ATTENTION = "{} with Gated DeltaNet layers (--full-attention-interval) is not implemented here"
 ROPE_EXTENSION = ("YaRN / PLM RoPE scaling is not implemented here; Llama 3's scaling is "
                   "(--rope-scaling-type llama3, or Megatron-LM's --use-rope-scaling), and LongRoPE's "
                   "(--rope-scaling-type longrope)")
@@ -110,11 +112,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
         "--o-lora-rank": 1, "--sliding-window-size": 1, "--swiglu-limit": 1, "--apply-rope-no-in-complex": 0}.items()},
     **{flag: (nargs, MHC) for flag, nargs in {
         "--enable-mhc": 0, "--hc-mult": 1, "--use-triton-mhc": 0, "--use-fused-mhc": 0}.items()},
-    **{flag: (nargs, LINEAR_ATTENTION) for flag, nargs in {
-        "--full-attention-interval": 1, "--linear-key-head-dim": 1, "--linear-value-head-dim": 1,
-        "--linear-num-key-heads": 1, "--linear-num-value-heads": 1, "--use-triton-gdn": 0, "--mamba-d-conv": 1,
-        "--mamba-expand": 1, "--mamba-chunk-size": 1, "--partial-rotary-factor": 1,
-        "--no-enable-linear-qkv": 0}.items()},
     "--attn-logit-softcapping": (1, "attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not "
                                     "implemented here; MindSpeed-LLM's gemma2 scripts train without it: drop it"),
     "--init-norm-weight-in-fp32": (0, "norm weights kept in fp32 under bf16 are not implemented here"),
@@ -213,6 +210,19 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {
                               "one), 'general' its baseline over the full mask. Here both give the same attention: "
                               "causal, within each document with --reset-attention-mask, at any "
                               "--context-parallel-size (docs/context_parallel.md)"),
+    "--use-triton-gdn": (dict(action="store_true"),
+                         "MindSpeed-LLM's choice of its Triton kernel for the chunked gated delta rule over its torch "
+                         "one (qwen3_next_gated_deltanet_attention.py:303-308), the same function; here the rule is "
+                         "megatron-core's torch_chunk_gated_delta_rule, compiled with the layer by the backend"),
+    "--mamba-expand": (dict(type=int, default=1),
+                       "the inner-width factor of MindSpeed-LLM's Mamba mixer (mindspeed_llm/core/ssm/mamba_mixer.py:"
+                       "25), which is not built here (its spec is refused); Gated DeltaNet layers do not read it"),
+    "--no-enable-linear-qkv": (dict(action="store_true"),
+                               "MindSpeed-LLM's Qwen3-Next attention projects q (with its gate), k and v by three "
+                               "linears in place of linear_qkv (mindspeed_llm/core/transformer/attention.py:96-110, "
+                               "qwen3_next_full_attention.py:56-91); here megatron-core's attention with "
+                               "attention_output_gate holds the same weights as one linear_qkv: the same products, "
+                               "another checkpoint layout. Only with --full-attention-interval"),
     "--norm-topk-prob": (dict(action="store_true"),
                          "MindSpeed-LLM divides the routed top-k probabilities by their sum "
                          "(mindspeed_llm/core/transformer/moe/router.py:560-561, aux_loss routing): megatron-core's "
@@ -240,11 +250,15 @@ SPECS_BUILT = {"mindspeed_llm.tasks.models.spec.qwen3_spec": "megatron-core's lo
                                                              "--qk-layernorm)",
                "mindspeed_llm.tasks.models.spec.gemma2_spec": "megatron-core's local GPT layer with Gemma 2's "
                                                               "post-norms (--post-norm) and sliding window "
-                                                              "(--interleave-sliding-window)"}
+                                                              "(--interleave-sliding-window)",
+               "mindspeed_llm.tasks.models.spec.qwen3_next_spec": "Qwen3-Next's dense hybrid stack: megatron-core's "
+                                                                  "GatedDeltaNet layers, every "
+                                                                  "--full-attention-interval-th layer its local "
+                                                                  "attention with the output gate (megatron-core "
+                                                                  "0.16+; docs/linear_attention.md)"}
 SPECS_REFUSED = {
     "mindspeed_llm.tasks.models.spec.deepseek_spec": "DeepSeek's layer (" + MLA.split(" is ")[0] + ", MoE)",
     "mindspeed_llm.tasks.models.spec.deepseek4_spec": "DeepSeek-V4's layer (sparse attention, mHC, MoE)",
-    "mindspeed_llm.tasks.models.spec.qwen3_next_spec": "Qwen3-Next's layer (linear attention, MoE)",
     "mindspeed_llm.tasks.models.spec.plm_spec": "PLM's layer (MLA, squared ReLU)",
     "mindspeed_llm.tasks.models.spec.bailing_spec": "Bailing / Ling's layer (MoE)",
     "mindspeed_llm.tasks.models.spec.longcat_spec": "LongCat's layer (MoE, zero experts)",
@@ -323,6 +337,78 @@ def _check_sliding_window(args, fail) -> None:
     if args.reset_attention_mask:
         fail("--interleave-sliding-window with --reset-attention-mask is not implemented here (megatron-core's "
              "local attention builds the window's mask in place of the documents' one); drop one of them")
+
+
+def _partial_rotary(args, fail) -> None:
+    """MindSpeed-LLM's --partial-rotary-factor F as megatron-core's rotary_percent: its rotary embedding is built for
+    int(head_dim x F) channels (mindspeed_llm/core/models/common/embeddings/rotary_pos_embedding.py:85-87), as
+    megatron-core's is for int(kv_channels x rotary_percent)."""
+    factor = args.partial_rotary_factor
+    if not 0 < factor <= 1:
+        fail(f"--partial-rotary-factor {factor:g} must be in (0, 1]: the share of each head's channels RoPE rotates")
+    if args.rotary_percent not in (1.0, factor):
+        fail(f"--partial-rotary-factor {factor:g} and --rotary-percent {args.rotary_percent:g} both set the rotated "
+             "share of each head and disagree; give one of them")
+    args.rotary_percent = factor
+
+
+def _linear_attention_refusals(args) -> list[str]:
+    """The features Gated DeltaNet layers do not combine with here, one line each (refusals, with the others)."""
+    from megatron_glue.capture.adaptations import megatron_core_in, megatron_core_version
+
+    if args.full_attention_interval is None:
+        return []
+    flag = f"--full-attention-interval {args.full_attention_interval}"
+    if not megatron_core_in(">=0.16"):
+        return [refusal(flag, f"Gated DeltaNet layers need megatron-core 0.16 or later (its "
+                              f"megatron.core.ssm.gated_delta_net); this is {megatron_core_version()}: install "
+                              "megatron-core>=0.16 (this project's extras pin 0.16.1)")]
+    lines = []
+    if args.num_experts:
+        lines.append(refusal(f"--num-experts {args.num_experts}", LINEAR_ATTENTION.format(
+            "MoE (Qwen3-Next's MoE layers)") + "; train the dense hybrid stack (no --num-experts)"))
+    if args.context_parallel_size > 1:
+        lines.append(refusal(f"--context-parallel-size {args.context_parallel_size}", LINEAR_ATTENTION.format(
+            "context parallelism") + ": megatron-core's GatedDeltaNet has none (ssm/gated_delta_net.py:223; "
+            "transformer_config.py:982-986 asserts CP 1); use --context-parallel-size 1"))
+    if args.reset_attention_mask:
+        lines.append(refusal("--reset-attention-mask", LINEAR_ATTENTION.format("packing documents") + ": "
+                             "megatron-core's GatedDeltaNet raises on packed sequences and reads no attention mask "
+                             "(ssm/gated_delta_net.py:280,295-297), so its recurrent state would run across "
+                             "documents; train unpacked rows"))
+    if args.tensor_model_parallel_size > 1:
+        lines.append(refusal(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}",
+                             LINEAR_ATTENTION.format("tensor parallelism") + " (not verified against TP 1; "
+                             "MindSpeed-LLM refuses it too: qwen3_next_gated_deltanet_attention.py:218-221); use "
+                             "--tensor-model-parallel-size 1 and data or pipeline parallelism"))
+    return lines
+
+
+def _check_linear_attention(args, fail) -> None:
+    """Gated DeltaNet's sizes as megatron-core checks them (transformer_config.py:948-980), each as a flag."""
+    if args.full_attention_interval is None:
+        fail("--no-enable-linear-qkv goes with Qwen3-Next's layers (--full-attention-interval N, --spec "
+             "mindspeed_llm.tasks.models.spec.qwen3_next_spec layer_spec): without them MindSpeed-LLM's attention "
+             "has no q/k/v projection at all")
+    if args.full_attention_interval < 1:
+        fail(f"--full-attention-interval {args.full_attention_interval} must be >= 1 (every N-th layer full "
+             "attention; 1: every layer)")
+    sizes = {"--linear-key-head-dim": args.linear_key_head_dim, "--linear-value-head-dim": args.linear_value_head_dim,
+             "--linear-num-key-heads": args.linear_num_key_heads,
+             "--linear-num-value-heads": args.linear_num_value_heads}
+    missing = [f for f, v in sizes.items() if v is None or v < 1]
+    if missing:
+        fail(f"--full-attention-interval needs the Gated DeltaNet sizes {', '.join(missing)} (each >= 1)")
+    if args.linear_num_value_heads % args.linear_num_key_heads:
+        fail(f"--linear-num-value-heads {args.linear_num_value_heads} is not a multiple of --linear-num-key-heads "
+             f"{args.linear_num_key_heads} (each key head serves value heads / key heads of them)")
+    for flag, value in (("--mamba-d-conv", args.mamba_d_conv), ("--mamba-chunk-size", args.mamba_chunk_size)):
+        if value < 1:
+            fail(f"{flag} {value} must be >= 1")
+    if not args.swiglu:
+        fail("--full-attention-interval needs --swiglu: megatron-core's GatedDeltaNet applies the MLP's activation "
+             "to its convolution and output gate (ssm/gated_delta_net.py:126,327,419), which Qwen3-Next's are SiLU "
+             "(MindSpeed-LLM's qwen3_next_gated_deltanet_attention.py:42,235,410)")
 
 
 def _check_longrope(args, fail) -> None:
@@ -464,6 +550,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a layer spec by module and name; MindSpeed-LLM's "
                         + ", ".join(f"{m} ({what})" for m, what in SPECS_BUILT.items())
                         + " is built; its other specs are refused, naming their features")
+
+    g = p.add_argument_group("linear attention (Qwen3-Next's Gated DeltaNet: megatron-core 0.16's GatedDeltaNet; "
+                             "docs/linear_attention.md)")
+    g.add_argument("--full-attention-interval", type=int, default=None, metavar="N",
+                   help="Gated DeltaNet layers, every N-th layer (1-based: N, 2N, ...) full attention with "
+                        "Qwen3-Next's output gate, as MindSpeed-LLM's qwen3_next_spec builds them (TransformerConfig "
+                        "experimental_attention_variant 'gated_delta_net', linear_attention_freq N, "
+                        "attention_output_gate); needs --swiglu and the four --linear-* sizes")
+    g.add_argument("--linear-key-head-dim", type=int, default=None,
+                   help="the Gated DeltaNet query/key head size (TransformerConfig linear_key_head_dim)")
+    g.add_argument("--linear-value-head-dim", type=int, default=None,
+                   help="the Gated DeltaNet value/gate head size (TransformerConfig linear_value_head_dim)")
+    g.add_argument("--linear-num-key-heads", type=int, default=None,
+                   help="the Gated DeltaNet query/key heads (TransformerConfig linear_num_key_heads)")
+    g.add_argument("--linear-num-value-heads", type=int, default=None,
+                   help="the Gated DeltaNet value/gate heads, a multiple of --linear-num-key-heads (TransformerConfig "
+                        "linear_num_value_heads)")
+    g.add_argument("--mamba-d-conv", type=int, default=4,
+                   help="the kernel width of the Gated DeltaNet's causal convolution over q, k, v (TransformerConfig "
+                        "linear_conv_kernel_dim; MindSpeed-LLM's default 4)")
+    g.add_argument("--mamba-chunk-size", type=int, default=256,
+                   help="the chunk length of the chunked gated delta rule (megatron-core's "
+                        "torch_chunk_gated_delta_rule, compiled into the layer's graph); the same function at any "
+                        "length, which sets the size of the chunk's triangular solve (MindSpeed-LLM's default 256)")
+    g.add_argument("--partial-rotary-factor", type=float, default=None, metavar="F",
+                   help="RoPE on the first F x kv-channels channels of each head, the rest passed through "
+                        "(MindSpeed-LLM's, Qwen3-Next's partial_rotary_factor): megatron-core's rotary_percent F, "
+                        "the same as --rotary-percent F")
 
     g = p.add_argument_group("regularization")
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -859,6 +973,13 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                 (f"{what} is not implemented here" if what else "this layer spec is not one this job builds")
                 + "; the specs built here: " + ", ".join(f"{m} layer_spec" for m in SPECS_BUILT)
                 + " (or leave --spec out: megatron-core's local GPT layer)"))
+    if args.spec and args.spec[0] == "mindspeed_llm.tasks.models.spec.qwen3_next_spec" \
+            and args.full_attention_interval is None:
+        lines.append(refusal("--spec " + " ".join(args.spec),
+                             "Qwen3-Next's layers without --full-attention-interval (every layer its gated "
+                             "attention) are not implemented here; give --full-attention-interval N (N=1: every "
+                             "layer full attention, with Qwen3-Next's output gate)"))
+    lines.extend(_linear_attention_refusals(args))
     if args.num_experts:
         if args.moe_token_dispatcher_type == "flex":
             lines.append(refusal("--moe-token-dispatcher-type flex",
@@ -1181,6 +1302,10 @@ def validate(args: argparse.Namespace) -> None:
         fail("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path (a local directory)")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.partial_rotary_factor is not None:
+        _partial_rotary(args, fail)
+    if args.full_attention_interval is not None or args.no_enable_linear_qkv:
+        _check_linear_attention(args, fail)
     if args.rope_scaling_type == "longrope":
         _check_longrope(args, fail)
     if args.squared_relu and args.swiglu:

@@ -55,6 +55,9 @@ ARCHITECTURE += ("add_rmsnorm_offset",)  # norm weights stored as gamma - 1 (Min
 ARCHITECTURE += ("squared_relu", "gelu_tanh", "query_pre_attn_scalar", "input_embeds_norm",
                  "output_logit_softcapping")
 ARCHITECTURE += ("post_norm", "interleave_sliding_window")  # Gemma 2's layer (MindSpeed-LLM's flags)
+# Qwen3-Next's Gated DeltaNet layers (docs/linear_attention.md)
+ARCHITECTURE += ("full_attention_interval", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                 "linear_num_value_heads", "mamba_d_conv")
 # The distributed optimizer's sharding: reshardable over TP, PP and DP, gathered over the gloo DP group.
 DISTOPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                     "distrib_optim_fully_reshardable_mem_efficient": True,

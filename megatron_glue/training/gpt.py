@@ -79,6 +79,12 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     if getattr(args, "num_experts", None):
         # Megatron-LM's pretrain_gpt: MoE and dense layers by --moe-layer-freq, megatron-core's local modules
         spec = moe_block_spec(config, args.normalization, vp_stage)
+    elif getattr(args, "full_attention_interval", None):
+        # MindSpeed-LLM's qwen3_next_spec: Gated DeltaNet layers, every N-th layer full attention
+        from megatron_glue.capture.adaptations import set_gated_delta_rule_chunk_size
+
+        set_gated_delta_rule_chunk_size(args.mamba_chunk_size)
+        spec = linear_attention_block_spec(config, getattr(args, "qk_layernorm", False), vp_stage)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization,
                                         qk_layernorm=getattr(args, "qk_layernorm", False))
@@ -106,6 +112,49 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     if getattr(args, "output_logit_softcapping", None) and post_process:
         model.output_layer.register_forward_hook(partial(_softcap_logits, args.output_logit_softcapping))
     return model
+
+
+def linear_attention_block_spec(config, qk_layernorm: bool, vp_stage: int | None = None):
+    """The hybrid decoder block of MindSpeed-LLM's qwen3_next_spec (docs/linear_attention.md) from megatron-core's own
+    modules (0.16+), local (no Transformer Engine), for this pipeline (virtual) stage: megatron-core's layer pattern
+    of config.linear_attention_freq N (experimental_attention_variant_module_specs.py:316-350: layer i, 1-based, is
+    full attention when i % N == 0, as MindSpeed-LLM's transformer_block.py:176-185), its GatedDeltaNet spec
+    (get_gated_delta_net_module_spec) for the linear-attention layers, and the local GPT layer (q/k norms as
+    `qk_layernorm`, the output gate as config.attention_output_gate) for the others.
+
+    megatron-core's own block builder (get_transformer_block_with_experimental_attention_variant_spec) asserts
+    Transformer Engine (:356-359), whose fused norm + linear is the GatedDeltaNet input projection's; the local backend
+    has none (models/backends.py:100-102), so here the layer keeps its own input norm and the projection is the plain
+    ColumnParallelLinear: the same norm, then the same matmul."""
+    import dataclasses
+
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_gated_delta_net_module_spec, get_linear_attention_pattern)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    local = LocalSpecProvider()
+    full = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=qk_layernorm)
+    gated_delta_net = get_gated_delta_net_module_spec(config, backend=local)
+    gated_delta_net.submodules.in_proj = local.column_parallel_linear()
+    # checkpoint keys as Transformer Engine's layer has them (the input norm fused into in_proj), as the local
+    # layer maps its own input norm onto linear_qkv's (gpt_layer_specs.py:417-420)
+    keys = {**full.submodules.sharded_state_dict_keys_map, "input_layernorm.": "self_attention.in_proj.layer_norm_"}
+    linear = ModuleSpec(module=full.module, submodules=dataclasses.replace(
+        full.submodules, self_attention=gated_delta_net, sharded_state_dict_keys_map=keys))
+    layers = [linear if is_linear else full for is_linear in get_linear_attention_pattern(config)]
+    if config.pipeline_model_parallel_layout is not None:
+        ids = config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder,
+                                                                      vp_stage=vp_stage)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
+    return TransformerBlockSubmodules(layer_specs=[layers[i] for i in ids],
+                                      layer_norm=full.submodules.input_layernorm)
 
 
 def add_post_norms(model, config, args) -> None:

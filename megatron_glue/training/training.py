@@ -155,6 +155,7 @@ def transformer_config(args, where):
         **recompute_fields(args),
         **(versions.uneven_stages(args.num_layer_list) if getattr(args, "num_layer_list", None) else {}),
         **moe_fields(args),
+        **linear_attention_fields(args),
     )
     fields.update(versions.transformer_config_extras())
     with quiet_megatron():
@@ -186,6 +187,19 @@ def sliding_window_fields(args) -> dict:
     do; the others attend causally."""
     window = getattr(args, "interleave_sliding_window", None)
     return {} if window is None else dict(window_size=(window - 1, 0), window_attn_skip_freq=2)
+
+
+def linear_attention_fields(args) -> dict:
+    """MindSpeed-LLM's Qwen3-Next flags as megatron-core 0.16's TransformerConfig fields (docs/linear_attention.md):
+    Gated DeltaNet layers with every --full-attention-interval-th layer full attention, that attention with Qwen3-Next's
+    sigmoid output gate (MindSpeed-LLM's qwen3_next_full_attention.py:152-155,210); none without the flag."""
+    interval = getattr(args, "full_attention_interval", None)
+    if interval is None:
+        return {}
+    return dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=interval,
+                attention_output_gate=True, linear_conv_kernel_dim=args.mamba_d_conv,
+                linear_key_head_dim=args.linear_key_head_dim, linear_value_head_dim=args.linear_value_head_dim,
+                linear_num_key_heads=args.linear_num_key_heads, linear_num_value_heads=args.linear_num_value_heads)
 
 
 def moe_fields(args) -> dict:

@@ -1,3 +1,4 @@
+import importlib.util
 import re
 import sys
 import types
@@ -309,7 +310,10 @@ ONE_LINE_ONLY = {"quiet_default_tp_group", "no_fp8_params_no_quantize", "checkpo
                  "flattened_shard_coordinates_numpy2", "flattened_shard_validation_numpy2", "shard_size_numpy2",
                  "linear_impl_by_weight_0_13_ColumnParallelLinear", "linear_impl_by_weight_0_13_RowParallelLinear",
                  "packed_documents", "router_gemm_without_te", "alltoall_seq_without_cuda_sync_0_12",
-                 "sliding_window_mask_on_default_device", "cp_batch_split_on_its_device"}
+                 "sliding_window_mask_on_default_device", "cp_batch_split_on_its_device",
+                 # megatron-core's Gated DeltaNet arrived in 0.16
+                 "gated_delta_net_without_fla", "gated_delta_rule_in_torch", "l2norm_in_torch",
+                 "gated_norm_in_the_layer_graph"}
 
 
 @pytest.mark.parametrize("version", ["0.12.1", "0.16.1"])  # the lines tested (make test-mcore012, make test)
@@ -339,12 +343,15 @@ def test_adapt_applies_what_any_parallel_layout_needs_and_leaves_torch_compile_a
         registry.revert(*[n for n in registry.applied() if n not in before])
 
 
+LA = ("linear_attention",) if importlib.util.find_spec("fla") is None else ()  # no flash-linear-attention
+
+
 @pytest.mark.parametrize("device, training, expected", [
-    ("cpu", False, ("cpu", "compile", "tp_compile", "sp", "moe", "regions")),
-    (torch.device("cpu"), True, ("cpu", "compile", "tp_compile", "sp", "moe", "training")),
-    ("meta", False, ("cpu", "compile", "tp_compile", "sp", "moe", "regions")),
-    ("npu:3", True, ("compile", "tp_compile", "sp", "moe", "training")),  # transfer_to_npu serves CUDA calls
-    ("cuda", False, ("compile", "tp_compile", "sp", "moe", "regions")),
+    ("cpu", False, ("cpu", "compile", "tp_compile", "sp", "moe", *LA, "regions")),
+    (torch.device("cpu"), True, ("cpu", "compile", "tp_compile", "sp", "moe", *LA, "training")),
+    ("meta", False, ("cpu", "compile", "tp_compile", "sp", "moe", *LA, "regions")),
+    ("npu:3", True, ("compile", "tp_compile", "sp", "moe", *LA, "training")),  # transfer_to_npu serves CUDA calls
+    ("cuda", False, ("compile", "tp_compile", "sp", "moe", *LA, "regions")),
 ])
 def test_groups_for_a_device_are_the_same_at_every_parallel_layout(device, training, expected):
     from megatron_glue.capture.adaptations import groups_for

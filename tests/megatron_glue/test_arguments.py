@@ -134,12 +134,14 @@ def test_spec_names_the_layers_built_and_refuses_the_others():
     assert error([*JOB, "--spec", "mindspeed_llm.tasks.models.spec.plm_spec", "layer_spec"]) == PROG + (
         "--spec mindspeed_llm.tasks.models.spec.plm_spec layer_spec: PLM's layer (MLA, squared ReLU) is not "
         "implemented here; the specs built here: mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec, "
-        "mindspeed_llm.tasks.models.spec.gemma2_spec layer_spec (or leave --spec out: megatron-core's local GPT "
+        "mindspeed_llm.tasks.models.spec.gemma2_spec layer_spec, mindspeed_llm.tasks.models.spec.qwen3_next_spec "
+        "layer_spec (or leave --spec out: megatron-core's local GPT "
         "layer)")
     assert error([*JOB, "--spec", "my.module", "my_spec"]) == PROG + (
         "--spec my.module my_spec: this layer spec is not one this job builds; the specs built here: "
         "mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec, mindspeed_llm.tasks.models.spec.gemma2_spec "
-        "layer_spec (or leave --spec out: megatron-core's local GPT layer)")
+        "layer_spec, mindspeed_llm.tasks.models.spec.qwen3_next_spec layer_spec (or leave --spec out: megatron-core's "
+        "local GPT layer)")
 
 
 def test_handler_name_only_for_preprocessed_pretraining_data(tmp_path):
