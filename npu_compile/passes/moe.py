@@ -318,3 +318,173 @@ def apply_unpermute(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]
 
 
 register_graph_rule(GraphRule(UNPERMUTE, apply_unpermute))
+
+
+# -- token counts for the cost model ------------------------------------------------------------------------------
+#
+# An MoE layer's token counts are data-dependent (unbacked symbols): the permuted row count (``masked_select`` by the
+# routing map), the all-to-all's split sizes and the tokens per expert (``.tolist()``). The cost model takes sizes at
+# their optimization hints, and an unbacked symbol without one is 0 (``device.cost._hint``): the token all-to-alls
+# cost their latency alone and the experts' grouped matmuls nothing, so the overlap scheduler plans as if there were
+# no token traffic to hide. ``token_hints`` gives those symbols the hints of balanced routing, without a guard
+# (``ShapeEnv.var_to_hint_override``, read by ``optimization_hint`` only; nothing that decides a shape reads it):
+#
+#   permuted rows  = routing-map entries x k / E           (dropless top-k: exactly tokens x k with the whole map)
+#   all-to-all     = each split 1/n of the rows sent; the rows received equal the rows sent
+#   split sizes    = equal shares of the rows split (the tokens per expert, the chunks per rank)
+#
+# k / E from the router's top-k (the ``topk`` over the widest last dim: group-limited routing's group top-k is over
+# fewer columns); routers of different k / E in one graph: no hints (the reason is returned).
+
+TOKEN_HINTS = "moe_token_hints"
+c10d = torch.ops._c10d_functional
+
+
+def _shape_env(graph: Graph):
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        for t in val if isinstance(val, (list, tuple)) else [val]:
+            if isinstance(t, torch.Tensor):
+                for s in t.shape:
+                    if isinstance(s, torch.SymInt):
+                        return s.node.shape_env
+    return None
+
+
+def _routing_ratio(graph: Graph):
+    """(k, E) of the router's top-k, or (None, why)."""
+    found = {}
+    for node in graph.find_nodes(op="call_function", target=aten.topk.default):
+        val = _val(node.args[0])
+        if not isinstance(val, torch.Tensor) or type(val.shape[-1]) is not int or type(node.args[1]) is not int:
+            continue
+        found.setdefault(val.shape[-1], set()).add(node.args[1])
+    if not found:
+        return None, "no router top-k in the graph"
+    experts = max(found)
+    if len(found[experts]) != 1:
+        return None, f"top-k over {experts} columns with k = {sorted(found[experts])}: routers of different k"
+    return (next(iter(found[experts])), experts), None
+
+
+class _Hints:
+    def __init__(self, env):
+        self.env = env
+        self.set: dict = {}
+
+    def _expr(self, size):
+        if type(size) is int:
+            return size
+        if isinstance(size, Node):
+            size = _val(size)
+        if not isinstance(size, torch.SymInt):
+            return None
+        return size.node.expr.xreplace(self.env.replacements)
+
+    def _open(self, expr):
+        """The free unbacked symbols of ``expr`` without a hint."""
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        return [s for s in free_unbacked_symbols(expr) if s not in self.env.var_to_hint_override]
+
+    def value(self, size) -> int | None:
+        """``size`` at the hints, or None while it has an unbacked symbol without one."""
+        expr = self._expr(size)
+        if expr is None:
+            return None
+        if type(expr) is int:
+            return expr
+        if self._open(expr):
+            return None
+        return int(self.env.optimization_hint(expr, fallback=0))
+
+    def assign(self, size, value: int) -> bool:
+        """Give ``size`` (a symbol, or a sum of symbols: ``u0 + u1`` after the shape environment's replacements) the
+        hint ``value``, spread evenly over its symbols without one. Whether anything was set."""
+        import sympy
+
+        expr = self._expr(size)
+        if expr is None or type(expr) is int or not isinstance(expr, sympy.Expr):
+            return False
+        open_ = self._open(expr)
+        if not open_:
+            return False
+        if not (expr.is_Symbol or (expr.is_Add and all(a.is_Symbol for a in expr.args))):
+            return False
+        known = sum(int(self.env.optimization_hint(a, fallback=0)) for a in expr.args if a not in open_) \
+            if expr.is_Add else 0
+        share = max(value - known, 0) // len(open_)
+        for s in open_:
+            self.env.var_to_hint_override[s] = share
+            self.set[s] = share
+        return True
+
+
+def token_hints(graph: Graph) -> tuple[dict, str | None]:
+    """Give the MoE layers' data-dependent token counts in ``graph`` the hints of balanced routing (above); returns
+    ({symbol: hint} set, None) or ({}, why none were)."""
+    env = _shape_env(graph)
+    if env is None:
+        return {}, "no symbolic sizes in the graph"
+    ratio, why = _routing_ratio(graph)
+    if ratio is None:
+        return {}, why
+    k, experts = ratio
+    hints = _Hints(env)
+    rows = lambda node: hints.value(_val(node).shape[0]) if isinstance(_val(node), torch.Tensor) else None  # noqa: E731
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.find_nodes(op="call_function", target=aten.masked_select.default):
+            mask = _val(node.args[1])
+            numel = hints.value(mask.numel()) if isinstance(mask, torch.Tensor) else None
+            if numel is not None:
+                changed |= hints.assign(_val(node).shape[0], numel * k // experts)
+        for node in graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default):
+            sent = rows(node.args[0])
+            if sent is None:
+                continue
+            out_splits, in_splits = node.args[1], node.args[2]
+            for splits in (in_splits, out_splits):
+                for s in splits:
+                    changed |= hints.assign(s, sent // len(splits))
+        for node in graph.find_nodes(op="call_function", target=aten.split_with_sizes.default):
+            sizes, dim = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            total = hints.value(_val(node.args[0]).shape[dim]) if isinstance(_val(node.args[0]), torch.Tensor) \
+                else None
+            if total is None:
+                continue
+            values = [hints.value(s) for s in sizes]
+            open_ = [s for s, v in zip(sizes, values) if v is None]
+            if open_:
+                rest = max(total - sum(v for v in values if v is not None), 0)
+                for s in open_:
+                    changed |= hints.assign(s, rest // len(open_))
+    return hints.set, None if hints.set else "no data-dependent token counts in the graph"
+
+
+def apply_token_hints(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
+    """The graph rule: sites are the token permutations (``masked_select`` by a routing map) now priced; a graph
+    with a token all-to-all or permutation that got no hint says why in ``unfused``. The graph is not changed."""
+    _, why = token_hints(graph)
+    dispatch = [*graph.find_nodes(op="call_function", target=aten.masked_select.default),
+                *graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)]
+    dispatch = [n for n in dispatch if isinstance(_val(n), torch.Tensor) and _unbacked_rows(_val(n))]
+    if not dispatch:
+        return 0, []
+    values = _Hints(_shape_env(graph))
+    unpriced = [n for n in dispatch if values.value(_val(n).shape[0]) is None]
+    why = why or "no relation to a priced size"
+    declined = [{"op": str(n.target), "node": n.name, "reason": (
+        f"the token count is data-dependent and no balanced-routing hint could be given ({why}); the cost model "
+        "prices it at 0 rows")} for n in unpriced]
+    return sum(n.target is aten.masked_select.default for n in dispatch if n not in unpriced), declined
+
+
+def _unbacked_rows(val) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return val.dim() > 0 and bool(free_unbacked_symbols(val.shape[0]))
+
+
+register_graph_rule(GraphRule(TOKEN_HINTS, apply_token_hints))
