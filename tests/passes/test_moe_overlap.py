@@ -202,3 +202,4 @@ def test_alltoall_layer_with_token_hints_equals_eager_and_exposes_less(tmp_path)
     # priced alike, the schedule planned with the token counts leaves less of them exposed
     assert with_["comm"]["exposed_comm_us_after"] < without["repriced"], (with_, without)
     assert with_["comm"]["exposed_comm_us_after"] < with_["comm"]["exposed_comm_us_before"]
+
