@@ -488,3 +488,123 @@ def _unbacked_rows(val) -> bool:
 
 
 register_graph_rule(GraphRule(TOKEN_HINTS, apply_token_hints))
+
+
+# -- topk_softmax -------------------------------------------------------------------------------------------------
+#
+# Fusion rule ``topk_softmax``: megatron-core's router with its default score function, the softmax over each
+# token's k largest logits (``topk_routing_with_score_function``, 0.16.1 moe_utils.py:713-715; 0.12.1
+# ``topk_softmax_with_capacity``, moe_utils.py:542-543):
+#
+#     scores, top_indices = torch.topk(logits, k, dim=1)
+#     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+#
+# becomes one ``npu_compile.topk_softmax(logits, k)`` (npu: ``npu_moe_gating_top_k_softmax_v2`` with renorm 1, top-k
+# then softmax). In the joint graph: ``topk(x, k)`` whose values are read by one ``_softmax`` along the last dim (fp32
+# logits), or by ``_to_copy`` to fp32 → ``_softmax`` → ``_to_copy`` back (bf16 / fp16 logits). The backward keeps
+# reading the fp32 softmax; with fp32 logits it is the fused op's probs, with 16-bit logits it is not (probs are
+# rounded), so those sites are fused only where nothing else reads the fp32 softmax (inference). Declined with the
+# reason: a top-k whose values nothing reads (the aux loss's routing map), softmax before the top-k
+# (``--moe-router-pre-softmax``), the sigmoid score function, group-limited routing, float64 logits.
+
+TOPK_SOFTMAX = "topk_softmax"
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _getitems(node: Node) -> dict[int, list[Node]]:
+    out: dict[int, list[Node]] = defaultdict(list)
+    for user in node.users:
+        if user.target is operator.getitem:
+            out[user.args[1]].append(user)
+    return out
+
+
+def _router_form(x: Node) -> str:
+    """Why a top-k over ``x`` is not the softmax-after-top-k router, by what computes ``x``."""
+    if _is(x, aten._softmax.default):
+        return "softmax before the top-k (--moe-router-pre-softmax, or the aux loss's scores)"
+    if _is(x, aten.sigmoid.default) or _is(x, aten.add.Tensor) and any(_is(a, aten.sigmoid.default) for a in x.args) \
+            or _is(x, aten._to_copy.default) and _is(x.args[0], aten.sigmoid.default):
+        return "the sigmoid score function (npu_moe_gating_top_k_softmax takes softmax scores)"
+    if _is(x, aten.masked_fill.Scalar, aten.where.self, aten.where.ScalarOther):
+        return "group-limited routing (a top-k over the experts of the selected groups)"
+    return "the top-k values are not softmaxed alone along the experts"
+
+
+def _topk_softmax_site(node: Node):
+    """(logits, k, the probs node to replace, indices getitems) of a site, or (None, why)."""
+    x, k = node.args[0], node.args[1]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
+    xval = _val(x)
+    if not (isinstance(xval, torch.Tensor) and xval.dim() == 2 and xval.is_floating_point()):
+        return None
+    if dim not in (-1, 1) or not largest:
+        return None, f"a top-k along dim {dim} (largest={largest}), not each token's largest experts"
+    if _is(x, aten.masked_fill.Scalar, aten.where.self, aten.where.ScalarOther):
+        return None, _router_form(x)  # group-limited: npu_moe_gating_top_k's k_group / group_count, not this op's
+    if xval.dtype == torch.float64:
+        return None, "float64 logits (megatron-core's softmax is float32 there; the fused op's is float64)"
+    items = _getitems(node)
+    values = items.get(0, [])
+    if not values or all(not v.users for v in values):
+        return None, "only the top-k's indices are read (the aux loss's routing map, or " + _router_form(x) + ")"
+    if len(values) != 1 or len(values[0].users) != 1:
+        return None, _router_form(x)
+    (user,) = values[0].users
+    cast_in = None
+    if _is(user, aten._to_copy.default) and user.kwargs.get("dtype") == torch.float32 and len(user.users) == 1:
+        cast_in, user = user, next(iter(user.users))
+    if not (_is(user, aten._softmax.default) and user.args[1] in (-1, 1) and _val(user).dtype == torch.float32):
+        return None, _router_form(x)
+    if xval.dtype == torch.float32:
+        return x, k, user, items.get(1, [])
+    out = [u for u in user.users if _is(u, aten._to_copy.default) and u.kwargs.get("dtype") == xval.dtype]
+    if cast_in is None or len(out) != 1 or len(user.users) != 1:
+        return None, (f"{xval.dtype} logits whose float32 softmax is read beside its cast back (the backward): the "
+                      "fused op's probs are rounded to the logits' dtype")
+    return x, k, out[0], items.get(1, [])
+
+
+def apply_topk_softmax(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
+    count, declined = 0, []
+    for node in list(graph.find_nodes(op="call_function", target=aten.topk.default)):
+        site = _topk_softmax_site(node)
+        if site is None:
+            continue
+        if site[0] is None:
+            declined.append({"op": str(node.target), "node": node.name, "reason": (
+                f"not megatron-core's softmax-after-top-k router: {site[1]}")})
+            continue
+        x, k, probs, indices = site
+        with graph.inserting_before(node):
+            call = graph.call_function(torch.ops.npu_compile.topk_softmax.default, (x, k))
+            new_probs = graph.call_function(operator.getitem, (call, 0))
+            new_indices = graph.call_function(operator.getitem, (call, 1))
+        pv, iv = _val(probs), _val(node)[1]
+        call.meta = {**node.meta, "val": (pv, iv)}
+        new_probs.meta = {**probs.meta}
+        new_indices.meta = {**indices[0].meta} if indices else {"val": iv}
+        probs.replace_all_uses_with(new_probs)
+        for i in indices:
+            i.replace_all_uses_with(new_indices)
+        # the old chain (probs back to the top-k) is dead now
+        for i in indices:
+            graph.erase_node(i)
+        dead, erased = [probs], set()
+        while dead:
+            n = dead.pop()
+            if n in erased or n.users or n.op != "call_function":
+                continue
+            inputs = list(n.all_input_nodes)
+            graph.erase_node(n)
+            erased.add(n)
+            dead += inputs
+        count += 1
+    return count, declined
+
+
+register_graph_rule(GraphRule(TOPK_SOFTMAX, apply_topk_softmax))
