@@ -101,3 +101,24 @@ def test_npu_sim_runs_the_torch_npu_op_as_eager():
     (report,) = reports
     assert report.lowered_ops["npu.npu_moe_gating_top_k_softmax_v2"] == 1
     assert "npu_compile.topk_softmax" not in report.lowered_ops
+
+
+def test_npu_sim_kernel_of_npu_moe_gating_top_k_softmax_v2():
+    """DOCS (torch_npu/_op_plugin_docs.py, npu_moe_gating_top_k_softmax_v2): renorm 1 top-k then softmax, renorm 0
+    softmax then top-k; expert_idx int32; the softmax as third output with renorm 0 and output_softmax (the wheel's
+    meta function), else [0]."""
+    from npu_compile.lowering.npu_sim import register
+
+    register()
+    npu = torch.ops.npu
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(6))
+    y, idx, third = npu.npu_moe_gating_top_k_softmax_v2(x, k=3, renorm=1)
+    values, want_idx = x.topk(3, dim=-1)
+    torch.testing.assert_close(y, values.softmax(-1))
+    assert idx.dtype == torch.int32 and torch.equal(idx.long(), want_idx) and third.shape == (0,)
+    y, idx, third = npu.npu_moe_gating_top_k_softmax_v2(x, k=2, renorm=0, output_softmax=True)
+    soft = x.softmax(-1)
+    torch.testing.assert_close(y, soft.topk(2, dim=-1).values)
+    torch.testing.assert_close(third, soft)
+    with pytest.raises(NotImplementedError, match="npu_moe_gating_top_k_softmax_v2 with finished"):
+        npu.npu_moe_gating_top_k_softmax_v2(x, k=2, finished=torch.zeros(5, dtype=torch.bool))
