@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import compare_with_eager
 from npu_compile.debug.report import collect
 
 RULES = ["topk_softmax"]
@@ -26,20 +25,20 @@ def _router(logits, k, **kw):
 
 
 @given(tokens=st.integers(1, 24), experts=st.integers(2, 16), k=st.integers(1, 8), seed=st.integers(0, 2**16))
-def test_megatron_router_fused_equals_eager(tokens, experts, k, seed):
+def test_megatron_router_fused_equals_eager(against_eager, tokens, experts, k, seed):
     k = min(k, experts)
     logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed), requires_grad=True)
-    result = compare_with_eager(lambda x: _router(x, k), logits, rules=RULES)
+    result = against_eager(lambda x: _router(x, k), logits, rules=RULES)
     assert result.fusions.get("topk_softmax") == 1, result.report.unfused
     assert result.report.unfused == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_logits_fused_in_inference_declined_in_training(dtype):
+def test_16_bit_logits_fused_in_inference_declined_in_training(dtype, against_eager):
     logits = torch.randn(10, 8, generator=torch.Generator().manual_seed(3)).to(dtype)
-    result = compare_with_eager(lambda x: _router(x, 2), logits, rules=RULES, no_grad=True)
+    result = against_eager(lambda x: _router(x, 2), logits, rules=RULES, no_grad=True)
     assert result.fusions.get("topk_softmax") == 1
-    result = compare_with_eager(lambda x: _router(x, 2), logits.requires_grad_(), rules=RULES)
+    result = against_eager(lambda x: _router(x, 2), logits.requires_grad_(), rules=RULES)
     assert not result.fusions.get("topk_softmax")
     (declined,) = [u for u in result.report.unfused if u.get("rule") == "topk_softmax"]
     assert declined["reason"] == (
@@ -47,23 +46,23 @@ def test_16_bit_logits_fused_in_inference_declined_in_training(dtype):
         "cast back (the backward): the fused op's probs are rounded to the logits' dtype")
 
 
-def _declined(fn, logits):
+def _declined(compare_with_eager, fn, logits):
     result = compare_with_eager(fn, logits, rules=RULES)
     assert not result.fusions.get("topk_softmax")
     return sorted({u["reason"].split(": ", 1)[1] for u in result.report.unfused if u.get("rule") == "topk_softmax"})
 
 
-def test_other_router_forms_are_declined_with_their_reason():
+def test_other_router_forms_are_declined_with_their_reason(against_eager):
     logits = torch.randn(12, 8, generator=torch.Generator().manual_seed(4), requires_grad=True)
-    assert _declined(lambda x: _router(x, 2, use_pre_softmax=True), logits) == [
+    assert _declined(against_eager, lambda x: _router(x, 2, use_pre_softmax=True), logits) == [
         "softmax before the top-k (--moe-router-pre-softmax, or the aux loss's scores)"]
-    assert _declined(lambda x: _router(x, 2, score_function="sigmoid"), logits) == [
+    assert _declined(against_eager, lambda x: _router(x, 2, score_function="sigmoid"), logits) == [
         "the sigmoid score function (npu_moe_gating_top_k_softmax takes softmax scores)"]
-    reasons = _declined(lambda x: _router(x, 2, num_groups=4, group_topk=2), logits)
+    reasons = _declined(against_eager, lambda x: _router(x, 2, num_groups=4, group_topk=2), logits)
     assert reasons == ["group-limited routing (a top-k over the experts of the selected groups)",
                        "only the top-k's indices are read (the aux loss's routing map, or the top-k values are not "
                        "softmaxed alone along the experts)"]  # the groups' own top-k
-    assert _declined(lambda x: torch.topk(x, 2, dim=0)[0].softmax(-1), logits) == [
+    assert _declined(against_eager, lambda x: torch.topk(x, 2, dim=0)[0].softmax(-1), logits) == [
         "a top-k along dim 0 (largest=True), not each token's largest experts"]
     torch._dynamo.reset()
     with collect() as reports:
