@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from npu_compile.debug.report import collect
 
@@ -24,6 +24,7 @@ def _router(logits, k, **kw):
     return moe_utils.topk_softmax_with_capacity(logits, k, **kw)[0]
 
 
+@settings(max_examples=25)  # each example compiles
 @given(tokens=st.integers(1, 24), experts=st.integers(2, 16), k=st.integers(1, 8), seed=st.integers(0, 2**16))
 def test_megatron_router_fused_equals_eager(against_eager, tokens, experts, k, seed):
     k = min(k, experts)
