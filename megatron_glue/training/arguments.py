@@ -32,8 +32,11 @@ MOE_GROUPED_GEMM = ("the grouped GEMM's weight-gradient accumulation into the ma
 MOE_PERMUTE_FUSION = ("the token unpermute is fused here (the backend's unpermute rule, on by default when the job is "
                       "compiled) but the token permute is not (its row count is data-dependent), and megatron-core's "
                       "fused permute / unpermute is Transformer Engine's, CUDA-only; drop it")
-MOE_OVERLAP = ("MindSpeed's overlap of the MoE token communication with expert compute is not implemented here; "
-               "drop it (the dispatcher's collectives run in order)")
+MOE_FB_OVERLAP = ("MindSpeed's forward/backward overlap of two micro-batches (--moe-fb-overlap: one micro-batch's "
+                  "token all-to-alls behind another's compute, in its own 1F1B / DualPipeV schedule) is not "
+                  "implemented here: each compiled graph is one micro-batch's forward or backward, run one after the "
+                  "other by megatron-core's schedule, so no graph holds both; drop it (--moe-alltoall-overlap-comm "
+                  "overlaps the all-to-alls within the layer)")
 MOE_MINDSPEED = "MindSpeed-LLM's {} is not implemented here; drop it"
 CP_ALGORITHMS = {"hybrid_cp_algo": "hybrid (Ulysses x ring)", "adaptive_cp_algo": "adaptive",
                  "hybrid_adaptive_cp_algo": "hybrid adaptive", "kvallgather_cp_algo": "K/V all-gather"}
@@ -64,8 +67,7 @@ MOE_REFUSED: dict[str, tuple[int | str, str]] = {
     "--gemm-gradient-accumulation-fusion": (0, MOE_GROUPED_GEMM),
     "--moe-permute-fusion": (0, MOE_PERMUTE_FUSION),
     "--use-fused-moe-token-permute-and-unpermute": (0, MOE_PERMUTE_FUSION),
-    **{flag: (0, MOE_OVERLAP) for flag in ("--moe-permutation-async-comm", "--moe-alltoall-overlap-comm",
-                                           "--moe-fb-overlap")},
+    "--moe-fb-overlap": (0, MOE_FB_OVERLAP),
     "--moe-tp-extend-ep": (0, MOE_MINDSPEED.format("tensor-parallel ranks used as expert-parallel ones "
                                                    "(--moe-tp-extend-ep)")),
     "--moe-zero-memory": (1, MOE_MINDSPEED.format("MoE activation recompute / swap (--moe-zero-memory); Megatron's "
@@ -242,6 +244,11 @@ MINDSPEED_FUSIONS = {
     # (transformer/moe/experts.py:81), so the job keeps SequentialMLP (moe_grouped_gemm=False) and the flag names the
     # rule that turns its per-expert matmuls into one npu_grouped_matmul (docs/moe.md, "Fusions")
     "moe_grouped_gemm": ("grouped_matmul",),
+    # MindSpeed's async MoE token communication overlapped with compute (the shared expert, the experts' weight
+    # gradients): the backend's overlap scheduler, planning with the token counts rule moe_token_hints gives the
+    # cost model (docs/moe.md, "Overlap of the token communication")
+    "moe_alltoall_overlap_comm": ("moe_token_hints",),
+    "moe_permutation_async_comm": ("moe_token_hints",),
 }
 
 # MindSpeed-LLM's --spec modules: the ones whose local-layer spec (no experts) is megatron-core's own local layer,
@@ -1383,6 +1390,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.moe_grouped_gemm and args.num_experts and not args.npu_compile:
         fail("--moe-grouped-gemm is the backend's grouped_matmul fusion (megatron-core's own grouped GEMM needs a "
              "CUDA package), which --no-npu-compile turns off; drop one of them")
+    for flag in ("moe_alltoall_overlap_comm", "moe_permutation_async_comm"):
+        if getattr(args, flag) and args.num_experts:
+            validate_moe_overlap(args, "--" + flag.replace("_", "-"), fail)
     if args.use_ascend_mc2:  # MC2 is the compiler's, and only the npu targets have its ops: never a silent no-op
         if not args.npu_compile:
             fail("--use-ascend-mc2 is done by the compiler (option mc2='on'), which --no-npu-compile turns off; "
@@ -1675,6 +1685,26 @@ def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     """Megatron-LM's default --ffn-hidden-size (megatron/training/arguments.py, validate_args): 4h, and with
     --swiglu 2/3 of that rounded down to a multiple of 64 (hidden 4096: 10880)."""
     return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
+
+
+def validate_moe_overlap(args, flag: str, fail) -> None:
+    """MindSpeed's MoE overlap switches are the backend's overlap scheduler planning with the MoE token counts
+    (rule moe_token_hints): compiled, overlap on; --moe-alltoall-overlap-comm, as MindSpeed, behind an all-to-all
+    dispatcher at EP > 1 (mindspeed/features_manager/moe/moe_alltoall_overlap.py:24-28)."""
+    if not args.npu_compile:
+        fail(f"{flag} is the backend's overlap scheduler (planning with the MoE token counts: rule moe_token_hints), "
+             "which --no-npu-compile turns off; drop one of them")
+    if args.npu_compile_options.get("overlap", True) is False:
+        fail(f"{flag} is the backend's overlap scheduler (npu_compile option overlap), but --npu-compile-options "
+             "gives overlap=false; drop one of them")
+    if flag == "--moe-alltoall-overlap-comm":
+        if args.moe_token_dispatcher_type not in ("alltoall", "alltoall_seq"):
+            fail(f"--moe-alltoall-overlap-comm overlaps the all-to-all dispatcher's token exchange, as MindSpeed's "
+                 f"(alltoall or alltoall_seq); this job's --moe-token-dispatcher-type is "
+                 f"{args.moe_token_dispatcher_type!r}")
+        if args.expert_model_parallel_size == 1:
+            fail("--moe-alltoall-overlap-comm overlaps the token all-to-all, which --expert-model-parallel-size 1 "
+                 "does not have (MindSpeed refuses it there too); give an expert-parallel size above 1 or drop it")
 
 
 def compile_options(options: dict, switched_on: list[str], mc2: bool) -> dict:

@@ -181,3 +181,58 @@ def _unpermute_backward(ctx, grad):
 
 
 unpermute_tokens.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+# -- topk_softmax -------------------------------------------------------------------------------------------------
+#
+#     topk_softmax(logits, k) -> (probs, indices)      values, indices = topk(logits, k, dim=-1)
+#                                                      probs = softmax(values, dim=-1, dtype=float32).type_as(logits)
+#                          ~ npu_moe_gating_top_k_softmax_v2(logits, k=k, renorm=1)  (top-k first, then softmax)
+#
+# megatron-core's router with its default score function (softmax after the top-k: ``--moe-router-score-function
+# softmax`` without ``--moe-router-pre-softmax``; ``topk_routing_with_score_function``, 0.16.1 moe_utils.py:709-715,
+# 0.12.1 ``topk_softmax_with_capacity``, moe_utils.py:535-543): logits [tokens, experts] float, probs [tokens, k] in
+# logits' dtype (the softmax in fp32; in fp64 for fp64 logits), indices [tokens, k] int64, the experts in descending logit order. Gradient:
+# the softmax's backward on the k probabilities, scattered back to their experts' columns (plain aten); the
+# indices get none.
+
+
+def _check_topk_softmax(logits: Tensor, k: int) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"topk_softmax: logits must be a 2-D float tensor [tokens, experts], got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    if not 0 < k <= logits.shape[1]:
+        raise ValueError(f"topk_softmax: k must be in 1..experts ({logits.shape[1]}), got {k}")
+
+
+@torch.library.custom_op("npu_compile::topk_softmax", mutates_args=())
+def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(probs, indices): the softmax over each row's k largest logits, and those experts."""
+    _check_topk_softmax(logits, k)
+    values, indices = torch.topk(logits, k, dim=-1)
+    acc = torch.promote_types(logits.dtype, torch.float32)  # float32, as megatron-core's (float64 stays float64)
+    return torch.softmax(values, dim=-1, dtype=acc).to(logits.dtype), indices
+
+
+@topk_softmax.register_fake
+def _(logits, k):
+    _check_topk_softmax(logits, k)
+    return logits.new_empty((logits.shape[0], k)), logits.new_empty((logits.shape[0], k), dtype=torch.int64)
+
+
+def _topk_softmax_setup(ctx, inputs, output):
+    probs, indices = output
+    ctx.save_for_backward(probs, indices)
+    ctx.shape = inputs[0].shape
+
+
+def _topk_softmax_backward(ctx, grad_probs, grad_indices):
+    probs, indices = ctx.saved_tensors
+    acc = torch.promote_types(probs.dtype, torch.float32)
+    p, g = probs.to(acc), grad_probs.to(acc)
+    grad_values = p * (g - (g * p).sum(-1, keepdim=True))
+    grad = grad_values.new_zeros(ctx.shape).scatter(1, indices, grad_values)
+    return grad.to(grad_probs.dtype), None
+
+
+topk_softmax.register_autograd(_topk_softmax_backward, setup_context=_topk_softmax_setup)

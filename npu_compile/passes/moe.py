@@ -318,3 +318,293 @@ def apply_unpermute(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]
 
 
 register_graph_rule(GraphRule(UNPERMUTE, apply_unpermute))
+
+
+# -- token counts for the cost model ------------------------------------------------------------------------------
+#
+# An MoE layer's token counts are data-dependent (unbacked symbols): the permuted row count (``masked_select`` by the
+# routing map), the all-to-all's split sizes and the tokens per expert (``.tolist()``). The cost model takes sizes at
+# their optimization hints, and an unbacked symbol without one is 0 (``device.cost._hint``): the token all-to-alls
+# cost their latency alone and the experts' grouped matmuls nothing, so the overlap scheduler plans as if there were
+# no token traffic to hide. ``token_hints`` gives those symbols the hints of balanced routing, without a guard
+# (``ShapeEnv.var_to_hint_override``, read by ``optimization_hint`` only; nothing that decides a shape reads it):
+#
+#   permuted rows  = routing-map entries x k / E           (dropless top-k: exactly tokens x k with the whole map)
+#   all-to-all     = each split 1/n of the rows sent; the rows received equal the rows sent
+#   split sizes    = equal shares of the rows split (the tokens per expert, the chunks per rank)
+#
+# k / E from the router's top-k (the ``topk`` over the widest last dim: group-limited routing's group top-k is over
+# fewer columns); routers of different k / E in one graph: no hints (the reason is returned).
+
+TOKEN_HINTS = "moe_token_hints"
+c10d = torch.ops._c10d_functional
+
+
+def _shape_env(graph: Graph):
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        for t in val if isinstance(val, (list, tuple)) else [val]:
+            if isinstance(t, torch.Tensor):
+                for s in t.shape:
+                    if isinstance(s, torch.SymInt):
+                        return s.node.shape_env
+    return None
+
+
+def _routing_ratio(graph: Graph):
+    """(k, E) of the router's top-k, or (None, why)."""
+    found = {}
+    for node in graph.find_nodes(op="call_function", target=aten.topk.default):
+        val = _val(node.args[0])
+        if not isinstance(val, torch.Tensor) or type(val.shape[-1]) is not int or type(node.args[1]) is not int:
+            continue
+        found.setdefault(val.shape[-1], set()).add(node.args[1])
+    if not found:
+        return None, "no router top-k in the graph"
+    experts = max(found)
+    if len(found[experts]) != 1:
+        return None, f"top-k over {experts} columns with k = {sorted(found[experts])}: routers of different k"
+    return (next(iter(found[experts])), experts), None
+
+
+class _Hints:
+    def __init__(self, env):
+        self.env = env
+        self.set: dict = {}
+
+    def _expr(self, size):
+        if type(size) is int:
+            return size
+        if isinstance(size, Node):
+            size = _val(size)
+        if not isinstance(size, torch.SymInt):
+            return None
+        return size.node.expr.xreplace(self.env.replacements)
+
+    def _open(self, expr):
+        """The free unbacked symbols of ``expr`` without a hint."""
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        return [s for s in free_unbacked_symbols(expr) if s not in self.env.var_to_hint_override]
+
+    def value(self, size) -> int | None:
+        """``size`` at the hints, or None while it has an unbacked symbol without one."""
+        expr = self._expr(size)
+        if expr is None:
+            return None
+        if type(expr) is int:
+            return expr
+        if self._open(expr):
+            return None
+        return int(self.env.optimization_hint(expr, fallback=0))
+
+    def assign(self, size, value: int) -> bool:
+        """Give ``size`` (a symbol, or a sum of symbols: ``u0 + u1`` after the shape environment's replacements) the
+        hint ``value``, spread evenly over its symbols without one. Whether anything was set."""
+        import sympy
+
+        expr = self._expr(size)
+        if expr is None or type(expr) is int or not isinstance(expr, sympy.Expr):
+            return False
+        open_ = self._open(expr)
+        if not open_:
+            return False
+        if not (expr.is_Symbol or (expr.is_Add and all(a.is_Symbol for a in expr.args))):
+            return False
+        known = sum(int(self.env.optimization_hint(a, fallback=0)) for a in expr.args if a not in open_) \
+            if expr.is_Add else 0
+        share = max(value - known, 0) // len(open_)
+        for s in open_:
+            self.env.var_to_hint_override[s] = share
+            self.set[s] = share
+        return True
+
+
+def token_hints(graph: Graph) -> tuple[dict, str | None]:
+    """Give the MoE layers' data-dependent token counts in ``graph`` the hints of balanced routing (above); returns
+    ({symbol: hint} set, None) or ({}, why none were)."""
+    env = _shape_env(graph)
+    if env is None:
+        return {}, "no symbolic sizes in the graph"
+    ratio, why = _routing_ratio(graph)
+    if ratio is None:
+        return {}, why
+    k, experts = ratio
+    hints = _Hints(env)
+    rows = lambda node: hints.value(_val(node).shape[0]) if isinstance(_val(node), torch.Tensor) else None  # noqa: E731
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.find_nodes(op="call_function", target=aten.masked_select.default):
+            mask = _val(node.args[1])
+            numel = hints.value(mask.numel()) if isinstance(mask, torch.Tensor) else None
+            if numel is not None:
+                changed |= hints.assign(_val(node).shape[0], numel * k // experts)
+        for node in graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default):
+            sent = rows(node.args[0])
+            if sent is None:
+                continue
+            out_splits, in_splits = node.args[1], node.args[2]
+            for splits in (in_splits, out_splits):
+                for s in splits:
+                    changed |= hints.assign(s, sent // len(splits))
+        for node in graph.find_nodes(op="call_function", target=aten.split_with_sizes.default):
+            sizes, dim = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            total = hints.value(_val(node.args[0]).shape[dim]) if isinstance(_val(node.args[0]), torch.Tensor) \
+                else None
+            if total is None:
+                continue
+            values = [hints.value(s) for s in sizes]
+            open_ = [s for s, v in zip(sizes, values) if v is None]
+            if open_:
+                rest = max(total - sum(v for v in values if v is not None), 0)
+                for s in open_:
+                    changed |= hints.assign(s, rest // len(open_))
+    return hints.set, None if hints.set else "no data-dependent token counts in the graph"
+
+
+def apply_token_hints(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
+    """The graph rule: sites are the token permutations (``masked_select`` by a routing map) now priced; a graph
+    with a token all-to-all or permutation that got no hint says why in ``unfused``. The graph is not changed."""
+    _, why = token_hints(graph)
+    dispatch = [*graph.find_nodes(op="call_function", target=aten.masked_select.default),
+                *graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)]
+    dispatch = [n for n in dispatch if isinstance(_val(n), torch.Tensor) and _unbacked_rows(_val(n))]
+    if not dispatch:
+        return 0, []
+    values = _Hints(_shape_env(graph))
+    unpriced = [n for n in dispatch if values.value(_val(n).shape[0]) is None]
+    why = why or "no relation to a priced size"
+    declined = [{"op": str(n.target), "node": n.name, "reason": (
+        f"the token count is data-dependent and no balanced-routing hint could be given ({why}); the cost model "
+        "prices it at 0 rows")} for n in unpriced]
+    return sum(n.target is aten.masked_select.default for n in dispatch if n not in unpriced), declined
+
+
+def _unbacked_rows(val) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return val.dim() > 0 and bool(free_unbacked_symbols(val.shape[0]))
+
+
+register_graph_rule(GraphRule(TOKEN_HINTS, apply_token_hints))
+
+
+# -- topk_softmax -------------------------------------------------------------------------------------------------
+#
+# Fusion rule ``topk_softmax``: megatron-core's router with its default score function, the softmax over each
+# token's k largest logits (``topk_routing_with_score_function``, 0.16.1 moe_utils.py:713-715; 0.12.1
+# ``topk_softmax_with_capacity``, moe_utils.py:542-543):
+#
+#     scores, top_indices = torch.topk(logits, k, dim=1)
+#     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+#
+# becomes one ``npu_compile.topk_softmax(logits, k)`` (npu: ``npu_moe_gating_top_k_softmax_v2`` with renorm 1, top-k
+# then softmax). In the joint graph: ``topk(x, k)`` whose values are read by one ``_softmax`` along the last dim (fp32
+# logits), or by ``_to_copy`` to fp32 → ``_softmax`` → ``_to_copy`` back (bf16 / fp16 logits). The backward keeps
+# reading the fp32 softmax; with fp32 logits it is the fused op's probs, with 16-bit logits it is not (probs are
+# rounded), so those sites are fused only where nothing else reads the fp32 softmax (inference). Declined with the
+# reason: a top-k whose values nothing reads (the aux loss's routing map), softmax before the top-k
+# (``--moe-router-pre-softmax``), the sigmoid score function, group-limited routing, float64 logits.
+
+TOPK_SOFTMAX = "topk_softmax"
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _getitems(node: Node) -> dict[int, list[Node]]:
+    out: dict[int, list[Node]] = defaultdict(list)
+    for user in node.users:
+        if user.target is operator.getitem:
+            out[user.args[1]].append(user)
+    return out
+
+
+def _router_form(x: Node) -> str:
+    """Why a top-k over ``x`` is not the softmax-after-top-k router, by what computes ``x``."""
+    if _is(x, aten._softmax.default):
+        return "softmax before the top-k (--moe-router-pre-softmax, or the aux loss's scores)"
+    if _is(x, aten.sigmoid.default) or _is(x, aten.add.Tensor) and any(_is(a, aten.sigmoid.default) for a in x.args) \
+            or _is(x, aten._to_copy.default) and _is(x.args[0], aten.sigmoid.default):
+        return "the sigmoid score function (npu_moe_gating_top_k_softmax takes softmax scores)"
+    if _is(x, aten.masked_fill.Scalar, aten.where.self, aten.where.ScalarOther):
+        return "group-limited routing (a top-k over the experts of the selected groups)"
+    return "the top-k values are not softmaxed alone along the experts"
+
+
+def _topk_softmax_site(node: Node):
+    """(logits, k, the probs node to replace, indices getitems) of a site, or (None, why)."""
+    x, k = node.args[0], node.args[1]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
+    xval = _val(x)
+    if not (isinstance(xval, torch.Tensor) and xval.dim() == 2 and xval.is_floating_point()):
+        return None
+    if dim not in (-1, 1) or not largest:
+        return None, f"a top-k along dim {dim} (largest={largest}), not each token's largest experts"
+    if _is(x, aten.masked_fill.Scalar, aten.where.self, aten.where.ScalarOther):
+        return None, _router_form(x)  # group-limited: npu_moe_gating_top_k's k_group / group_count, not this op's
+    if xval.dtype == torch.float64:
+        return None, "float64 logits (megatron-core's softmax is float32 there; the fused op's is float64)"
+    items = _getitems(node)
+    values = items.get(0, [])
+    if not values or all(not v.users for v in values):
+        return None, "only the top-k's indices are read (the aux loss's routing map, or " + _router_form(x) + ")"
+    if len(values) != 1 or len(values[0].users) != 1:
+        return None, _router_form(x)
+    (user,) = values[0].users
+    cast_in = None
+    if _is(user, aten._to_copy.default) and user.kwargs.get("dtype") == torch.float32 and len(user.users) == 1:
+        cast_in, user = user, next(iter(user.users))
+    if not (_is(user, aten._softmax.default) and user.args[1] in (-1, 1) and _val(user).dtype == torch.float32):
+        return None, _router_form(x)
+    if xval.dtype == torch.float32:
+        return x, k, user, items.get(1, [])
+    out = [u for u in user.users if _is(u, aten._to_copy.default) and u.kwargs.get("dtype") == xval.dtype]
+    if cast_in is None or len(out) != 1 or len(user.users) != 1:
+        return None, (f"{xval.dtype} logits whose float32 softmax is read beside its cast back (the backward): the "
+                      "fused op's probs are rounded to the logits' dtype")
+    return x, k, out[0], items.get(1, [])
+
+
+def apply_topk_softmax(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
+    count, declined = 0, []
+    for node in list(graph.find_nodes(op="call_function", target=aten.topk.default)):
+        site = _topk_softmax_site(node)
+        if site is None:
+            continue
+        if site[0] is None:
+            declined.append({"op": str(node.target), "node": node.name, "reason": (
+                f"not megatron-core's softmax-after-top-k router: {site[1]}")})
+            continue
+        x, k, probs, indices = site
+        with graph.inserting_before(node):
+            call = graph.call_function(torch.ops.npu_compile.topk_softmax.default, (x, k))
+            new_probs = graph.call_function(operator.getitem, (call, 0))
+            new_indices = graph.call_function(operator.getitem, (call, 1))
+        pv, iv = _val(probs), _val(node)[1]
+        call.meta = {**node.meta, "val": (pv, iv)}
+        new_probs.meta = {**probs.meta}
+        new_indices.meta = {**indices[0].meta} if indices else {"val": iv}
+        probs.replace_all_uses_with(new_probs)
+        for i in indices:
+            i.replace_all_uses_with(new_indices)
+        # the old chain (probs back to the top-k) is dead now
+        for i in indices:
+            graph.erase_node(i)
+        dead, erased = [probs], set()
+        while dead:
+            n = dead.pop()
+            if n in erased or n.users or n.op != "call_function":
+                continue
+            inputs = list(n.all_input_nodes)
+            graph.erase_node(n)
+            erased.add(n)
+            dead += inputs
+        count += 1
+    return count, declined
+
+
+register_graph_rule(GraphRule(TOPK_SOFTMAX, apply_topk_softmax))

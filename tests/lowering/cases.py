@@ -124,6 +124,7 @@ def _experts(rows: tuple[int, ...], transpose: bool, dtype: torch.dtype = torch.
 
 GROUPED_MATMUL = ("npu.npu_grouped_matmul",)
 UNPERMUTE = ("npu.npu_moe_token_unpermute_with_routing_map",)
+TOPK_SOFTMAX = ("npu.npu_moe_gating_top_k_softmax_v2",)
 
 
 def _routed(tokens: int, topk: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -144,6 +145,9 @@ CASES: dict[str, Case] = {
     "unpermute_tokens": Case(lambda x, i: F.unpermute_tokens(x, i, 6), lambda: _routed(6, 2), UNPERMUTE),
     "unpermute_tokens_bf16": Case(lambda x, i: F.unpermute_tokens(x, i, 5), lambda: _routed(5, 3, torch.bfloat16),
                                   UNPERMUTE, tolerance=2e-2),
+    "topk_softmax": Case(lambda x: F.topk_softmax(x, 2)[0], lambda: [_t(8, 6)], TOPK_SOFTMAX),
+    "topk_softmax_bf16": Case(lambda x: F.topk_softmax(x, 3)[0], lambda: [_t(7, 8, dtype=torch.bfloat16)],
+                              TOPK_SOFTMAX, tolerance=2e-2),
     "varlen_attention_sbnd_gqa": Case(_varlen("sbnd"), lambda: [*_qkv("sbnd"), _documents()], V3),
     "varlen_attention_bsnd_eager": Case(_varlen("bsnd"), lambda: [*_qkv("bsnd", dv=8), _documents()], V3, EAGER),
     "attention_sbnd_causal_gqa": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION),

@@ -6,6 +6,8 @@ tests, and tracing their patterns would cost this file a minute."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,10 @@ import torch.nn.functional as F
 from megatron_glue.capture.adaptations import groups_for, registry
 
 EXPERTS = 4
-MOE_RULES = ["grouped_matmul", "unpermute"]
+MOE_RULES = ["grouped_matmul", "unpermute", "topk_softmax"]
+# the aux loss's scores take a top-k of their own (0.16.1; not 0.12.1)
+AUX_TOPK = hasattr(importlib.import_module("megatron.core.transformer.moe.moe_utils"),
+                   "compute_routing_scores_for_aux_loss")
 
 
 @pytest.fixture
@@ -93,6 +98,14 @@ def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher
     # expert's rows (and, alltoall, each split of the dispatch) by an even share (passes/unbacked_hints.py)
     hints = sorted(report.memory["unbacked_hints"].values())
     assert hints[-2:] == [32, 32] and set(hints[:-2]) == {32 // EXPERTS}, hints
+    # the router's softmax over the top-k logits: one npu_moe_gating_top_k_softmax_v2; on 0.16.1 the aux loss's own
+    # top-k of the softmaxed scores (compute_routing_scores_for_aux_loss: its routing map, indices only) declined
+    # with its reason (0.12.1's aux loss reads the router's routing map)
+    assert report.fusions["topk_softmax"] == 1
+    assert report.lowered_ops["npu.npu_moe_gating_top_k_softmax_v2"] == 1
+    assert [u["reason"] for u in report.unfused if u.get("rule") == "topk_softmax"] == [] if not AUX_TOPK else [
+        "not megatron-core's softmax-after-top-k router: only the top-k's indices are read (the aux loss's routing "
+        "map, or softmax before the top-k (--moe-router-pre-softmax, or the aux loss's scores))"]
 
 
 # -- the flags: Megatron-LM's --moe-grouped-gemm names the grouped_matmul rule -------------------------------------

@@ -10,7 +10,8 @@
     cross_entropy  linear_cross_entropy → per chunk, mm + npu_cross_entropy_loss (+ backward);
                    vocab_parallel_linear_cross_entropy → per chunk, aten ops + functional all-reduces
     moe          grouped_matmul → npu_grouped_matmul (lists: one matmul per expert);
-                 unpermute_tokens → npu_moe_token_unpermute_with_routing_map
+                 unpermute_tokens → npu_moe_token_unpermute_with_routing_map;
+                 topk_softmax → npu_moe_gating_top_k_softmax_v2 (renorm 1)
     mc2          the aten stage fusing a matmul with its collective (npu_all_gather_base_mm & co.)
     graph_modes  how the lowered graph runs: torchair GE, aclgraph, or op by op
     ge_converters  the GE converters this target registers with torchair (npu_fusion_attention_grad's dsink)

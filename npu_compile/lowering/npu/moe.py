@@ -15,6 +15,15 @@ mindspeed/te/pytorch/permutation.py, MoeUnpermuteMaskMap) and whose output shape
 npu_moe_token_unpermute's output has ``sorted_indices.size(0) // topK`` rows (its meta function) and its
 sorted_indices are npu_moe_token_permute's (index-based routing), not megatron-core's. DOCS: permuted_tokens
 float16, bfloat16 or float32; sorted_indices int32 1-D; restore_shape of 2 ints.
+
+topk_softmax → npu_moe_gating_top_k_softmax_v2(logits, k=k, renorm=1): top-k, then softmax over the k (DOCS,
+npu_moe_gating_top_k_softmax_v2: renorm 1 "对x做topk操作，后做softmax操作"; x 2-D / 3-D float16, bfloat16 or
+float32; 0 < k <= experts, k <= 1024; y in x's dtype, expert_idx int32, both [tokens, k]; the third output is the
+softmax only with renorm 0 and output_softmax, else [0] (the wheel's meta function,
+torch_npu/op_plugin/meta/_meta_registrations.py:1759-1783)). DOCS say "该接口支持推理场景下使用" (for inference):
+the op has no backward of its own, and none is asked of it: the gradient stays aten (the softmax's backward on the
+probs, scattered by the indices). Not known for the device: the order of the k experts in a row (taken as
+torch.topk's, descending), the softmax's internal precision for 16-bit x (taken as fp32, as megatron-core's).
 """
 
 from __future__ import annotations
@@ -96,6 +105,26 @@ def emit_unpermute(em: Emitter, c: Call, opts: Options) -> Outputs:
                [c["num_tokens"], hidden], drop_and_pad=False),)
 
 
+MAX_TOPK = 1024
+
+
+def check_topk_softmax(c: Call) -> str | None:
+    val, k = c.val("logits"), c["k"]
+    if problem := dtype_problem("npu_moe_gating_top_k_softmax_v2", val.dtype):
+        return problem
+    if k > MAX_TOPK:
+        return f"npu_moe_gating_top_k_softmax_v2 takes k <= {MAX_TOPK}, got {k}"
+    return None
+
+
+def emit_topk_softmax(em: Emitter, c: Call, opts: Options) -> Outputs:
+    """renorm 1: the top-k first, then the softmax over it (DOCS: "当renorm参数设置为1时，对x做topk操作，后做softmax
+    操作"), megatron-core's default router; expert_idx int32, widened to the int64 megatron-core scatters with."""
+    call = em(npu_op("npu_moe_gating_top_k_softmax_v2"), c["logits"], k=c["k"], renorm=1, output_softmax=False)
+    y, expert_idx, _ = em.outputs(call, 3)
+    return (y, em.cast(expert_idx, torch.int64))
+
+
 ROWS = {
     fused.grouped_matmul.default: Mapping(("npu_grouped_matmul",), check_grouped_matmul, emit_grouped_matmul),
     fused.grouped_matmul_weight_grad.default: Mapping(
@@ -106,4 +135,8 @@ ROWS = {
         ("npu_moe_token_unpermute_with_routing_map",), check_unpermute, emit_unpermute,
         note=lambda c: "unpermute_tokens: sorted_indices cast to int32 (npu_moe_token_unpermute_with_routing_map "
                        "takes int32)"),
+    fused.topk_softmax.default: Mapping(
+        ("npu_moe_gating_top_k_softmax_v2",), check_topk_softmax, emit_topk_softmax,
+        note=lambda c: "topk_softmax: expert indices widened from int32 (npu_moe_gating_top_k_softmax_v2's) to "
+                       "int64"),
 }

@@ -1,4 +1,4 @@
-"""npu_grouped_matmul and npu_moe_token_unpermute_with_routing_map on the CPU, in the forms the lowering emits (no quantization, no group_list).
+"""npu_grouped_matmul, npu_moe_token_unpermute_with_routing_map and npu_moe_gating_top_k_softmax_v2 on the CPU, in the forms the lowering emits (no quantization, no group_list).
 
 y_i = x_i × weight_i (+ bias_i), in fp32, rounded once to x's dtype (torch_npu/_op_plugin_docs.py,
 npu_grouped_matmul: "非量化" y dtype = x dtype, output_dtype None). split_item 0/1 gives one output per group;
@@ -75,5 +75,32 @@ def _fake_unpermute(permuted_tokens, sorted_indices, restore_shape, **kwargs):
     return permuted_tokens.new_empty(tuple(restore_shape))
 
 
+def npu_moe_gating_top_k_softmax_v2(x, *, k=1, finished=None, renorm=0, output_softmax=False):
+    """renorm 1: softmax over x's k largest along the last dim; renorm 0: the k largest of softmax(x) (DOCS,
+    npu_moe_gating_top_k_softmax_v2), in fp32, y rounded once to x's dtype; expert_idx int32 in descending order
+    (torch.topk's); the softmax as third output with renorm 0 and output_softmax, else [0] (the wheel's meta
+    function). ``finished`` (rows left out) is not emulated."""
+    unsupported(finished is None, "npu_moe_gating_top_k_softmax_v2 with finished")
+    check_float(x=x)
+    check(x.dim() in (2, 3), f"x must be 2-D or 3-D, got {tuple(x.shape)}")
+    check(0 < k <= x.shape[-1] and k <= 1024, f"k must be in 1..min({x.shape[-1]}, 1024), got {k}")
+    check(renorm in (0, 1), f"renorm must be 0 or 1, got {renorm}")
+    if renorm == 1:
+        values, idx = torch.topk(x.to(ACC), k, dim=-1)
+        y, soft = torch.softmax(values, dim=-1), None
+    else:
+        soft = torch.softmax(x.to(ACC), dim=-1)
+        y, idx = torch.topk(soft, k, dim=-1)
+    third = soft.to(torch.float32) if renorm == 0 and output_softmax else x.new_empty((0,))
+    return y.to(x.dtype), idx.to(torch.int32), third
+
+
+def _fake_gating(x, *, k=1, renorm=0, output_softmax=False, **kwargs):
+    shape = (*x.shape[:-1], k)
+    third = x.new_empty(tuple(x.shape), dtype=torch.float32) if renorm == 0 and output_softmax else x.new_empty((0,))
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int32), third
+
+
 KERNELS = {"npu_grouped_matmul": (npu_grouped_matmul, _fake),
-           "npu_moe_token_unpermute_with_routing_map": (npu_moe_token_unpermute_with_routing_map, _fake_unpermute)}
+           "npu_moe_token_unpermute_with_routing_map": (npu_moe_token_unpermute_with_routing_map, _fake_unpermute),
+           "npu_moe_gating_top_k_softmax_v2": (npu_moe_gating_top_k_softmax_v2, _fake_gating)}
