@@ -36,6 +36,7 @@ from torch.fx import Graph, Node
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile.*)
 from npu_compile.passes.engine import GraphRule, register_graph_rule
+from npu_compile.passes.unbacked_hints import shape_env_of as _shape_env
 
 NAME = "grouped_matmul"
 aten = torch.ops.aten
@@ -338,17 +339,6 @@ register_graph_rule(GraphRule(UNPERMUTE, apply_unpermute))
 
 TOKEN_HINTS = "moe_token_hints"
 c10d = torch.ops._c10d_functional
-
-
-def _shape_env(graph: Graph):
-    for node in graph.nodes:
-        val = node.meta.get("val")
-        for t in val if isinstance(val, (list, tuple)) else [val]:
-            if isinstance(t, torch.Tensor):
-                for s in t.shape:
-                    if isinstance(s, torch.SymInt):
-                        return s.node.shape_env
-    return None
 
 
 def _routing_ratio(graph: Graph):

@@ -41,7 +41,8 @@ _SAME_VALUES = {aten.clone.default, aten.permute.default, aten.t.default, aten.t
 _ZEROS = {aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default}
 
 
-def _shape_env(graph: torch.fx.Graph):
+def shape_env_of(graph: torch.fx.Graph):
+    """The ShapeEnv of the graph's symbolic sizes, or None."""
     for node in graph.nodes:
         val = node.meta.get("val")
         for v in val if isinstance(val, (tuple, list)) else (val,):
@@ -134,7 +135,7 @@ def _spread(expr, total: int, hints: dict, shape_env) -> dict:
 def seed(graph: torch.fx.Graph) -> dict[str, int]:
     """Set optimization hints for the graph's unbacked sizes (module docstring); {symbol: hint} of those set,
     also recorded on the ShapeEnv. Hints set before (by the user, or an earlier graph of the same ShapeEnv) win."""
-    shape_env = _shape_env(graph)
+    shape_env = shape_env_of(graph)
     if shape_env is None or not any(free_unbacked_symbols(v) for v in _vals(graph)):
         return {}
     hints = dict(shape_env.var_to_hint_override)

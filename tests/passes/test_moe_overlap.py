@@ -196,9 +196,10 @@ def test_alltoall_layer_with_token_hints_equals_eager_and_exposes_less(tmp_path)
     assert with_["comm"]["collectives"] == without["comm"]["collectives"] == 7
     assert with_["fusions"]["moe_token_hints"] == 2 and with_["unfused"] == []  # token indices and probs permuted
     assert "moe_token_hints" not in without["fusions"]
-    # without the rule the token all-to-alls cost their latency alone, and the report says nearly all is hidden
-    assert without["comm"]["exposed_comm_us_after"] < 0.1 * without["repriced"]
-    assert with_["comm"]["comm_us"] > 5 * without["comm"]["comm_us"]
+    # without the rule the token counts the memory analysis sizes (the routed rows, the splits torch's asserts tie
+    # to them: passes/unbacked_hints.py) price part of the traffic; the all-to-alls' received counts stay at 0 rows
+    assert with_["comm"]["comm_us"] > 1.5 * without["comm"]["comm_us"]
+    assert with_["comm"]["compute_us"] > without["comm"]["compute_us"]
     # priced alike, the schedule planned with the token counts leaves less of them exposed
     assert with_["comm"]["exposed_comm_us_after"] < without["repriced"], (with_, without)
     assert with_["comm"]["exposed_comm_us_after"] < with_["comm"]["exposed_comm_us_before"]
