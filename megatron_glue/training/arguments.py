@@ -1243,7 +1243,7 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--use-ascend-mc2 needs --sequence-parallel and --tensor-model-parallel-size > 1 (got "
              f"{'--sequence-parallel' if args.sequence_parallel else 'no --sequence-parallel'}, TP {tp}): MC2 fuses "
              "the all-gather + matmul and matmul + reduce-scatter that sequence parallelism puts around the "
-             "tensor-parallel linears")
+             "tensor-parallel linears (MindSpeed refuses this combination too)")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM turns it off at TP=1 too
 

@@ -195,11 +195,11 @@ def test_use_ascend_mc2_is_mc2_on_and_needs_sequence_parallel_at_tp_above_1():
     assert _parse_error([*tp2, "--use-ascend-mc2"], world_size=2) == (
         "pretrain_gpt: error: --use-ascend-mc2 needs --sequence-parallel and --tensor-model-parallel-size > 1 (got "
         "no --sequence-parallel, TP 2): MC2 fuses the all-gather + matmul and matmul + reduce-scatter that sequence "
-        "parallelism puts around the tensor-parallel linears")
+        "parallelism puts around the tensor-parallel linears (MindSpeed refuses this combination too)")
     assert _parse_error([*TINY, "--train-iters", "5", "--sequence-parallel", "--use-ascend-mc2"]) == (
         "pretrain_gpt: error: --use-ascend-mc2 needs --sequence-parallel and --tensor-model-parallel-size > 1 (got "
         "--sequence-parallel, TP 1): MC2 fuses the all-gather + matmul and matmul + reduce-scatter that sequence "
-        "parallelism puts around the tensor-parallel linears")
+        "parallelism puts around the tensor-parallel linears (MindSpeed refuses this combination too)")
     assert _parse_error([*tp2, "--sequence-parallel", "--use-ascend-mc2", "--npu-compile-options", '{"mc2": "off"}'],
                         world_size=2) == (
         "pretrain_gpt: error: --use-ascend-mc2 sets npu_compile option mc2='on', but --npu-compile-options gives "
