@@ -1251,10 +1251,6 @@ def validate(args: argparse.Namespace) -> None:
         from megatron_glue.training import noop_layers
 
         args.noop_layers = noop_layers.parse(args.noop_layers, args.num_layers, fail)
-        if args.enable_hf2mg_convert:
-            fail(f"--noop-layers with --enable-hf2mg-convert: `npu-compile convert` does not place HF layers around "
-                 f"empty layers; convert with --num-layers {args.num_layers - len(args.noop_layers)} and train "
-                 "without --noop-layers, or start from a Megatron checkpoint")
     if args.num_layer_list is not None:
         args.num_layer_list = num_layer_list(args, fail)
     elif args.num_layers % pp:

@@ -3,6 +3,11 @@ FakeTensor does not have, so the planned scratch is that of one document a row (
 that shape can hold); planned against the allocator's bytes (the profiler's memory events), op by op and for a
 compiled forward + backward."""
 
+import ast
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -73,6 +78,21 @@ def test_varlen_scratch_is_planned_as_one_document_a_row(which, fast, monkeypatc
 def test_compiled_varlen_step_planned_as_measured():
     """A forward + backward whose peak is the varlen backward's: report.json's planned peak against the measured
     one (without the op's scratch the plan fell short by the backward's per-document grads)."""
+    # in a fresh interpreter: a process that has run other tests (the suite, under xdist) measured the same step
+    # up to 1 MiB lower, a state of the process (torch's kernels' buffers) not pinned down here
+    done = subprocess.run([sys.executable, "-c", f"import runpy; print(runpy.run_path({__file__!r})"
+                           "['_planned_and_measured']())"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=os.path.dirname(os.path.dirname(
+                              os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned, measured = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    # alone, measured is planned within 0.1%; the plan is at what the allocator saw (within 1%) or above it
+    assert 0.99 * measured <= planned <= 1.15 * measured, (planned, measured)
+
+
+def _planned_and_measured() -> tuple[int, int]:
+    """A compiled forward + backward of varlen attention on one document a row: (planned peak, measured peak)."""
+    torch.set_num_threads(1)
     q, k, v = (t.requires_grad_() for t in _qkv())
 
     def f(q, k, v, cu):
@@ -93,8 +113,4 @@ def test_compiled_varlen_step_planned_as_measured():
     measured = peak_bytes(step)
     torch._dynamo.reset()
     (report,) = reports
-    planned = report.memory["planned_peak_bytes"]
-    # Run alone, measured is planned within 0.1%; after some of this file's other tests (forward on the tiles,
-    # then backward on the flash kernel) the step measures one q-sized buffer (512 KiB) less, a state of the
-    # process not pinned down here. The plan stays at what the allocator saw (within 1%) or above it, and close.
-    assert 0.99 * measured <= planned <= 1.15 * measured, (planned, measured)
+    return report.memory["planned_peak_bytes"], measured
