@@ -370,17 +370,16 @@ def notes(results: dict, eager_seqs: list[int], per_token: float) -> list[str]:
             f"{_fmt(results[('packed', top)][0]['largest'])} (one layer's s×s fp32 scores would be "
             f"{_fmt(eager_formula(top)['u'])}): varlen attention runs each document on its own.",
             f"- Compiled causal rows (one document a row) grow ×{causal_top / peak('causal', low):.1f} from "
-            f"{low // 1024}K to {top // 1024}K (packed rows: ×{packed_top / peak('packed', low):.1f}): their largest "
-            "buffer is the s×s bool causal mask (s² B). megatron-core's `DotProductAttention` given no mask asks "
-            "`get_default_causal_mask(s)` (here the \"cpu\" adaptation `causal_mask_on_default_device`: "
-            "`triu(ones(s, s, bool), 1)`), and the attention rule fuses over that mask as a general bool mask "
-            "instead of taking it as causal, so the graph builds the mask every step.",
-            f"- CP = 2 Ulysses ({_fmt(ulysses_top)} a rank at {top // 1024}K) saves little over CP 1 for the same "
-            "reason: each rank's attention covers the whole sequence (H/CP heads), with the whole s×s mask. Ring "
+            f"{low // 1024}K to {top // 1024}K (packed rows: ×{packed_top / peak('packed', low):.1f}), their "
+            f"largest buffer {_fmt(results[('causal', top)][0]['largest'])}: megatron-core's `DotProductAttention` "
+            "given no mask asks `get_default_causal_mask(s)` (`triu(ones(s, s, bool), 1)`), which the rule "
+            "`causal_mask` folds into the fused attention's causal flag, so no s×s tensor is built or kept.",
+            f"- CP = 2 Ulysses: {_fmt(ulysses_top)} a rank at {top // 1024}K, ×{causal_top / ulysses_top:.1f} less "
+            "than CP 1: each rank holds half the sequence outside attention and half the heads inside it. Ring "
             "attention's per-step attention is written out in aten ops (docs/context_parallel.md, \"Not done\"): "
             "each step's fp32 scores ((s/CP)² a head) are made and kept for the backward; " + ring + ".",
-            "- Packed rows under CP are refused in this job (docs/context_parallel.md): the CP columns run causal "
-            "rows, to be read against the compiled causal CP 1 column.", ""]
+            "- The CP columns run causal rows (one document a row); packed rows under CP are implemented "
+            "(docs/context_parallel.md) and not measured here.", ""]
     ratios = [(k, s, r["planned"] / r["peak"]) for (k, s), ranks in results.items() if k != "eager"
               for r in ranks if not r.get("refused")]
     if ratios:

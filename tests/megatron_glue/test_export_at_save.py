@@ -241,18 +241,22 @@ def test_a_config_of_another_vocabulary_is_refused(hf_cfg, tmp_path, capsys):
                                       "describes another model")
 
 
-def _export_on_rank(rank: int, store: str, args, out: Path) -> None:
+def _export_on_rank(args) -> str:
+    """One rank of a fresh process (megatron_glue.capture.distributed.run_on_ranks): the export's outcome."""
+    import os
+
     import torch.distributed as dist
 
     from megatron_glue.convert import at_save
     from megatron_glue.training.checkpointing import CheckpointError
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['NPU_COMPILE_STORE']}",
+                            rank=int(os.environ["RANK"]), world_size=2)
     try:
         at_save.export(args, 7)
-        (out / str(rank)).write_text("exported")
+        return "exported"
     except CheckpointError as e:
-        (out / str(rank)).write_text(str(e))
+        return str(e)
     finally:
         dist.destroy_process_group()
 
@@ -260,20 +264,17 @@ def _export_on_rank(rank: int, store: str, args, out: Path) -> None:
 @pytest.mark.gloo
 def test_a_failed_export_stops_every_rank_with_rank_0s_line(hf_cfg, tmp_path):
     """Rank 0's conversion fails (the saved folder is not a checkpoint): rank 1, waiting for it, gets its line."""
-    import multiprocessing
 
     save = tmp_path / "save"
     (save / "iter_0000007").mkdir(parents=True)
     args = types.SimpleNamespace(only_convert_last_checkpoint=False, train_iters=7, save=str(save), hf_save_dir=None,
                                  hf_cfg_dir=str(hf_cfg), model_type_hf=FAMILY)
-    ranks = [multiprocessing.get_context("fork").Process(
-        target=_export_on_rank, args=(rank, str(tmp_path / "store"), args, tmp_path)) for rank in (0, 1)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(120)
+    # fresh processes: a forked child of a test worker would inherit its default process group
+    from megatron_glue.capture.distributed import run_on_ranks
+
+    outcomes = run_on_ranks(_export_on_rank, args, world_size=2, timeout=180)
     line = (f"--enable-mg2hf-convert: converting {save / 'iter_0000007'} into {save / 'mg2hf_iteration7'} failed: "
             f"--load-dir {save / 'iter_0000007'}: no latest_checkpointed_iteration.txt and no checkpoint files; "
             "expected a Megatron checkpoint directory")
-    assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == [line, line]
+    assert outcomes == [line, line]
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000007"]
