@@ -25,10 +25,16 @@ def megatron_cpu():
     """Adaptation groups "cpu" and "compile" applied, and a gloo process group at TP=PP=1, for the session."""
     from megatron_glue.capture import models  # imports Megatron (seconds), so only when a test asks for it
 
+    global SESSION
     adapt(("cpu", "compile"))
     models.init_single_process()
+    SESSION = True
     yield
+    SESSION = False
     models.teardown_single_process()
+
+
+SESSION = False  # whether megatron_cpu's state is the session's (a block that tears it down puts it back)
 
 
 @contextlib.contextmanager

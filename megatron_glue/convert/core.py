@@ -174,6 +174,7 @@ def _single_process():
     adapt(tuple(g for g in groups_for() if g in ("cpu", "linear_attention")))
     # GatedDeltaNet puts some parameters on torch.cuda.current_device() (ssm/gated_delta_net.py:172,187,196): the
     # stand-in answers the meta device while meta_model builds
+    stand_in = "current_device_stand_in" not in registry.applied()  # taken off after, unless applied before
     registry.apply("zero_centered_rms_norm", "current_device_stand_in")
     ours = not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
     if not ours and (dist.get_world_size() > 1 or parallel_state.get_tensor_model_parallel_world_size() > 1
@@ -186,6 +187,8 @@ def _single_process():
     finally:
         if ours:
             teardown_single_process()
+        if stand_in:
+            registry.revert("current_device_stand_in")
 
 
 # -- hf -> mg ---------------------------------------------------------------------------------------------------

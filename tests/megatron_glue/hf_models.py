@@ -257,7 +257,9 @@ def process_state_kept():
     finally:
         teardown_single_process()
         registry.revert(*[n for n in registry.applied() if n not in before])
-        if was_initialized:
+        from megatron_glue.capture import testing
+
+        if was_initialized or testing.SESSION:  # (megatron_cpu may have been set up inside the block)
             init_single_process()
 
 

@@ -27,9 +27,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_glue.capture.adaptations import megatron_core_in
 from megatron_glue.convert import core, families, torch_dist, transforms
 
-pytestmark = pytest.mark.usefixtures("process_state_kept")
+
+# Gated DeltaNet layers are megatron-core 0.16's (megatron.core.ssm.gated_delta_net): the job refuses them before
+pytestmark = [pytest.mark.usefixtures("process_state_kept"),
+              pytest.mark.skipif(not megatron_core_in(">=0.16"), reason="Gated DeltaNet layers need megatron-core "
+                                 "0.16 or later (the job refuses --full-attention-interval before)")]
 
 LINEAR_FLAGS = ("--full-attention-interval", "--linear-key-head-dim", "--linear-value-head-dim",
                 "--linear-num-key-heads", "--linear-num-value-heads", "--mamba-d-conv", "--partial-rotary-factor")

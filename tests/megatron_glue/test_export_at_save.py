@@ -24,6 +24,9 @@ from pretrain_runs import parse_error, parse_tiny, pretrain
 FAMILY = "llama3"  # GQA, llama3 rope scaling, untied output layer
 VOCAB = 512        # the NullTokenizer's --vocab-size 511 plus its end-of-document token: no padding at TP=2
 
+# conversions in this process set up and tear down Megatron's state: put back after the module
+pytestmark = pytest.mark.usefixtures("process_state_kept")
+
 
 def _weights(folder) -> dict[str, torch.Tensor]:
     out = {}
