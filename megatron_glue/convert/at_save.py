@@ -39,18 +39,10 @@ def target_dir(args, iteration: int) -> str:
 
 
 def _writable_refusal(base: str, flag: str) -> str | None:
-    path = os.path.abspath(base)
-    if os.path.exists(path) and not os.path.isdir(path):
-        return f"{flag} {base} is a file; the mg2hf_iteration<N> folders of --enable-mg2hf-convert go in a folder"
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{flag} {base} lies under {existing}, which is a file; give a folder path"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return (f"{flag} {base}: {existing} is not writable by this process, so --enable-mg2hf-convert could not "
-                "write its mg2hf_iteration<N> folders there; give a folder it can write")
-    return None
+    from megatron_glue.training.checkpointing import folder_refusal
+
+    return folder_refusal(base, flag, "the mg2hf_iteration<N> folders of --enable-mg2hf-convert go in a folder",
+                          ", so --enable-mg2hf-convert could not write its mg2hf_iteration<N> folders there")
 
 
 def check(args) -> None:

@@ -173,16 +173,22 @@ def _sharded_state_dict(args, chunks, optimizer, scheduler, iteration, consumed,
 def save_refusal(args) -> str | None:
     """Why this job could not write its checkpoints to --save (None: it can), asked by the argument check: a job
     that cannot save is refused before it trains, never at its first save. Every rank asks (each writes its part)."""
-    root = os.path.abspath(args.save)
-    if os.path.exists(root) and not os.path.isdir(root):
-        return f"--save {args.save} is a file; --save names the folder the checkpoints go in"
-    existing = root
+    return folder_refusal(args.save, "--save", "--save names the folder the checkpoints go in")
+
+
+def folder_refusal(path: str, flag: str, a_folder: str, writes: str = "") -> str | None:
+    """Why `flag path` could not be a folder this process writes into (None: it can): a file there (`a_folder` says
+    what goes in the folder), a file on the way to it, or the nearest existing folder not writable (`writes`: what
+    could not be written, after a comma)."""
+    existing = os.path.abspath(path)
+    if os.path.exists(existing) and not os.path.isdir(existing):
+        return f"{flag} {path} is a file; {a_folder}"
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        return f"--save {args.save} lies under {existing}, which is a file; give a folder path"
+        return f"{flag} {path} lies under {existing}, which is a file; give a folder path"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"--save {args.save}: {existing} is not writable by this process; give a folder it can write"
+        return f"{flag} {path}: {existing} is not writable by this process{writes}; give a folder it can write"
     return None
 
 
