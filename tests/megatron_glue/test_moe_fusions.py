@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron_glue.capture.adaptations import groups_for, registry
 
 EXPERTS = 4
-MOE_RULES = ["grouped_matmul", "unpermute", "topk_softmax"]
+MOE_RULES = ["grouped_matmul", "unpermute", "topk_softmax", "permute"]
 # the aux loss's scores take a top-k of their own (0.16.1; not 0.12.1)
 AUX_TOPK = hasattr(importlib.import_module("megatron.core.transformer.moe.moe_utils"),
                    "compute_routing_scores_for_aux_loss")
@@ -94,6 +94,14 @@ def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher
     assert report.lowered_ops["npu.npu_moe_token_unpermute_with_routing_map"] == 2
     assert "npu_compile.unpermute_tokens" not in report.lowered_ops
     assert [u for u in report.unfused if u.get("rule") == "unpermute"] == []
+    # megatron-core's permute (index_select of the tokens by the masked_select of their numbers; alltoall also
+    # the probs' masked_select, allgather its own of the local probs by the same map): one permute_tokens, lowered
+    # to npu_moe_token_permute_with_routing_map (the map is the router's top-k scatter: topK known)
+    assert report.fusions["permute"] == 1
+    assert report.lowered_ops["npu.npu_moe_token_permute_with_routing_map"] == 1
+    assert "npu_compile.permute_tokens" not in report.lowered_ops
+    assert report.lowered_ops.get("aten.index_select", 0) == 0
+    assert [u for u in report.unfused if u.get("rule") == "permute"] == []
     # the memory analysis sizes the routed rows by the router's top-k (16 tokens x top-2, exact) and each
     # expert's rows (and, alltoall, each split of the dispatch) by an even share (passes/unbacked_hints.py)
     hints = sorted(report.memory["unbacked_hints"].values())

@@ -105,6 +105,43 @@ def emit_unpermute(em: Emitter, c: Call, opts: Options) -> Outputs:
                [c["num_tokens"], hidden], drop_and_pad=False),)
 
 
+MAX_PERMUTE_TOPK = 512  # DOCS: topK = num_out_tokens // tokens_num below 512 (UB)
+MAX_PERMUTE_SIZE = 16777215  # DOCS: tokens_num, experts_num and topK x tokens_num below it (float-exact ints)
+
+
+def check_permute(c: Call) -> str | None:
+    tokens, routing_map, probs, topk = c.val("tokens"), c.val("routing_map"), c.val("probs"), c["topk"]
+    name = "npu_moe_token_permute_with_routing_map"
+    if problem := dtype_problem(name, tokens.dtype):
+        return problem
+    if probs is not None and probs.dtype != tokens.dtype and not (
+            probs.dtype == torch.float32 and tokens.dtype == torch.bfloat16):
+        return (f"{name} takes probs of the tokens' dtype (or float32 probs with bfloat16 tokens), got "
+                f"{probs.dtype} probs, {tokens.dtype} tokens")
+    count, experts = routing_map.shape
+    if type(count) is not int or type(experts) is not int:
+        return f"{name} takes num_out_tokens as int: the token count must be static, got {count}"
+    if not topk:
+        return (f"{name} without drop_and_pad needs every routing-map row to hold the same number of experts "
+                "(topK = num_out_tokens // tokens, DOCS), and this map is not known to (not a router's top-k "
+                "scatter over all experts: a rank's slice of the experts, or gathered from other ranks)")
+    if topk >= MAX_PERMUTE_TOPK or max(count, experts, count * topk) >= MAX_PERMUTE_SIZE:
+        return (f"{name} needs topK < {MAX_PERMUTE_TOPK} and tokens, experts, tokens x topK < {MAX_PERMUTE_SIZE}, "
+                f"got topK {topk}, {count} tokens, {experts} experts")
+    return None
+
+
+def emit_permute(em: Emitter, c: Call, opts: Options) -> Outputs:
+    """num_out_tokens = tokens x topK (the map's rows each hold topK experts: the rule proved it), so the output
+    holds every routed copy; its sorted_indices (each token slot's row, DOCS) are not read: the graph keeps
+    megatron-core's (each row's token) for the unpermute and the gradient."""
+    tokens = c.val("tokens")
+    call = em(npu_op("npu_moe_token_permute_with_routing_map"), c["tokens"], c["routing_map"], probs=c["probs"],
+              num_out_tokens=tokens.shape[0] * c["topk"], drop_and_pad=False)
+    permuted, permuted_probs, _ = em.outputs(call, 3)
+    return (permuted, permuted_probs if c["probs"] is not None else None)
+
+
 MAX_TOPK = 1024
 
 
@@ -135,6 +172,7 @@ ROWS = {
         ("npu_moe_token_unpermute_with_routing_map",), check_unpermute, emit_unpermute,
         note=lambda c: "unpermute_tokens: sorted_indices cast to int32 (npu_moe_token_unpermute_with_routing_map "
                        "takes int32)"),
+    fused.permute_tokens.default: Mapping(("npu_moe_token_permute_with_routing_map",), check_permute, emit_permute),
     fused.topk_softmax.default: Mapping(
         ("npu_moe_gating_top_k_softmax_v2",), check_topk_softmax, emit_topk_softmax,
         note=lambda c: "topk_softmax: expert indices widened from int32 (npu_moe_gating_top_k_softmax_v2's) to "
