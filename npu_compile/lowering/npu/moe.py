@@ -139,6 +139,11 @@ def emit_permute(em: Emitter, c: Call, opts: Options) -> Outputs:
     call = em(npu_op("npu_moe_token_permute_with_routing_map"), c["tokens"], c["routing_map"], probs=c["probs"],
               num_out_tokens=tokens.shape[0] * c["topk"], drop_and_pad=False)
     permuted, permuted_probs, _ = em.outputs(call, 3)
+    # torch_npu's meta gives tokens x topK rows, a static size; at run time it is the row count the graph's
+    # masked_select binds (every row holds topK experts), the symbol the readers were traced with: they keep it
+    # (a static size beside it would make later passes compare the two, a guard on the data-dependent symbol)
+    for new, old in zip((permuted, permuted_probs), c.node.meta["val"]):
+        new.meta["val"] = old
     return (permuted, permuted_probs if c["probs"] is not None else None)
 
 
