@@ -315,14 +315,18 @@ def _(tokens, routing_map, num_out_tokens, probs=None, topk=0):
 
 
 def _permute_setup(ctx, inputs, output):
-    tokens, routing_map, _, probs, _ = inputs
+    tokens, routing_map, num_out_tokens, probs, _ = inputs
     ctx.save_for_backward(routing_map)
-    ctx.num_tokens, ctx.with_probs = tokens.shape[0], probs is not None
+    ctx.num_tokens, ctx.num_out_tokens, ctx.with_probs = tokens.shape[0], num_out_tokens, probs is not None
 
 
 def _permute_backward(ctx, grad_tokens, grad_probs):
     (routing_map,) = ctx.saved_tensors
-    idx = _sorted_indices(routing_map)
+    # the same indices without a data-dependent shape (masked_select's would need Dynamo's
+    # capture_dynamic_output_shape_ops in the backward of every graph calling the op): the map's true entries,
+    # expert by expert, as positions e x T + t of its transpose, num_out_tokens of them
+    flat = routing_map.bool().t().reshape(-1)
+    idx = torch.nonzero_static(flat, size=ctx.num_out_tokens).reshape(-1) % ctx.num_tokens
     grad_in = torch.ops.npu_compile.unpermute_tokens(grad_tokens, idx, ctx.num_tokens)
     grad_p = None
     if ctx.with_probs and grad_probs is not None and ctx.needs_input_grad[3]:

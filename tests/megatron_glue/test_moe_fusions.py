@@ -152,13 +152,29 @@ def test_moe_grouped_gemm_without_the_compiler_is_refused():
     _parse("--no-npu-compile")  # without the flag: the eager experts
 
 
-def test_moe_permute_fusion_is_refused_while_only_the_unpermute_is_fused():
+def test_moe_permute_fusion_is_the_permute_and_unpermute_rules():
+    """Megatron-LM's --moe-permute-fusion and MindSpeed's --use-fused-moe-token-permute-and-unpermute, on both
+    dispatchers: on by default (fusions "all"), added to a `fusions` list that leaves them out; megatron-core's own
+    fused permute (Transformer Engine's) stays off in its config."""
+    from megatron_glue.training.training import moe_fields
+
+    for flag in ("--moe-permute-fusion", "--use-fused-moe-token-permute-and-unpermute"):
+        for dispatcher in ("allgather", "alltoall"):
+            args = _parse(flag, "--moe-token-dispatcher-type", dispatcher)
+            assert args.npu_compile_options.get("fusions", "all") == "all"
+            assert moe_fields(args)["moe_permute_fusion"] is False
+        listed = _parse(flag, "--npu-compile-options", '{"fusions": ["swiglu"]}')
+        assert listed.npu_compile_options["fusions"] == ["swiglu", "permute", "unpermute"]
+        switched_off = _parse(flag, "--npu-compile-options", '{"fusions": {"permute": false, "unpermute": false}}')
+        assert switched_off.npu_compile_options["fusions"] == {"permute": True, "unpermute": True}
+
+
+def test_moe_permute_fusion_without_the_compiler_is_refused():
     from megatron_glue.training.arguments import ArgumentError
 
     for flag in ("--moe-permute-fusion", "--use-fused-moe-token-permute-and-unpermute"):
         with pytest.raises(ArgumentError) as info:
-            _parse(flag)
+            _parse(flag, "--no-npu-compile")
         assert info.value.message.endswith(
-            f"{flag}: the token unpermute is fused here (the backend's unpermute rule, on by default when the job is "
-            "compiled) but the token permute is not (its row count is data-dependent), and megatron-core's fused "
-            "permute / unpermute is Transformer Engine's, CUDA-only; drop it"), info.value.message
+            f"{flag} is the backend's permute and unpermute fusions (megatron-core's fused permute needs Transformer "
+            "Engine), which --no-npu-compile turns off; drop one of them"), info.value.message
