@@ -614,9 +614,9 @@ register_graph_rule(GraphRule(TOPK_SOFTMAX, apply_topk_softmax))
 # [E, -1]), M)`` and M a bool [E, T] map. The permuted row count is the unbacked symbol that masked_select binds:
 # the masked_select stays (it binds the symbol; the unpermute and the permute's gradient read its indices) and the
 # op takes the count from it (``sym_size``). A ``masked_select(P, M')`` of a float [E, T] by the same map (M' the
-# same node, or the transpose of the same [T, E] map) whose row count the shape environment shows equal is the
-# probs' permutation, folded into the op (its node stays while a size check reads the symbol it binds). ``topk``
-# is the map's per-row count where the map is a router's top-k scatter (``unbacked_hints.topk_mask_count``), else
+# same node, or the transpose of the same [T, E] map: as many rows by construction) is the probs' permutation,
+# folded into the op (its node stays while a size check reads the symbol it binds). ``topk`` is the map's per-row
+# count where the map is a router's top-k scatter (``unbacked_hints.topk_mask_count``), else
 # 0: the npu lowering needs it. Declined with the reason: an ``index_select`` by a masked_select whose values are
 # not each token's number, a map that is not [E, T], tokens that are not a 2-D float [T, H].
 
@@ -691,14 +691,15 @@ def _same_map(a: Node, b: Node) -> bool:
 
 
 def _probs_site(idx: Node, mask: Node, graph: Graph):
-    """The ``masked_select(P, M')`` permuting a float [E, T] by the same map with as many rows, or None."""
+    """The ``masked_select(P, M')`` permuting a float [E, T] by the same map, or None. It has as many rows as the
+    index by construction (one per true entry of the same map, neither side broadcast), whatever symbols the two
+    counts got (Dynamo binds one per masked_select; its asserts tie each to the experts' split sizes, not to each
+    other)."""
     for other in graph.find_nodes(op="call_function", target=aten.masked_select.default):
         src, m = other.args
-        sval, oval = _val(src), _val(other)
-        if other is idx or not _same_map(m, mask) or not isinstance(sval, torch.Tensor) \
-                or not sval.is_floating_point() or tuple(sval.shape) != tuple(_val(mask).shape):
-            continue
-        if _same_size(oval.shape[0], _val(idx).shape[0]):
+        sval = _val(src)
+        if other is not idx and _same_map(m, mask) and isinstance(sval, torch.Tensor) and sval.is_floating_point() \
+                and tuple(sval.shape) == tuple(_val(mask).shape) == tuple(_val(m).shape):
             return other
     return None
 

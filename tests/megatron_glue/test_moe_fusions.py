@@ -61,13 +61,23 @@ def _run(layer, module):
 
 
 @pytest.mark.parametrize("dispatcher,glu", [("allgather", True), ("alltoall", False)])
-def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher, glu):
+def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, monkeypatch, dispatcher, glu):
     import torch._dynamo.utils as dynamo_utils
+
+    from npu_compile.passes import engine, moe
 
     from npu_compile.debug.report import collect
 
     from megatron_glue.training.training import moe_dynamo_config
 
+    permutes = []
+
+    def recording(graph, mode):  # the permute rule, keeping the ops it made
+        result = moe.apply_permute(graph, mode)
+        permutes.extend(n for n in graph.nodes if n.target is torch.ops.npu_compile.permute_tokens.default)
+        return result
+
+    monkeypatch.setitem(engine.GRAPH_RULES, "permute", engine.GraphRule("permute", recording))
     layer = _layer(dispatcher, glu)
     want, want_grads = _run(layer, layer)
     moe_dynamo_config()
@@ -98,6 +108,8 @@ def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher
     # the probs' masked_select, allgather its own of the local probs by the same map): one permute_tokens, lowered
     # to npu_moe_token_permute_with_routing_map (the map is the router's top-k scatter: topK known)
     assert report.fusions["permute"] == 1
+    (op,) = permutes  # with the probs (alltoall: permute's own; allgather: its own masked_select by the same map)
+    assert op.args[3] is not None and op.args[4] == 2, op.args
     assert report.lowered_ops["npu.npu_moe_token_permute_with_routing_map"] == 1
     assert "npu_compile.permute_tokens" not in report.lowered_ops
     assert report.lowered_ops.get("aten.index_select", 0) == 0

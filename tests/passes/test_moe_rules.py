@@ -320,11 +320,22 @@ def _permute_dispatch(x, probs_logits, w, with_probs: bool, local: int):
 
 @pytest.mark.parametrize("with_probs,local,target", [(True, EXPERTS, "npu-sim"), (False, EXPERTS, "reference"),
                                                      (True, EXPERTS - 1, "npu-sim")])
-def test_megatron_permute_becomes_one_op(scalars, with_probs, local, target):
+def test_megatron_permute_becomes_one_op(scalars, monkeypatch, with_probs, local, target):
     """The permute (index_select of the tokens by the masked_select of their numbers, and the probs'
-    masked_select by the same map) is one permute_tokens; output and the tokens', probs' and weight's gradients
-    eager's. npu-sim: a router's top-k map over every expert lowers to npu_moe_token_permute_with_routing_map; a
-    rank's slice of the experts (rows of uneven count) keeps the reference kernel, with the reason."""
+    masked_select by the same map) is one permute_tokens taking the probs, and topk where the map is the router's
+    top-k over every expert; output and the tokens', probs' and weight's gradients eager's. npu-sim: a router's
+    top-k map over every expert lowers to npu_moe_token_permute_with_routing_map; a rank's slice of the experts
+    (rows of uneven count) keeps the reference kernel, with the reason."""
+    from npu_compile.passes import engine, moe
+
+    fused = []
+
+    def recording(graph, mode):
+        result = moe.apply_permute(graph, mode)
+        fused.extend(n for n in graph.nodes if n.target is torch.ops.npu_compile.permute_tokens.default)
+        return result
+
+    monkeypatch.setitem(engine.GRAPH_RULES, "permute", engine.GraphRule("permute", recording))
     gen = torch.Generator().manual_seed(4)
     x, logits, w = (torch.randn(TOKENS, H, generator=gen), torch.randn(TOKENS, EXPERTS, generator=gen),
                     torch.randn(H, H, generator=gen))
@@ -343,6 +354,8 @@ def test_megatron_permute_becomes_one_op(scalars, with_probs, local, target):
         torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-6)
     (report,) = reports
     assert report.fusions["permute"] == 1
+    (op,) = fused
+    assert (op.args[3] is not None) == with_probs and op.args[4] == (2 if local == EXPERTS else 0), op.args
     assert report.lowered_ops.get("aten.index_select", 0) == 0
     # the masked_selects stay: they bind the row counts (the index's also feeds the unpermute and the gradient)
     assert report.lowered_ops["aten.masked_select"] == (2 if with_probs else 1)
