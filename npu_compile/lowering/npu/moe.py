@@ -16,6 +16,13 @@ npu_moe_token_unpermute's output has ``sorted_indices.size(0) // topK`` rows (it
 sorted_indices are npu_moe_token_permute's (index-based routing), not megatron-core's. DOCS: permuted_tokens
 float16, bfloat16 or float32; sorted_indices int32 1-D; restore_shape of 2 ints.
 
+permute_tokens → npu_moe_token_permute_with_routing_map(tokens, routing_map, probs=probs, num_out_tokens=tokens x
+topk, drop_and_pad=False), its permuted tokens and probs (DOCS: topK = num_out_tokens // tokens, every map row
+holding topK experts, topK < 512; the rows sorted by expert, as megatron-core's permute; the meta function's
+outToken = topK x tokens). Only where the rule showed the rows each hold topk experts and the token count is static
+(num_out_tokens is int?). Its sorted_indices (each token slot's row, DOCS) are not megatron-core's layout and are not
+read: the graph keeps megatron-core's for the unpermute and the gradient.
+
 topk_softmax → npu_moe_gating_top_k_softmax_v2(logits, k=k, renorm=1): top-k, then softmax over the k (DOCS,
 npu_moe_gating_top_k_softmax_v2: renorm 1 "对x做topk操作，后做softmax操作"; x 2-D / 3-D float16, bfloat16 or
 float32; 0 < k <= experts, k <= 1024; y in x's dtype, expert_idx int32, both [tokens, k]; the third output is the
