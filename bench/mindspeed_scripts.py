@@ -51,7 +51,7 @@ MOE_SIZES = {"--num-experts": "4", "--moe-router-topk": "2", "--moe-ffn-hidden-s
              "--expert-model-parallel-size": "1"}
 # flags the job refuses (megatron_glue.training.arguments.REFUSED, with the reason it gives), dropped from the MoE
 # scripts; the one-line reasons of the report
-MOE_DROPPED = ("--gemm-gradient-accumulation-fusion", "--moe-permute-fusion", "--swap-optimizer")
+MOE_DROPPED = ("--gemm-gradient-accumulation-fusion", "--swap-optimizer")
 # accepted alone, refused in these scripts' combination (--swap-attention with --recompute-granularity full: MindSpeed
 # pairs its swap with its own MLP recompute, not implemented here), dropped too
 MOE_DROPPED_COMBINED = ("--swap-attention",

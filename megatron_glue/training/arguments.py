@@ -29,9 +29,6 @@ import sys
 MOE_GROUPED_GEMM = ("the grouped GEMM's weight-gradient accumulation into the main grads is not implemented here "
                     "(MindSpeed's fused GMM backward); drop it: --moe-grouped-gemm is the backend's grouped_matmul "
                     "fusion, whose weight gradients megatron-core's DDP accumulates as for any linear")
-MOE_PERMUTE_FUSION = ("the token unpermute is fused here (the backend's unpermute rule, on by default when the job is "
-                      "compiled) but the token permute is not (its row count is data-dependent), and megatron-core's "
-                      "fused permute / unpermute is Transformer Engine's, CUDA-only; drop it")
 MOE_FB_OVERLAP = ("MindSpeed's forward/backward overlap of two micro-batches (--moe-fb-overlap: one micro-batch's "
                   "token all-to-alls behind another's compute, in its own 1F1B / DualPipeV schedule) is not "
                   "implemented here: each compiled graph is one micro-batch's forward or backward, run one after the "
@@ -65,8 +62,6 @@ RECOMPUTE = ("it is not implemented here; Megatron's --recompute-granularity ful
 # "mixture of experts" group)
 MOE_REFUSED: dict[str, tuple[int | str, str]] = {
     "--gemm-gradient-accumulation-fusion": (0, MOE_GROUPED_GEMM),
-    "--moe-permute-fusion": (0, MOE_PERMUTE_FUSION),
-    "--use-fused-moe-token-permute-and-unpermute": (0, MOE_PERMUTE_FUSION),
     "--moe-fb-overlap": (0, MOE_FB_OVERLAP),
     "--moe-tp-extend-ep": (0, MOE_MINDSPEED.format("tensor-parallel ranks used as expert-parallel ones "
                                                    "(--moe-tp-extend-ep)")),
@@ -244,6 +239,13 @@ MINDSPEED_FUSIONS = {
     # (transformer/moe/experts.py:81), so the job keeps SequentialMLP (moe_grouped_gemm=False) and the flag names the
     # rule that turns its per-expert matmuls into one npu_grouped_matmul (docs/moe.md, "Fusions")
     "moe_grouped_gemm": ("grouped_matmul",),
+    # Megatron-LM's --moe-permute-fusion and MindSpeed's --use-fused-moe-token-permute-and-unpermute (one switch
+    # there: mindspeed/features_manager/fusions/fused_moe_permute.py): megatron-core's fused permute / unpermute is
+    # Transformer Engine's (moe_utils.py permute(fused=True)), so the job keeps moe_permute_fusion=False and the
+    # flags name the rules that turn megatron-core's own permute and unpermute into torch_npu's permute ops
+    # (docs/moe.md, "Fusions")
+    "moe_permute_fusion": ("permute", "unpermute"),
+    "use_fused_moe_token_permute_and_unpermute": ("permute", "unpermute"),
     # MindSpeed's async MoE token communication overlapped with compute (the shared expert, the experts' weight
     # gradients): the backend's overlap scheduler, planning with the token counts rule moe_token_hints gives the
     # cost model (docs/moe.md, "Overlap of the token communication")
@@ -1386,6 +1388,10 @@ def validate(args: argparse.Namespace) -> None:
     if args.moe_grouped_gemm and args.num_experts and not args.npu_compile:
         fail("--moe-grouped-gemm is the backend's grouped_matmul fusion (megatron-core's own grouped GEMM needs a "
              "CUDA package), which --no-npu-compile turns off; drop one of them")
+    for flag in ("moe_permute_fusion", "use_fused_moe_token_permute_and_unpermute"):
+        if getattr(args, flag) and args.num_experts and not args.npu_compile:
+            fail(f"--{flag.replace('_', '-')} is the backend's permute and unpermute fusions (megatron-core's fused "
+                 "permute needs Transformer Engine), which --no-npu-compile turns off; drop one of them")
     for flag in ("moe_alltoall_overlap_comm", "moe_permutation_async_comm"):
         if getattr(args, flag) and args.num_experts:
             validate_moe_overlap(args, "--" + flag.replace("_", "-"), fail)

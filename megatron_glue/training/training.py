@@ -226,6 +226,9 @@ def moe_fields(args) -> dict:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         moe_grouped_gemm=False,
+        # Transformer Engine's fused permute (moe_utils.py permute(fused=True)); --moe-permute-fusion names the
+        # backend's permute / unpermute rules instead (arguments.MINDSPEED_FUSIONS)
+        moe_permute_fusion=False,
         # 0.16's field; set only when asked (0.12's config has none; the parser refuses the flag there)
         **({"moe_shared_expert_gate": True} if getattr(args, "moe_shared_expert_gate", False) else {}),
     )

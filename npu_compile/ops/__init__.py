@@ -12,6 +12,7 @@ backward op that is itself a custom op, so the partitioner sees one opaque node 
     cross_entropy  linear_cross_entropy, vocab_parallel_linear_cross_entropy (+ _backward each)
     varlen_attention  varlen_attention (+ _backward), document_mask (packed documents)
     moe          grouped_matmul (+ grouped_matmul_weight_grad): the routed experts' matmuls as one op;
+                 permute_tokens: the tokens' routed copies, expert by expert;
                  unpermute_tokens: the experts' output rows summed back into their tokens
     offload      offload (device → host copy), prefetch (host → device copy): saved activations in host memory
 

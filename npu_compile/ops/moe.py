@@ -236,3 +236,103 @@ def _topk_softmax_backward(ctx, grad_probs, grad_indices):
 
 
 topk_softmax.register_autograd(_topk_softmax_backward, setup_context=_topk_softmax_setup)
+
+
+# -- permute_tokens -----------------------------------------------------------------------------------------------
+#
+#     permute_tokens(tokens, routing_map, num_out_tokens, probs=None, topk=0) -> (permuted_tokens, permuted_probs)
+#                          ~ npu_moe_token_permute_with_routing_map(tokens, routing_map, probs=probs,
+#                                                                   num_out_tokens=tokens x topk)[:2]
+#
+# megatron-core's ``permute`` without a capacity (0.16.1 moe_utils.py:361-376, 0.12.1 moe_utils.py:288-303):
+#
+#     sorted_indices = arange(T).unsqueeze(0).expand(E, -1).masked_select(routing_map.bool().T.contiguous())
+#     permuted_input = tokens.index_select(0, sorted_indices)
+#     permuted_probs = probs.T.contiguous().masked_select(routing_map.T)          (where the caller passes probs)
+#
+# tokens [T, H] float, routing_map [T, E] bool / int8 (1 where a token goes to an expert), probs [T, E] or None:
+# the rows expert by expert, each expert's tokens in token order; permuted_tokens [num_out_tokens, H],
+# permuted_probs [num_out_tokens] in probs' dtype ([0] without probs). ``num_out_tokens`` is the number of true
+# entries of the map, which under Dynamo is the unbacked symbol megatron-core's ``masked_select`` bound: the op
+# takes it rather than making it, so its fake kernel makes no new symbol inside a graph pass (docs/moe.md).
+# ``topk``: each row of the map holds exactly topk true entries (a router's top-k scatter), 0 where not known; the
+# reference checks it, the npu lowering needs it (torch_npu's op takes num_out_tokens = tokens x topk).
+# sorted_indices (each row's token) are not an output: the graph keeps megatron-core's masked_select for them
+# (it binds the row count, and torch_npu's sorted_indices are another layout: each token slot's row, DOCS).
+# Gradient: the tokens' is the rows' gradients summed into their tokens (``unpermute_tokens``), the probs' the
+# rows' probs gradients scattered back into the map's true entries; the map gets none.
+
+
+def _check_permute(tokens: Tensor, routing_map: Tensor, probs: Tensor | None, topk: int) -> None:
+    if tokens.dim() != 2 or not tokens.is_floating_point():
+        raise ValueError(f"permute_tokens: tokens must be a 2-D float tensor [tokens, hidden], got "
+                         f"{tuple(tokens.shape)} {tokens.dtype}")
+    if routing_map.dim() != 2 or routing_map.dtype not in (torch.bool, torch.int8) \
+            or routing_map.shape[0] != tokens.shape[0]:
+        raise ValueError(f"permute_tokens: routing_map must be a bool or int8 [{tokens.shape[0]}, experts] map, "
+                         f"got {tuple(routing_map.shape)} {routing_map.dtype}")
+    if probs is not None and (tuple(probs.shape) != tuple(routing_map.shape) or not probs.is_floating_point()):
+        raise ValueError(f"permute_tokens: probs must be a float tensor of the routing map's shape "
+                         f"{tuple(routing_map.shape)}, got {tuple(probs.shape)} {probs.dtype}")
+    if not 0 <= topk <= routing_map.shape[1]:
+        raise ValueError(f"permute_tokens: topk must be in 0..experts ({routing_map.shape[1]}), got {topk}")
+
+
+def _sorted_indices(routing_map: Tensor) -> Tensor:
+    """megatron-core's sorted_indices: the token of each permuted row, expert by expert."""
+    mask = routing_map.bool().t().contiguous()
+    tokens = torch.arange(routing_map.shape[0], device=routing_map.device)
+    return tokens.unsqueeze(0).expand(mask.shape[0], -1).masked_select(mask)
+
+
+@torch.library.custom_op("npu_compile::permute_tokens", mutates_args=())
+def permute_tokens(tokens: Tensor, routing_map: Tensor, num_out_tokens: int, probs: Tensor | None = None,
+                   topk: int = 0) -> tuple[Tensor, Tensor]:
+    """(permuted_tokens [num_out_tokens, hidden], permuted_probs [num_out_tokens] or [0]): the routed copies of
+    the tokens (and their probs) expert by expert, as megatron-core's permute."""
+    _check_permute(tokens, routing_map, probs, topk)
+    if topk:
+        per_row = routing_map.bool().sum(1)
+        if not bool((per_row == topk).all()):
+            raise ValueError(f"permute_tokens: every routing-map row must route to topk={topk} experts, got "
+                             f"{sorted(set(per_row.tolist()))}")
+    idx = _sorted_indices(routing_map)
+    if idx.shape[0] != num_out_tokens:
+        raise ValueError(f"permute_tokens: num_out_tokens={num_out_tokens}, but the routing map routes "
+                         f"{idx.shape[0]} copies")
+    out = tokens.index_select(0, idx)
+    if probs is None:
+        return out, tokens.new_empty((0,))
+    return out, probs.t().contiguous().masked_select(routing_map.bool().t())
+
+
+@permute_tokens.register_fake
+def _(tokens, routing_map, num_out_tokens, probs=None, topk=0):
+    _check_permute(tokens, routing_map, probs, topk)
+    torch._check(num_out_tokens >= 0, lambda: f"permute_tokens: num_out_tokens must be >= 0, got {num_out_tokens}")
+    out = tokens.new_empty((num_out_tokens, tokens.shape[1]))
+    return out, probs.new_empty((num_out_tokens,)) if probs is not None else tokens.new_empty((0,))
+
+
+def _permute_setup(ctx, inputs, output):
+    tokens, routing_map, num_out_tokens, probs, _ = inputs
+    ctx.save_for_backward(routing_map)
+    ctx.num_tokens, ctx.num_out_tokens, ctx.with_probs = tokens.shape[0], num_out_tokens, probs is not None
+
+
+def _permute_backward(ctx, grad_tokens, grad_probs):
+    (routing_map,) = ctx.saved_tensors
+    # the same indices without a data-dependent shape (masked_select's would need Dynamo's
+    # capture_dynamic_output_shape_ops in the backward of every graph calling the op): the map's true entries,
+    # expert by expert, as positions e x T + t of its transpose, num_out_tokens of them
+    flat = routing_map.bool().t().reshape(-1)
+    idx = torch.nonzero_static(flat, size=ctx.num_out_tokens).reshape(-1) % ctx.num_tokens
+    grad_in = torch.ops.npu_compile.unpermute_tokens(grad_tokens, idx, ctx.num_tokens)
+    grad_p = None
+    if ctx.with_probs and grad_probs is not None and ctx.needs_input_grad[3]:
+        mask = routing_map.bool().t()
+        grad_p = grad_probs.new_zeros(mask.shape).masked_scatter(mask, grad_probs).t()
+    return grad_in, None, None, grad_p, None
+
+
+permute_tokens.register_autograd(_permute_backward, setup_context=_permute_setup)

@@ -598,3 +598,167 @@ def apply_topk_softmax(graph: Graph, mode: str) -> tuple[int, list[dict[str, str
 
 
 register_graph_rule(GraphRule(TOPK_SOFTMAX, apply_topk_softmax))
+
+
+# -- permute ------------------------------------------------------------------------------------------------------
+#
+# Fusion rule ``permute``: megatron-core's token permutation (``moe_utils.permute`` without a capacity, what every
+# dispatcher of both lines calls: 0.16.1 token_dispatcher.py:297,637, 0.12.1 token_dispatcher.py:197,499,
+# legacy_a2a_token_dispatcher.py:230) becomes one ``npu_compile.permute_tokens``:
+#
+#     sorted_indices = arange(T).unsqueeze(0).expand(E, -1).masked_select(routing_map.bool().T.contiguous())
+#     permuted = tokens.index_select(0, sorted_indices)
+#     permuted_probs = probs.T.contiguous().masked_select(routing_map.T)      (alltoall; allgather does it itself)
+#
+# In the joint graph: ``index_select(tokens, 0, idx)`` with ``idx = masked_select(expand(unsqueeze(arange(T), 0),
+# [E, -1]), M)`` and M a bool [E, T] map. The permuted row count is the unbacked symbol that masked_select binds:
+# the masked_select stays (it binds the symbol; the unpermute and the permute's gradient read its indices) and the
+# op takes the count from it (``sym_size``). A ``masked_select(P, M')`` of a float [E, T] by the same map (M' the
+# same node, or the transpose of the same [T, E] map: as many rows by construction) is the probs' permutation,
+# folded into the op (its node stays while a size check reads the symbol it binds). ``topk`` is the map's per-row
+# count where the map is a router's top-k scatter (``unbacked_hints.topk_mask_count``), else
+# 0: the npu lowering needs it. Declined with the reason: an ``index_select`` by a masked_select whose values are
+# not each token's number, a map that is not [E, T], tokens that are not a 2-D float [T, H].
+
+PERMUTE = "permute"
+_TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
+_COPIES = (aten.clone.default, aten.contiguous.default, aten.alias.default)
+
+
+def _strip(node, targets):
+    while _is(node, *targets):
+        node = node.args[0]
+    return node
+
+
+def _map_source(mask: Node):
+    """The [T, E] tensor ``mask`` [E, T] is the transpose of (through copies), or None."""
+    node = _strip(mask, _COPIES)
+    if not _is(node, *_TRANSPOSES):
+        return None
+    if node.target is aten.permute.default and list(node.args[1]) != [1, 0]:
+        return None
+    if node.target is aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
+        return None
+    return node.args[0]
+
+
+def _token_numbers(values: Node, tokens: int) -> str | None:
+    """None if ``values`` [E, T] holds each column's token number (``arange(T)`` broadcast over the experts)."""
+    node = values
+    if _is(node, aten.expand.default):
+        node = node.args[0]
+    if _is(node, aten.unsqueeze.default) and node.args[1] == 0 or \
+            _is(node, aten.view.default, aten.reshape.default) and len(node.args[1]) == 2:
+        node = node.args[0]
+    if _is(node, aten.arange.default):
+        start, end, step = 0, node.args[0], 1
+    elif _is(node, aten.arange.start):
+        start, end, step = node.args[0], node.args[1], 1
+    elif _is(node, aten.arange.start_step):
+        start, end, step = node.args[:3]
+    else:
+        return f"the masked values ({values.name}) are not each token's number (arange broadcast over the experts)"
+    if start != 0 or step != 1 or not _same_size(end, tokens):
+        return f"the masked values are arange({start}, {end}, {step}), not the {tokens} tokens' numbers"
+    return None
+
+
+def _permute_site(node: Node):
+    """(tokens, idx, mask) of megatron-core's permute at ``index_select`` ``node``, (None, why) for an
+    index_select by a masked_select that is not one, None for anything else."""
+    tokens, dim, idx = node.args[:3]
+    if not _is(idx, aten.masked_select.default):
+        return None
+    values, mask = idx.args
+    tval, vval, mval = _val(tokens), _val(values), _val(mask)
+    if not all(isinstance(v, torch.Tensor) for v in (tval, vval, mval)):
+        return None, "no FakeTensor metadata on the inputs"
+    if dim != 0 or tval.dim() != 2 or not tval.is_floating_point():
+        return None, f"the gathered tensor {tuple(tval.shape)} {tval.dtype} along dim {dim} is not 2-D float tokens"
+    if mval.dim() != 2 or mval.dtype != torch.bool or tuple(vval.shape) != tuple(mval.shape) \
+            or not _same_size(mval.shape[1], tval.shape[0]):
+        return None, (f"the routing map {tuple(mval.shape)} {mval.dtype} is not a bool [experts, tokens] mask "
+                      f"over the {tval.shape[0]} tokens")
+    if problem := _token_numbers(values, tval.shape[0]):
+        return None, problem
+    return tokens, idx, mask
+
+
+def _same_map(a: Node, b: Node) -> bool:
+    """Whether two [E, T] masks hold the same values: one node, or transposes of one [T, E] map."""
+    return a is b or (_map_source(a) is not None and _map_source(a) is _map_source(b))
+
+
+def _probs_site(idx: Node, mask: Node, graph: Graph):
+    """The ``masked_select(P, M')`` permuting a float [E, T] by the same map, or None. It has as many rows as the
+    index by construction (one per true entry of the same map, neither side broadcast), whatever symbols the two
+    counts got (Dynamo binds one per masked_select; its asserts tie each to the experts' split sizes, not to each
+    other)."""
+    for other in graph.find_nodes(op="call_function", target=aten.masked_select.default):
+        src, m = other.args
+        sval = _val(src)
+        if other is not idx and _same_map(m, mask) and isinstance(sval, torch.Tensor) and sval.is_floating_point() \
+                and tuple(sval.shape) == tuple(_val(mask).shape) == tuple(_val(m).shape):
+            return other
+    return None
+
+
+def _insert_transpose(graph: Graph, node: Node, before: Node) -> Node:
+    """``node`` [E, T] as the [T, E] tensor it transposes, or a ``t()`` view of it inserted before ``before``."""
+    source = _map_source(node)
+    if source is not None:
+        return source
+    with graph.inserting_before(before):
+        view = graph.call_function(aten.t.default, (node,))
+    view.meta["val"] = _val(node).t()
+    return view
+
+
+def apply_permute(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
+    from npu_compile.passes.unbacked_hints import topk_mask_count
+
+    count, declined = 0, []
+    for node in list(graph.find_nodes(op="call_function", target=aten.index_select.default)):
+        site = _permute_site(node)
+        if site is None:
+            continue
+        if site[0] is None:
+            declined.append({"op": str(node.target), "node": node.name, "reason": (
+                f"not megatron-core's permute (tokens gathered by a routing map's masked_select): {site[1]}")})
+            continue
+        tokens, idx, mask = site
+        probs_select = _probs_site(idx, mask, graph)
+        # the op goes where both of its outputs are first needed; stable_topological_sort (after the rules) moves
+        # anything earlier that reads them
+        before = node if probs_select is None else max(node, probs_select, key=lambda n: _order(graph)[n])
+        routing_map = _insert_transpose(graph, mask, before)
+        probs = _insert_transpose(graph, probs_select.args[0], before) if probs_select is not None else None
+        per_row = topk_mask_count(routing_map)
+        topk = per_row // _val(routing_map).shape[0] if per_row and type(_val(routing_map).shape[0]) is int else 0
+        with graph.inserting_before(before):
+            rows = graph.call_function(aten.sym_size.int, (idx, 0))
+            call = graph.call_function(torch.ops.npu_compile.permute_tokens.default,
+                                       (tokens, routing_map, rows, probs, topk))
+            out = graph.call_function(operator.getitem, (call, 0))
+            out_probs = graph.call_function(operator.getitem, (call, 1))
+        rows.meta["val"] = _val(idx).shape[0]
+        pval = _val(probs_select) if probs_select is not None else _val(tokens).new_empty((0,))
+        call.meta = {**node.meta, "val": (_val(node), pval)}
+        out.meta = {**node.meta}
+        out_probs.meta = {**(probs_select.meta if probs_select is not None else {}), "val": pval}
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        if probs_select is not None:  # its node stays for what reads the symbol it binds (the size checks)
+            for user in list(probs_select.users):
+                if not _is(user, aten.sym_size.int):
+                    user.replace_input_with(probs_select, out_probs)
+        count += 1
+    return count, declined
+
+
+def _order(graph: Graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+register_graph_rule(GraphRule(PERMUTE, apply_permute))

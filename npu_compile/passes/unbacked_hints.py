@@ -31,6 +31,8 @@ import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, optimization_hint
 
+import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile.topk_softmax, a top-k the rules make)
+
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
@@ -63,6 +65,9 @@ def _is_zeros(node) -> bool:
     return node.target in (aten.full.default, aten.full_like.default) and node.args[1] == 0
 
 
+_TOPKS = (aten.topk.default, torch.ops.npu_compile.topk_softmax.default)
+
+
 def topk_mask_count(node) -> int | None:
     """The true values of a mask made by scattering a nonzero value into zeros at a top-k's indices along the
     top-k's dimension, seen through views, transposes and copies; None for any other mask. They are the index
@@ -76,10 +81,12 @@ def topk_mask_count(node) -> int | None:
             or index.target is not operator.getitem:
         return None
     topk, which = index.args
-    if which != 1 or not isinstance(topk, torch.fx.Node) or topk.target is not aten.topk.default:
+    if which != 1 or not isinstance(topk, torch.fx.Node) or topk.target not in _TOPKS:
         return None
     ndim = index.meta["val"].dim()
-    topk_dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    # npu_compile.topk_softmax (rule topk_softmax, passes/moe.py): the router's top-k along the last dim
+    topk_dim = -1 if topk.target is not aten.topk.default else \
+        topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
     if topk_dim % ndim != dim % ndim:
         return None
     count = 1

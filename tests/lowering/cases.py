@@ -137,7 +137,26 @@ def _routed(tokens: int, topk: int, dtype: torch.dtype = torch.float32) -> list[
     return [_t(tokens * topk, H, dtype=dtype), index]
 
 
+PERMUTE = ("npu.npu_moe_token_permute_with_routing_map",
+           "npu.npu_moe_token_unpermute_with_routing_map")  # the backward's sum of rows into tokens
+
+
+def _permute_inputs(tokens: int, topk: int, dtype: torch.dtype = torch.float32,
+                    probs_dtype: torch.dtype | None = None) -> list[torch.Tensor | None]:
+    """Tokens [tokens, H], a router's top-k routing map over 4 experts, and probs of the map's shape (or None)."""
+    chosen = torch.rand(tokens, 4).argsort(dim=1)[:, :topk]
+    routing_map = torch.zeros(tokens, 4, dtype=torch.bool).scatter(1, chosen, True)
+    return [_t(tokens, H, dtype=dtype), routing_map, _t(tokens, 4, dtype=probs_dtype) if probs_dtype else None]
+
+
 CASES: dict[str, Case] = {
+    "permute_tokens": Case(lambda x, m, p: F.permute_tokens(x, m, 12, p, 2),
+                           lambda: _permute_inputs(6, 2, probs_dtype=torch.float32), PERMUTE),
+    "permute_tokens_bf16": Case(lambda x, m, p: F.permute_tokens(x, m, 15, p, 3),  # float32 probs (DOCS allow)
+                                lambda: _permute_inputs(5, 3, torch.bfloat16, torch.float32), PERMUTE,
+                                tolerance=2e-2),
+    "permute_tokens_no_probs": Case(lambda x, m: F.permute_tokens(x, m, 6, None, 1)[0],
+                                    lambda: _permute_inputs(6, 1)[:2], PERMUTE),
     "grouped_matmul_transposed_weights": Case(
         _grouped_matmul(True), lambda: _experts((5, 0, 11, 3), True), GROUPED_MATMUL),
     "grouped_matmul_bf16": Case(

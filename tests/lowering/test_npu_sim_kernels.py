@@ -458,3 +458,37 @@ def test_moe_token_unpermute_forms_not_emulated_are_refused():
         npu.npu_moe_token_unpermute_with_routing_map(rows, index.long(), [2, 4])
     with pytest.raises(ValueError, match=r"sorted_indices must lie in \[-1, 1\)"):
         npu.npu_moe_token_unpermute_with_routing_map(rows, index, [1, 4])
+
+
+# ---- token permute ----------------------------------------------------------------------------------------
+
+def test_moe_token_permute_with_routing_map_is_the_documented_example():
+    """DOCS, npu_moe_token_permute_with_routing_map: tokens rows 0.1, 0.2, 0.3 (fp16), routing map all ones over 2
+    experts (int8), num_out_tokens 6: each expert's tokens in order, and sorted_indices the slot layout
+    (permuted_tokens[sorted_indices[i]] = tokens[i // topK])."""
+    tokens = torch.tensor([[0.1] * 4, [0.2] * 4, [0.3] * 4], dtype=torch.float16)
+    permuted, probs, sorted_indices = npu.npu_moe_token_permute_with_routing_map(
+        tokens, torch.ones(3, 2, dtype=torch.int8), num_out_tokens=6, drop_and_pad=False)
+    assert permuted.dtype == torch.float16 and torch.equal(permuted, tokens[[0, 1, 2, 0, 1, 2]])
+    assert probs.shape == (0,)
+    assert sorted_indices.dtype == torch.int32 and sorted_indices.tolist() == [0, 3, 1, 4, 2, 5]
+    assert torch.equal(permuted[sorted_indices.long()], tokens.repeat_interleave(2, dim=0))
+
+
+def test_moe_token_permute_with_routing_map_permutes_probs_and_checks_the_rows():
+    tokens, probs = torch.randn(3, 4, dtype=torch.bfloat16), torch.rand(3, 3)  # float32 probs, bf16 tokens: DOCS
+    routing_map = torch.tensor([[True, False, True], [False, True, True], [True, True, False]])
+    permuted, permuted_probs, sorted_indices = npu.npu_moe_token_permute_with_routing_map(
+        tokens, routing_map, probs=probs, num_out_tokens=6)
+    assert torch.equal(permuted, tokens[[0, 2, 1, 2, 0, 1]])  # expert 0: tokens 0, 2; expert 1: 1, 2; expert 2: 0, 1
+    assert torch.equal(permuted_probs, probs.t()[routing_map.t()]) and permuted_probs.dtype == torch.float32
+    assert sorted_indices.tolist() == [0, 4, 2, 5, 1, 3]
+    with pytest.raises(ValueError, match=r"every routing-map row must hold topK = num_out_tokens // tokens = 1 "
+                                         r"experts, got \[2\]"):
+        npu.npu_moe_token_permute_with_routing_map(tokens, routing_map, num_out_tokens=5)
+    with pytest.raises(ValueError, match=r"probs must have the tokens' dtype \(or be float32 with bfloat16 tokens\), "
+                                         r"got torch.float16"):
+        npu.npu_moe_token_permute_with_routing_map(tokens, routing_map, probs=probs.half(), num_out_tokens=6)
+    with pytest.raises(NotImplementedError, match="npu-sim does not emulate npu_moe_token_permute_with_routing_map "
+                                                  "with drop_and_pad"):
+        npu.npu_moe_token_permute_with_routing_map(tokens, routing_map, num_out_tokens=6, drop_and_pad=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.mindspeed_census import scale_down
-from megatron_glue.training.arguments import (MOE_GROUPED_GEMM, MOE_PERMUTE_FUSION, NO_EFFECT, REFUSED, ArgumentError,
+from megatron_glue.training.arguments import (MOE_GROUPED_GEMM, NO_EFFECT, REFUSED, ArgumentError,
                                              DialectError, INSTRUCTION, build_parser,
                                              parse_args)
 from pretrain_runs import TINY, pretrain
@@ -425,10 +425,10 @@ def test_moe_settings_of_a_dense_model_configure_nothing():
 
 
 def test_a_bad_value_is_reported_with_the_refusals():
-    message = error([*JOB, "--num-experts", "8", "--moe-permute-fusion", "--normalization", "Norm"])
+    message = error([*JOB, "--num-experts", "8", "--moe-tp-extend-ep", "--normalization", "Norm"])
     assert message == "\n".join([
         PROG + "2 flags of this command line are refused or unknown:",
-        "  --moe-permute-fusion: " + MOE_PERMUTE_FUSION,
+        "  --moe-tp-extend-ep: " + REFUSED["--moe-tp-extend-ep"][1],
         "  argument --normalization: invalid choice: 'Norm' (choose from 'LayerNorm', 'RMSNorm')"])
 
 

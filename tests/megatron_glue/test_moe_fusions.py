@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron_glue.capture.adaptations import groups_for, registry
 
 EXPERTS = 4
-MOE_RULES = ["grouped_matmul", "unpermute", "topk_softmax"]
+MOE_RULES = ["grouped_matmul", "unpermute", "topk_softmax", "permute"]
 # the aux loss's scores take a top-k of their own (0.16.1; not 0.12.1)
 AUX_TOPK = hasattr(importlib.import_module("megatron.core.transformer.moe.moe_utils"),
                    "compute_routing_scores_for_aux_loss")
@@ -61,13 +61,23 @@ def _run(layer, module):
 
 
 @pytest.mark.parametrize("dispatcher,glu", [("allgather", True), ("alltoall", False)])
-def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher, glu):
+def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, monkeypatch, dispatcher, glu):
     import torch._dynamo.utils as dynamo_utils
+
+    from npu_compile.passes import engine, moe
 
     from npu_compile.debug.report import collect
 
     from megatron_glue.training.training import moe_dynamo_config
 
+    permutes = []
+
+    def recording(graph, mode):  # the permute rule, keeping the ops it made
+        result = moe.apply_permute(graph, mode)
+        permutes.extend(n for n in graph.nodes if n.target is torch.ops.npu_compile.permute_tokens.default)
+        return result
+
+    monkeypatch.setitem(engine.GRAPH_RULES, "permute", engine.GraphRule("permute", recording))
     layer = _layer(dispatcher, glu)
     want, want_grads = _run(layer, layer)
     moe_dynamo_config()
@@ -94,6 +104,16 @@ def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, dispatcher
     assert report.lowered_ops["npu.npu_moe_token_unpermute_with_routing_map"] == 2
     assert "npu_compile.unpermute_tokens" not in report.lowered_ops
     assert [u for u in report.unfused if u.get("rule") == "unpermute"] == []
+    # megatron-core's permute (index_select of the tokens by the masked_select of their numbers; alltoall also
+    # the probs' masked_select, allgather its own of the local probs by the same map): one permute_tokens, lowered
+    # to npu_moe_token_permute_with_routing_map (the map is the router's top-k scatter: topK known)
+    assert report.fusions["permute"] == 1
+    (op,) = permutes  # with the probs (alltoall: permute's own; allgather: its own masked_select by the same map)
+    assert op.args[3] is not None and op.args[4] == 2, op.args
+    assert report.lowered_ops["npu.npu_moe_token_permute_with_routing_map"] == 1
+    assert "npu_compile.permute_tokens" not in report.lowered_ops
+    assert report.lowered_ops.get("aten.index_select", 0) == 0
+    assert [u for u in report.unfused if u.get("rule") == "permute"] == []
     # the memory analysis sizes the routed rows by the router's top-k (16 tokens x top-2, exact) and each
     # expert's rows (and, alltoall, each split of the dispatch) by an even share (passes/unbacked_hints.py)
     hints = sorted(report.memory["unbacked_hints"].values())
@@ -144,13 +164,29 @@ def test_moe_grouped_gemm_without_the_compiler_is_refused():
     _parse("--no-npu-compile")  # without the flag: the eager experts
 
 
-def test_moe_permute_fusion_is_refused_while_only_the_unpermute_is_fused():
+def test_moe_permute_fusion_is_the_permute_and_unpermute_rules():
+    """Megatron-LM's --moe-permute-fusion and MindSpeed's --use-fused-moe-token-permute-and-unpermute, on both
+    dispatchers: on by default (fusions "all"), added to a `fusions` list that leaves them out; megatron-core's own
+    fused permute (Transformer Engine's) stays off in its config."""
+    from megatron_glue.training.training import moe_fields
+
+    for flag in ("--moe-permute-fusion", "--use-fused-moe-token-permute-and-unpermute"):
+        for dispatcher in ("allgather", "alltoall"):
+            args = _parse(flag, "--moe-token-dispatcher-type", dispatcher)
+            assert args.npu_compile_options.get("fusions", "all") == "all"
+            assert moe_fields(args)["moe_permute_fusion"] is False
+        listed = _parse(flag, "--npu-compile-options", '{"fusions": ["swiglu"]}')
+        assert listed.npu_compile_options["fusions"] == ["swiglu", "permute", "unpermute"]
+        switched_off = _parse(flag, "--npu-compile-options", '{"fusions": {"permute": false, "unpermute": false}}')
+        assert switched_off.npu_compile_options["fusions"] == {"permute": True, "unpermute": True}
+
+
+def test_moe_permute_fusion_without_the_compiler_is_refused():
     from megatron_glue.training.arguments import ArgumentError
 
     for flag in ("--moe-permute-fusion", "--use-fused-moe-token-permute-and-unpermute"):
         with pytest.raises(ArgumentError) as info:
-            _parse(flag)
+            _parse(flag, "--no-npu-compile")
         assert info.value.message.endswith(
-            f"{flag}: the token unpermute is fused here (the backend's unpermute rule, on by default when the job is "
-            "compiled) but the token permute is not (its row count is data-dependent), and megatron-core's fused "
-            "permute / unpermute is Transformer Engine's, CUDA-only; drop it"), info.value.message
+            f"{flag} is the backend's permute and unpermute fusions (megatron-core's fused permute needs Transformer "
+            "Engine), which --no-npu-compile turns off; drop one of them"), info.value.message

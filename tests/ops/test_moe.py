@@ -191,3 +191,91 @@ def test_unpermute_tokens_gradcheck_opcheck_and_errors():
         ops.unpermute_tokens(rows[:, 0], index, 6)
     with pytest.raises(RuntimeError, match="one index per row: 6 indices, 7 rows"):
         ops.unpermute_tokens(rows, index[:6], 6)
+
+
+# -- permute_tokens against megatron-core's own permute -----------------------------------------------------------
+
+@st.composite
+def permute_cases(draw):
+    experts = draw(st.integers(1, 6))
+    return dict(
+        tokens=draw(st.integers(1, 12)),
+        experts=experts,
+        topk=draw(st.integers(1, experts)),
+        local=draw(st.integers(1, experts)),  # a rank's first experts (allgather at EP > 1): rows of uneven count
+        hidden=draw(st.sampled_from([1, 8, 24])),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        with_probs=draw(st.booleans()),  # the alltoall dispatchers permute the probs too
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def check_permute(case):
+    """megatron-core's ``permute`` (moe_utils, no capacity: as every dispatcher calls it) and ours on the same
+    tokens, top-k routing map and probs: the permuted tokens and probs bit for bit (a gather), and the tokens' and
+    probs' gradients (the rows' gradients summed back into their tokens: the same sums in fp32)."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    gen = torch.Generator().manual_seed(case["seed"])
+    tokens, experts, hidden, dtype, local = (case["tokens"], case["experts"], case["hidden"], case["dtype"],
+                                             case["local"])
+    chosen = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :case["topk"]]
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, chosen, True)[:, :local]
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    probs = torch.rand(tokens, local, generator=gen).to(dtype) if case["with_probs"] else None
+    mine = [x.clone().requires_grad_(), probs.clone().requires_grad_() if probs is not None else None]
+    theirs = [x.clone().requires_grad_(), probs.clone().requires_grad_() if probs is not None else None]
+    want, want_probs, sorted_indices = permute(theirs[0], routing_map, probs=theirs[1])
+    topk = case["topk"] if local == experts else 0  # a rank's slice holds uneven counts: not known
+    got, got_probs = ops.permute_tokens(mine[0], routing_map, sorted_indices.shape[0], mine[1], topk)
+    assert got.dtype == dtype and torch.equal(got, want) and got.is_contiguous()
+    grad = torch.randn(want.shape, generator=gen).to(dtype)
+    outs_w, outs_g, grads = [want], [got], [grad]
+    if probs is not None:
+        assert got_probs.dtype == dtype and torch.equal(got_probs, want_probs)
+        outs_w.append(want_probs), outs_g.append(got_probs)
+        grads.append(torch.randn(want_probs.shape, generator=gen).to(dtype))
+    else:
+        assert got_probs.shape == (0,)
+    inputs_w, inputs_g = [t for t in theirs if t is not None], [t for t in mine if t is not None]
+    want_grads = torch.autograd.grad(outs_w, inputs_w, grads)
+    got_grads = torch.autograd.grad(outs_g, inputs_g, grads)
+    # the tokens' gradient sums at most topk rows (megatron-core: index_select's backward, index_add)
+    assert_matches(got_grads[0], want_grads[0].float(), torch.float32 if dtype == torch.float32 else dtype, "grad x")
+    if probs is not None:
+        assert torch.equal(got_grads[1], want_grads[1])  # a scatter: exact
+
+
+@settings(max_examples=30)
+@given(permute_cases())
+def test_permute_tokens_is_megatron_cores_permute(case):
+    check_permute(case)
+
+
+@pytest.mark.fuzz
+@fuzz_settings()
+@given(permute_cases())
+def test_permute_tokens_is_megatron_cores_permute_fuzz(case):
+    check_permute(case)
+
+
+def test_permute_tokens_gradcheck_opcheck_and_errors():
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(5, 4, dtype=torch.float64, requires_grad=True)
+    routing_map = torch.zeros(5, 4, dtype=torch.bool).scatter(1, torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1],
+                                                                              [0, 1]]), True)
+    torch.autograd.gradcheck(lambda a, p: ops.permute_tokens(a, routing_map, 10, p, 2), (x, probs))
+    opcheck(ops.permute_tokens, (x.detach().float().requires_grad_(), routing_map, 10, probs.detach().float(), 2))
+    opcheck(ops.permute_tokens, (x.detach().float(), routing_map.to(torch.int8), 10, None, 0))
+    with pytest.raises(ValueError, match=r"permute_tokens: num_out_tokens=9, but the routing map routes 10 copies"):
+        ops.permute_tokens(x, routing_map, 9)
+    with pytest.raises(ValueError, match=r"every routing-map row must route to topk=3 experts, got \[2\]"):
+        ops.permute_tokens(x, routing_map, 10, topk=3)
+    with pytest.raises(ValueError, match=r"routing_map must be a bool or int8 \[5, experts\] map, got \(5, 4\) "
+                                         r"torch.float32"):
+        ops.permute_tokens(x, routing_map.float(), 10)
+    with pytest.raises(ValueError, match=r"probs must be a float tensor of the routing map's shape \(5, 4\), got "
+                                         r"\(5, 3\)"):
+        ops.permute_tokens(x, routing_map, 10, probs[:, :3])
+    with pytest.raises(ValueError, match=r"tokens must be a 2-D float tensor \[tokens, hidden\], got \(5,\)"):
+        ops.permute_tokens(x[:, 0], routing_map, 10)

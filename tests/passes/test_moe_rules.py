@@ -297,3 +297,101 @@ def test_unpermute_with_a_symbolic_token_count_keeps_its_reference_kernel_on_npu
                 r"hidden size must be static, got \[s\d+, s\d+\]", r) for r in reasons), reasons
         else:
             assert reports == []  # no recompile
+
+
+# -- rule permute: megatron-core's own permute (moe_utils), compiled ------------------------------------------------
+
+def _permute_dispatch(x, probs_logits, w, with_probs: bool, local: int):
+    """Route by top-2 of the logits (megatron-core's scatter of ones at the top-k), its permute (with the probs, as
+    the alltoall dispatchers; of a rank's first ``local`` experts, as allgather at EP > 1), one expert matmul
+    weighted by the permuted probs, its unpermute."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    scores = probs_logits.softmax(dim=-1)
+    top = scores.topk(2, dim=1).indices
+    routing_map = torch.zeros_like(probs_logits, dtype=torch.int32).scatter(1, top, 1).bool()[:, :local]
+    probs = scores[:, :local] if with_probs else None
+    permuted, permuted_probs, sorted_indices = permute(x, routing_map, probs=probs)
+    y = permuted @ w
+    if with_probs:
+        y = y * permuted_probs.unsqueeze(-1)
+    return unpermute(y, sorted_indices, restore_shape=x.shape, routing_map=routing_map)
+
+
+@pytest.mark.parametrize("with_probs,local,target", [(True, EXPERTS, "npu-sim"), (False, EXPERTS, "reference"),
+                                                     (True, EXPERTS - 1, "npu-sim")])
+def test_megatron_permute_becomes_one_op(scalars, monkeypatch, with_probs, local, target):
+    """The permute (index_select of the tokens by the masked_select of their numbers, and the probs'
+    masked_select by the same map) is one permute_tokens taking the probs, and topk where the map is the router's
+    top-k over every expert; output and the tokens', probs' and weight's gradients eager's. npu-sim: a router's
+    top-k map over every expert lowers to npu_moe_token_permute_with_routing_map; a rank's slice of the experts
+    (rows of uneven count) keeps the reference kernel, with the reason."""
+    from npu_compile.passes import engine, moe
+
+    fused = []
+
+    def recording(graph, mode):
+        result = moe.apply_permute(graph, mode)
+        fused.extend(n for n in graph.nodes if n.target is torch.ops.npu_compile.permute_tokens.default)
+        return result
+
+    monkeypatch.setitem(engine.GRAPH_RULES, "permute", engine.GraphRule("permute", recording))
+    gen = torch.Generator().manual_seed(4)
+    x, logits, w = (torch.randn(TOKENS, H, generator=gen), torch.randn(TOKENS, EXPERTS, generator=gen),
+                    torch.randn(H, H, generator=gen))
+    compiled = torch.compile(_permute_dispatch, backend="ascend", fullgraph=True,
+                             options={"target": target, "fusions": ["permute"], "cache": False})
+    runs = []
+    for fn in (_permute_dispatch, compiled):
+        xs, ls, ws = x.clone().requires_grad_(), logits.clone().requires_grad_(), w.clone().requires_grad_()
+        with collect() as reports:
+            out = fn(xs, ls, ws, with_probs, local)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)))
+        runs.append((out.detach(), xs.grad, ls.grad, ws.grad, reports))
+    (want, *want_grads, _), (got, *got_grads, reports) = runs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w_ in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-6)
+    (report,) = reports
+    assert report.fusions["permute"] == 1
+    (op,) = fused
+    assert (op.args[3] is not None) == with_probs and op.args[4] == (2 if local == EXPERTS else 0), op.args
+    assert report.lowered_ops.get("aten.index_select", 0) == 0
+    # the masked_selects stay: they bind the row counts (the index's also feeds the unpermute and the gradient)
+    assert report.lowered_ops["aten.masked_select"] == (2 if with_probs else 1)
+    if target == "reference":
+        assert report.lowered_ops["npu_compile.permute_tokens"] == 1
+    elif local == EXPERTS:
+        assert report.lowered_ops["npu.npu_moe_token_permute_with_routing_map"] == 1
+        assert "npu_compile.permute_tokens" not in report.lowered_ops
+    else:
+        assert report.lowered_ops["npu_compile.permute_tokens"] == 1
+        reasons = [u["reason"] for u in report.unfused if u["op"] == "npu_compile.permute_tokens"]
+        assert reasons == [
+            "npu: npu_moe_token_permute_with_routing_map without drop_and_pad needs every routing-map row to hold "
+            "the same number of experts (topK = num_out_tokens // tokens, DOCS), and this map is not known to (not "
+            "a router's top-k scatter over all experts: a rank's slice of the experts, or gathered from other "
+            "ranks)"], reasons
+
+
+def test_permute_declines_what_it_cannot_show_is_one(scalars):
+    """Tokens gathered by a masked_select of something other than their numbers, or by a map over fewer tokens:
+    declined with the reason; an index_select by any other index is no candidate (nothing said)."""
+    def fn(x, mask, index):
+        flipped = torch.arange(x.shape[0]).flip(0).unsqueeze(0).expand(mask.shape[0], -1).masked_select(mask)
+        fewer = torch.arange(x.shape[0] - 1).unsqueeze(0).expand(mask.shape[0], -1).masked_select(mask[:, 1:])
+        return x.index_select(0, flipped).sum(0) + x.index_select(0, fewer).sum(0) + x.index_select(0, index).sum(0)
+
+    x, mask, index = torch.randn(6, H), torch.rand(3, 6) > 0.5, torch.tensor([0, 5, 2])
+    with collect() as reports:
+        out = torch.compile(fn, backend="ascend", fullgraph=True,
+                            options={"target": "reference", "fusions": ["permute"], "cache": False})(x, mask, index)
+    torch.testing.assert_close(out, fn(x, mask, index))
+    (report,) = reports
+    assert report.fusions.get("permute", 0) == 0
+    reasons = sorted(u["reason"] for u in report.unfused if u.get("rule") == "permute")
+    prefix = "not megatron-core's permute (tokens gathered by a routing map's masked_select): "
+    assert reasons == [prefix + "the masked values (expand) are not each token's number (arange broadcast over "
+                                "the experts)",
+                       prefix + "the routing map (3, 5) torch.bool is not a bool [experts, tokens] mask over the 6 "
+                                "tokens"], reasons

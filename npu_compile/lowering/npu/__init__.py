@@ -10,6 +10,7 @@
     cross_entropy  linear_cross_entropy → per chunk, mm + npu_cross_entropy_loss (+ backward);
                    vocab_parallel_linear_cross_entropy → per chunk, aten ops + functional all-reduces
     moe          grouped_matmul → npu_grouped_matmul (lists: one matmul per expert);
+                 permute_tokens → npu_moe_token_permute_with_routing_map;
                  unpermute_tokens → npu_moe_token_unpermute_with_routing_map;
                  topk_softmax → npu_moe_gating_top_k_softmax_v2 (renorm 1)
     mc2          the aten stage fusing a matmul with its collective (npu_all_gather_base_mm & co.)

@@ -16,6 +16,13 @@ npu_moe_token_unpermute's output has ``sorted_indices.size(0) // topK`` rows (it
 sorted_indices are npu_moe_token_permute's (index-based routing), not megatron-core's. DOCS: permuted_tokens
 float16, bfloat16 or float32; sorted_indices int32 1-D; restore_shape of 2 ints.
 
+permute_tokens → npu_moe_token_permute_with_routing_map(tokens, routing_map, probs=probs, num_out_tokens=tokens x
+topk, drop_and_pad=False), its permuted tokens and probs (DOCS: topK = num_out_tokens // tokens, every map row
+holding topK experts, topK < 512; the rows sorted by expert, as megatron-core's permute; the meta function's
+outToken = topK x tokens). Only where the rule showed the rows each hold topk experts and the token count is static
+(num_out_tokens is int?). Its sorted_indices (each token slot's row, DOCS) are not megatron-core's layout and are not
+read: the graph keeps megatron-core's for the unpermute and the gradient.
+
 topk_softmax → npu_moe_gating_top_k_softmax_v2(logits, k=k, renorm=1): top-k, then softmax over the k (DOCS,
 npu_moe_gating_top_k_softmax_v2: renorm 1 "对x做topk操作，后做softmax操作"; x 2-D / 3-D float16, bfloat16 or
 float32; 0 < k <= experts, k <= 1024; y in x's dtype, expert_idx int32, both [tokens, k]; the third output is the
@@ -105,6 +112,48 @@ def emit_unpermute(em: Emitter, c: Call, opts: Options) -> Outputs:
                [c["num_tokens"], hidden], drop_and_pad=False),)
 
 
+MAX_PERMUTE_TOPK = 512  # DOCS: topK = num_out_tokens // tokens_num below 512 (UB)
+MAX_PERMUTE_SIZE = 16777215  # DOCS: tokens_num, experts_num and topK x tokens_num below it (float-exact ints)
+
+
+def check_permute(c: Call) -> str | None:
+    tokens, routing_map, probs, topk = c.val("tokens"), c.val("routing_map"), c.val("probs"), c["topk"]
+    name = "npu_moe_token_permute_with_routing_map"
+    if problem := dtype_problem(name, tokens.dtype):
+        return problem
+    if probs is not None and probs.dtype != tokens.dtype and not (
+            probs.dtype == torch.float32 and tokens.dtype == torch.bfloat16):
+        return (f"{name} takes probs of the tokens' dtype (or float32 probs with bfloat16 tokens), got "
+                f"{probs.dtype} probs, {tokens.dtype} tokens")
+    count, experts = routing_map.shape
+    if type(count) is not int or type(experts) is not int:
+        return f"{name} takes num_out_tokens as int: the token count must be static, got {count}"
+    if not topk:
+        return (f"{name} without drop_and_pad needs every routing-map row to hold the same number of experts "
+                "(topK = num_out_tokens // tokens, DOCS), and this map is not known to (not a router's top-k "
+                "scatter over all experts: a rank's slice of the experts, or gathered from other ranks)")
+    if topk >= MAX_PERMUTE_TOPK or max(count, experts, count * topk) >= MAX_PERMUTE_SIZE:
+        return (f"{name} needs topK < {MAX_PERMUTE_TOPK} and tokens, experts, tokens x topK < {MAX_PERMUTE_SIZE}, "
+                f"got topK {topk}, {count} tokens, {experts} experts")
+    return None
+
+
+def emit_permute(em: Emitter, c: Call, opts: Options) -> Outputs:
+    """num_out_tokens = tokens x topK (the map's rows each hold topK experts: the rule proved it), so the output
+    holds every routed copy; its sorted_indices (each token slot's row, DOCS) are not read: the graph keeps
+    megatron-core's (each row's token) for the unpermute and the gradient."""
+    tokens = c.val("tokens")
+    call = em(npu_op("npu_moe_token_permute_with_routing_map"), c["tokens"], c["routing_map"], probs=c["probs"],
+              num_out_tokens=tokens.shape[0] * c["topk"], drop_and_pad=False)
+    permuted, permuted_probs, _ = em.outputs(call, 3)
+    # torch_npu's meta gives tokens x topK rows, a static size; at run time it is the row count the graph's
+    # masked_select binds (every row holds topK experts), the symbol the readers were traced with: they keep it
+    # (a static size beside it would make later passes compare the two, a guard on the data-dependent symbol)
+    for new, old in zip((permuted, permuted_probs), c.node.meta["val"]):
+        new.meta["val"] = old
+    return (permuted, permuted_probs if c["probs"] is not None else None)
+
+
 MAX_TOPK = 1024
 
 
@@ -135,6 +184,7 @@ ROWS = {
         ("npu_moe_token_unpermute_with_routing_map",), check_unpermute, emit_unpermute,
         note=lambda c: "unpermute_tokens: sorted_indices cast to int32 (npu_moe_token_unpermute_with_routing_map "
                        "takes int32)"),
+    fused.permute_tokens.default: Mapping(("npu_moe_token_permute_with_routing_map",), check_permute, emit_permute),
     fused.topk_softmax.default: Mapping(
         ("npu_moe_gating_top_k_softmax_v2",), check_topk_softmax, emit_topk_softmax,
         note=lambda c: "topk_softmax: expert indices widened from int32 (npu_moe_gating_top_k_softmax_v2's) to "

@@ -104,6 +104,11 @@ EMULATED: dict[str, str] = {
         "npu_moe_token_unpermute_with_routing_map(Tensor permuted_tokens, Tensor sorted_indices, int[] restore_shape, "
         "*, Tensor? probs=None, Tensor? routing_map=None, bool drop_and_pad=False) -> Tensor"
     ),
+    # The tokens' routed copies, expert by expert (lowering/npu/moe.py).
+    "npu_moe_token_permute_with_routing_map": (
+        "npu_moe_token_permute_with_routing_map(Tensor tokens, Tensor routing_map, *, Tensor? probs=None, "
+        "int? num_out_tokens=None, bool drop_and_pad=False) -> (Tensor, Tensor, Tensor)"
+    ),
     # The router's softmax over each token's top-k logits (lowering/npu/moe.py).
     "npu_moe_gating_top_k_softmax_v2": (
         "npu_moe_gating_top_k_softmax_v2(Tensor x, *, int k=1, Tensor? finished=None, int? renorm=0, "

@@ -13,7 +13,8 @@ compilation of it.
     activations  npu_gelu, npu_fast_gelu, npu_swiglu (+ backwards)
     rotary       npu_rotary_mul (+ backward)
     cross_entropy  npu_cross_entropy_loss (+ backward)
-    moe          npu_grouped_matmul (list form), npu_moe_token_unpermute_with_routing_map,
+    moe          npu_grouped_matmul (list form), npu_moe_token_permute_with_routing_map,
+                 npu_moe_token_unpermute_with_routing_map,
                  npu_moe_gating_top_k_softmax_v2
     mc2          npu_all_gather_base_mm, npu_mm_reduce_scatter_base, npu_mm_all_reduce_base
 

@@ -1,4 +1,5 @@
-"""npu_grouped_matmul, npu_moe_token_unpermute_with_routing_map and npu_moe_gating_top_k_softmax_v2 on the CPU, in the forms the lowering emits (no quantization, no group_list).
+"""npu_grouped_matmul, npu_moe_token_permute_with_routing_map, npu_moe_token_unpermute_with_routing_map and
+npu_moe_gating_top_k_softmax_v2 on the CPU, in the forms the lowering emits (no quantization, no group_list).
 
 y_i = x_i × weight_i (+ bias_i), in fp32, rounded once to x's dtype (torch_npu/_op_plugin_docs.py,
 npu_grouped_matmul: "非量化" y dtype = x dtype, output_dtype None). split_item 0/1 gives one output per group;
@@ -75,6 +76,47 @@ def _fake_unpermute(permuted_tokens, sorted_indices, restore_shape, **kwargs):
     return permuted_tokens.new_empty(tuple(restore_shape))
 
 
+def npu_moe_token_permute_with_routing_map(tokens, routing_map, *, probs=None, num_out_tokens=None, drop_and_pad=False):
+    """Each token copied once per expert its routing-map row names, the copies expert by expert, each expert's in
+    token order (DOCS, npu_moe_token_permute_with_routing_map: "根据routing_map将tokens和可选probs广播后排序"; the order
+    of megatron-core's permute, which MindSpeed swaps it in for: mindspeed/core/fusions/fused_moe_permute.py);
+    without drop_and_pad topK = num_out_tokens // tokens (default: tokens) and every row must hold topK experts
+    (DOCS, 约束 5), outToken = topK x tokens; permuted_probs the probs of those entries in the same order ([0]
+    without probs); sorted_indices int32, each token slot's row: permuted_tokens[sorted_indices[i]] =
+    tokens[i // topK] (DOCS), a token's slots in expert order. The form the lowering emits only: drop_and_pad False."""
+    unsupported(not drop_and_pad, "npu_moe_token_permute_with_routing_map with drop_and_pad")
+    check_float(tokens=tokens)
+    check(tokens.dim() == 2, f"tokens must be 2-D, got {tuple(tokens.shape)}")
+    count = tokens.shape[0]
+    check(routing_map.dim() == 2 and routing_map.shape[0] == count and routing_map.dtype in (torch.bool, torch.int8),
+          f"routing_map must be a bool or int8 [{count}, experts] map, got {tuple(routing_map.shape)} "
+          f"{routing_map.dtype}")
+    if probs is not None:
+        check(tuple(probs.shape) == tuple(routing_map.shape), f"probs must have the routing map's shape "
+              f"{tuple(routing_map.shape)}, got {tuple(probs.shape)}")
+        check(probs.dtype == tokens.dtype or (probs.dtype == torch.float32 and tokens.dtype == torch.bfloat16),
+              f"probs must have the tokens' dtype (or be float32 with bfloat16 tokens), got {probs.dtype}")
+    topk = (count if num_out_tokens is None else num_out_tokens) // max(count, 1)
+    mask = routing_map.bool()
+    per_row = mask.sum(1)
+    check(bool((per_row == topk).all()), f"every routing-map row must hold topK = num_out_tokens // tokens = {topk} "
+          f"experts, got {sorted(set(per_row.tolist()))}")
+    rows = torch.arange(count).unsqueeze(0).expand(mask.shape[1], -1).masked_select(mask.t())  # each copy's token
+    permuted = tokens.index_select(0, rows).contiguous()
+    permuted_probs = probs.t().masked_select(mask.t()).contiguous() if probs is not None else tokens.new_empty((0,))
+    return permuted, permuted_probs, torch.argsort(rows, stable=True).to(torch.int32)
+
+
+def _fake_permute(tokens, routing_map, *, probs=None, num_out_tokens=None, drop_and_pad=False):
+    """The wheel's meta function (torch_npu/op_plugin/meta/_meta_registrations.py:6064-6081): outToken rows."""
+    count = tokens.shape[0] if num_out_tokens is None else num_out_tokens
+    dim = routing_map.shape[1 if drop_and_pad else 0]
+    out = count // dim * dim
+    return (tokens.new_empty((out, tokens.shape[1])),
+            probs.new_empty((out,)) if probs is not None else tokens.new_empty((0,)),
+            tokens.new_empty((out,), dtype=torch.int32))
+
+
 def npu_moe_gating_top_k_softmax_v2(x, *, k=1, finished=None, renorm=0, output_softmax=False):
     """renorm 1: softmax over x's k largest along the last dim; renorm 0: the k largest of softmax(x) (DOCS,
     npu_moe_gating_top_k_softmax_v2), in fp32, y rounded once to x's dtype; expert_idx int32 in descending order
@@ -103,4 +145,5 @@ def _fake_gating(x, *, k=1, renorm=0, output_softmax=False, **kwargs):
 
 KERNELS = {"npu_grouped_matmul": (npu_grouped_matmul, _fake),
            "npu_moe_token_unpermute_with_routing_map": (npu_moe_token_unpermute_with_routing_map, _fake_unpermute),
-           "npu_moe_gating_top_k_softmax_v2": (npu_moe_gating_top_k_softmax_v2, _fake_gating)}
+           "npu_moe_gating_top_k_softmax_v2": (npu_moe_gating_top_k_softmax_v2, _fake_gating),
+           "npu_moe_token_permute_with_routing_map": (npu_moe_token_permute_with_routing_map, _fake_permute)}
