@@ -30,14 +30,18 @@ class LoraParallelLinear(PeftLoraParallelLinear):
         super().update_layer(adapter_name, *args, **kwargs)
 
     def reset_lora_parameters(self, adapter_name, init_lora_weights):
-        super().reset_lora_parameters(adapter_name, init_lora_weights)
-        if init_lora_weights is True and self.is_parallel_a and adapter_name in self.lora_A:
-            weight = self.lora_A[adapter_name].weight
-            whole = torch.empty(weight.shape[0], self.in_features, dtype=torch.float32)
-            torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5))  # nn.Linear's init, as peft's for A
-            rank = parallel_state.get_tensor_model_parallel_rank()
-            with torch.no_grad():
-                weight.copy_(whole.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=1)[rank])
+        if not (init_lora_weights is True and self.is_parallel_a and adapter_name in self.lora_A):
+            super().reset_lora_parameters(adapter_name, init_lora_weights)
+            return
+        # peft's default init (A as nn.Linear's kaiming-uniform, B zero) with A drawn whole, [r, in], and this rank's
+        # columns taken: the same draws at every TP size, the same adapters as at TP=1
+        weight = self.lora_A[adapter_name].weight
+        whole = torch.empty(weight.shape[0], self.in_features, dtype=torch.float32)
+        torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5))
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        with torch.no_grad():
+            weight.copy_(whole.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=1)[rank])
+            torch.nn.init.zeros_(self.lora_B[adapter_name].weight)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any):
         result, bias = self.base_layer(x, *args, **kwargs)
