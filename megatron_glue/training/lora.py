@@ -72,6 +72,10 @@ def inject(model: torch.nn.Module, config, args) -> torch.nn.Module:
     for param in model.parameters():
         if not param.requires_grad and hasattr(param, "sequence_parallel"):
             del param.sequence_parallel  # frozen: nothing to sum (MindSpeed-LLM: training.py:219-221)
+    if config.recompute_granularity == "full" and getattr(model, "pre_process", False):
+        # full recompute's checkpoint gives grads only when an input needs them: the frozen embedding's output is
+        # made to (MindSpeed-LLM's --lora-register-forward-hook, training.py:199-213)
+        model.embedding.register_forward_hook(output_requires_grad)
     return model
 
 
@@ -86,12 +90,13 @@ def output_requires_grad(module, inputs, output):
         output.requires_grad_(True)
 
 
-def trainable_line(chunks) -> str:
-    """peft's print_trainable_parameters line, for this rank's chunks."""
+def trainable_line(chunks, tp_rank: int, pp_rank: int) -> str:
+    """peft's print_trainable_parameters line, for this model-parallel rank's chunks."""
     params = [p for c in chunks for p in c.parameters()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     total = sum(p.numel() for p in params)
-    return (f" LoRA: trainable params: {trainable:,} || all params: {total:,} || "
+    return (f" LoRA on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): trainable params: "
+            f"{trainable:,} || all params: {total:,} || "
             f"trainable%: {100 * trainable / max(total, 1):.4f}")
 
 

@@ -356,10 +356,6 @@ def build_model(args, where, model_provider):
             chunk = model_provider(args, config, pre_process=pre, post_process=post, vp_stage=vp_stage)
         if lora.enabled(args):  # adapters in, the rest frozen: before compiling, Float16Module and DDP see it
             lora.inject(chunk, config, args)
-            if args.recompute_granularity == "full" and pre:
-                # full recompute's checkpoint gives grads only when an input needs them: the frozen embedding's
-                # output is made to (MindSpeed-LLM's --lora-register-forward-hook, training.py:199-213)
-                chunk.embedding.register_forward_hook(lora.output_requires_grad)
         chunk.to(where.device)
         if args.npu_compile:
             compile_model(chunk, args)
@@ -375,9 +371,7 @@ def build_model(args, where, model_provider):
         # finds them and skips the step. The loss itself is still checked (train_step).
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not dynamic_fp16,
         bucket_size=args.ddp_bucket_size)
-    _print_parameters(chunks)
-    if lora.enabled(args):
-        print_rank0(lora.trainable_line(chunks))
+    _print_parameters(chunks, lora.enabled(args))
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                       disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     for c in chunks:
@@ -385,13 +379,16 @@ def build_model(args, where, model_provider):
     return chunks, config
 
 
-def _print_parameters(chunks) -> None:
-    """Megatron-LM's get_model: the parameter count of this model-parallel rank, printed by its DP rank 0."""
+def _print_parameters(chunks, adapters: bool = False) -> None:
+    """Megatron-LM's get_model: the parameter count of this model-parallel rank, printed by its DP rank 0; with
+    LoRA, the trainable part too (peft's print_trainable_parameters)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_data_parallel_rank() == 0:
-        print(parameters_line(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                              sum(p.nelement() for c in chunks for p in c.parameters())), flush=True)
+        tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        print(parameters_line(tp, pp, sum(p.nelement() for c in chunks for p in c.parameters())), flush=True)
+        if adapters:
+            print(lora.trainable_line(chunks, tp, pp), flush=True)
 
 
 def build_optimizer(args, chunks, config):

@@ -117,6 +117,23 @@ def test_compiled_layers_equal_eager(model):
         torch.testing.assert_close(compiled_grads[name], eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_full_recompute_gives_the_adapters_gradients(megatron_cpu):
+    """megatron-core's full recompute checkpoints each layer; its input (the frozen embedding's output) is made to
+    require grad, or the checkpointed layers' adapters would get none."""
+    from megatron_glue.capture import models
+    from megatron_glue.training import lora
+
+    config = models.llama_config(num_layers=2, hidden_size=64, num_attention_heads=4, recompute_granularity="full",
+                                 recompute_method="uniform", recompute_num_layers=1)
+    m = models.build_gpt_model(config, vocab_size=128, seq_len=16)
+    lora.inject(m, config, _lora_args())
+    m(**_inputs()).float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+    assert len(grads) == 16 and all(g is not None and torch.count_nonzero(g) > 0
+                                    for n, g in grads.items() if ".lora_B." in n), \
+        [n for n, g in grads.items() if g is None]
+
+
 def test_a_base_checkpoint_loads_under_peft_names(model):
     """The base model's state dict (names without base_layer.) loads into the adapted model, as MindSpeed-LLM
     renames it; the adapters keep their values, and an adapters-only state dict leaves the base as it is."""
@@ -205,7 +222,8 @@ def compiled(base, tmp_path_factory):
 def test_job_trains_only_the_adapters(base, compiled):
     from megatron_glue.training import lora
 
-    assert " LoRA: trainable params: 8,192 || all params: " in compiled.output
+    assert " LoRA on (tensor, pipeline) model parallel rank (0, 0): trainable params: 8,192 || all params: " \
+        in compiled.output
     start = _model_state(base, 1)["model"]
     after = _model_state(compiled.folder / "ckpt", 4)
     trained = after["model"]
@@ -253,6 +271,7 @@ def test_adapters_only_checkpoint_resumes_with_lora_load(base, compiled, tmp_pat
             "with --lora-ckpt-filter): give it as --lora-load, and the base model's checkpoint as --load") in wrong.output
 
 
+@pytest.mark.slow
 @pytest.mark.training
 @pytest.mark.gloo
 def test_tensor_parallel_equals_one_process(tmp_path):
