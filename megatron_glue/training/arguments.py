@@ -48,8 +48,8 @@ INSTRUCTION = ("this part of MindSpeed-LLM's instruction data (variable p2p shap
 DPO = "preference training (DPO) is not implemented here"
 MLA = "multi-latent attention (MLA) is not implemented here; use a model with standard (GQA) attention"
 MTP = "multi-token prediction (MTP) is not implemented here; drop the MTP flags"
-LORA_MODULES_TO_SAVE = ("MindSpeed-LLM's --lora-modules-to-save (whole modules trained beside the LoRA adapters) is not "
-                        "implemented here; train the adapters alone, or fine-tune all weights (--finetune without "
+LORA_MODULES_TO_SAVE = ("MindSpeed-LLM's --lora-modules-to-save (whole modules trained beside the LoRA adapters) is "
+                        "not implemented here; train the adapters alone, or fine-tune all weights (--finetune without "
                         "--lora-target-modules)")
 DSA = "DeepSeek sparse attention (its indexer, compressed KV) is not implemented here"
 MHC = "hyper-connections (mHC) are not implemented here"

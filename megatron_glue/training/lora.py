@@ -34,7 +34,7 @@ def enabled(args) -> bool:
 
 
 class LoraError(ValueError):
-    pass
+    """A LoRA setting or checkpoint that does not fit the model (the job prints it as one line)."""
 
 
 def inject(model: torch.nn.Module, config, args) -> torch.nn.Module:
@@ -43,32 +43,32 @@ def inject(model: torch.nn.Module, config, args) -> torch.nn.Module:
     from megatron.core import tensor_parallel
     from peft import LoraConfig, inject_adapter_in_model
 
+    from megatron_glue.training.lora_layer import LoraParallelLinear
+
     targets = list(args.lora_target_modules)
+    # MindSpeed-LLM's LoraConfig (training.py:182-190); our layer for megatron-core's two parallel linears
     lora_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0,
                              bias="none", megatron_config=config, megatron_core="megatron.core")
-    from megatron_glue.training.lora_layer import LoraParallelLinear as cls
-    lora_config._register_custom_module({tensor_parallel.ColumnParallelLinear: cls,
-                                         tensor_parallel.RowParallelLinear: cls})
-    found = [name for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in targets]
+    parallel = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
+    lora_config._register_custom_module({kind: LoraParallelLinear for kind in parallel})
+    found = {name: module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in targets}
     if not found:
         raise LoraError(f"--lora-target-modules {' '.join(targets)}: this model chunk has no such linear "
                         f"(a layer's are {', '.join(TARGETS)})")
-    not_parallel = [n for n in found if not isinstance(model.get_submodule(n), (tensor_parallel.ColumnParallelLinear,
-                                                                                 tensor_parallel.RowParallelLinear))]
-    if not_parallel:
-        raise LoraError(f"--lora-target-modules: {not_parallel[0]} is a {type(model.get_submodule(not_parallel[0])).__name__}, "
-                        "not one of megatron-core's ColumnParallelLinear / RowParallelLinear that LoRA adapts here")
+    for name, module in found.items():
+        if not isinstance(module, parallel):
+            raise LoraError(f"--lora-target-modules: {name} is a {type(module).__name__}, not one of megatron-core's "
+                            "ColumnParallelLinear / RowParallelLinear that LoRA adapts here")
     inject_adapter_in_model(lora_config, model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():  # peft's _mark_only_adapters_as_trainable, checked
         param.requires_grad_(is_adapter(name))
     for module in model.modules():
-        if isinstance(module, cls):
+        if isinstance(module, LoraParallelLinear):
             for name in module.lora_A:
-                for whole in (module.lora_B[name] if module.is_parallel_a else module.lora_A[name],):
-                    # a whole (unsplit) adapter weight on a sequence-parallel layer sees this rank's tokens only:
-                    # its gradient is summed over TP by finalize_model_grads, as MindSpeed-LLM marks it
-                    # (training.py:215-221)
-                    whole.weight.sequence_parallel = config.sequence_parallel
+                # the whole (unsplit) adapter weight of a sequence-parallel layer sees this rank's tokens only: its
+                # gradient is summed over TP by finalize_model_grads, as MindSpeed-LLM marks it (training.py:215-218)
+                whole = module.lora_B[name] if module.is_parallel_a else module.lora_A[name]
+                whole.weight.sequence_parallel = config.sequence_parallel
     for param in model.parameters():
         if not param.requires_grad and hasattr(param, "sequence_parallel"):
             del param.sequence_parallel  # frozen: nothing to sum (MindSpeed-LLM: training.py:219-221)

@@ -13,10 +13,10 @@ from peft.tuners.lora.tp_layer import LoraParallelLinear as PeftLoraParallelLine
 
 
 class LoraParallelLinear(PeftLoraParallelLinear):
-    """peft's LoraParallelLinear (A split over TP on a row-parallel base, B on a column-parallel one) whose forward reads megatron-core's linears:
-    peft 0.21's feeds lora_A's (output, bias) tuple into lora_B; MindSpeed-LLM replaces it for the same reason
-    (tasks/posttrain/lora/lora_moe.py:197-207). A row-parallel A is drawn whole and split, so that the adapters
-    are the same at every TP size (peft draws each rank's shard on its own)."""
+    """peft's LoraParallelLinear (A split over TP on a row-parallel base, B on a column-parallel one) whose forward
+    reads megatron-core's linears: peft 0.21's feeds lora_A's (output, bias) tuple into lora_B; MindSpeed-LLM
+    replaces it for the same reason (tasks/posttrain/lora/lora_moe.py:199-207). A row-parallel A is drawn whole and
+    split, so that the adapters are the same at every TP size (peft draws each rank's shard on its own)."""
 
     def __init__(self, target, adapter_name: str, config, **kwargs):
         # peft sets params_dtype float32 on the config it is given: a copy, not the model's

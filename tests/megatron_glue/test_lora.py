@@ -148,7 +148,8 @@ def test_a_base_checkpoint_loads_under_peft_names(model):
     assert lora.load_model_state(m, base, args) == "base"
     qkv = m.decoder.layers[0].self_attention.linear_qkv
     assert torch.equal(qkv.base_layer.weight, state["decoder.layers.0.self_attention.linear_qkv.base_layer.weight"] + 1)
-    assert torch.equal(qkv.lora_A["default"].weight, state["decoder.layers.0.self_attention.linear_qkv.lora_A.default.weight"])
+    assert torch.equal(qkv.lora_A["default"].weight,
+                       state["decoder.layers.0.self_attention.linear_qkv.lora_A.default.weight"])
     adapters = {k: torch.zeros_like(v) if k.endswith("lora_A.default.weight") else v
                 for k, v in lora.adapters_of(state).items()}
     assert lora.load_model_state(m, adapters, args) == "adapters"
@@ -268,7 +269,8 @@ def test_adapters_only_checkpoint_resumes_with_lora_load(base, compiled, tmp_pat
                      str(tmp_path / "adapters"))
     assert wrong.returncode == 1
     assert (f"pretrain_gpt: error: --load {tmp_path / 'adapters' / 'iter_0000002'} holds only LoRA adapters (saved "
-            "with --lora-ckpt-filter): give it as --lora-load, and the base model's checkpoint as --load") in wrong.output
+            "with --lora-ckpt-filter): give it as --lora-load, and the base model's checkpoint as --load") \
+        in wrong.output
 
 
 @pytest.mark.slow
