@@ -45,7 +45,9 @@ INSTRUCTION = ("this part of MindSpeed-LLM's instruction data (variable p2p shap
 DPO = "preference training (DPO) is not implemented here"
 MLA = "multi-latent attention (MLA) is not implemented here; use a model with standard (GQA) attention"
 MTP = "multi-token prediction (MTP) is not implemented here; drop the MTP flags"
-LORA = "LoRA is not implemented here; fine-tune all weights (--finetune)"
+LORA_MODULES_TO_SAVE = ("MindSpeed-LLM's --lora-modules-to-save (whole modules trained beside the LoRA adapters) is "
+                        "not implemented here; train the adapters alone, or fine-tune all weights (--finetune without "
+                        "--lora-target-modules)")
 DSA = "DeepSeek sparse attention (its indexer, compressed KV) is not implemented here"
 MHC = "hyper-connections (mHC) are not implemented here"
 # Gated DeltaNet layers (--full-attention-interval) are megatron-core 0.16's (docs/linear_attention.md); these
@@ -97,9 +99,7 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     **{flag: (nargs, MTP) for flag, nargs in {
         "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 1, "--mtp-mem-efficient-logits": 0, "--mtp-spec": 2,
         "--index-share-for-mtp-iteration": 0}.items()},
-    **{flag: (nargs, LORA) for flag, nargs in {
-        "--lora-r": 1, "--lora-alpha": 1, "--lora-target-modules": "+", "--lora-fusion": 0,
-        "--lora-ckpt-filter": 0}.items()},
+    "--lora-modules-to-save": ("+", LORA_MODULES_TO_SAVE),
     **{flag: (nargs, DSA) for flag, nargs in {
         "--enable-dsa-indexer": 0, "--use-sparse-flash-attn": 0, "--use-fused-lightning-indexer": 0,
         "--use-fused-lightning-indexer-loss": 0, "--index-topk": 1, "--index-n-heads": 1, "--index-head-dim": 1,
@@ -908,6 +908,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "where its cost model finds them faster (npu_compile option mc2 'auto', the default; "
                         "--use-ascend-mc2 puts them everywhere)")
 
+    g = p.add_argument_group("LoRA fine-tuning (MindSpeed-LLM's flags: peft's adapters on megatron-core's parallel "
+                             "linears; docs/lora.md)")
+    g.add_argument("--lora-target-modules", nargs="+", default=[], metavar="MODULE",
+                   help="the layers' linears that get adapters (LoRA is on with this flag): any of "
+                        "linear_qkv linear_proj linear_fc1 linear_fc2; every other weight is frozen")
+    g.add_argument("--lora-r", type=int, default=None, help="the adapters' rank (default 16)")
+    g.add_argument("--lora-alpha", type=int, default=None,
+                   help="the adapters' scale numerator: each adds (alpha / r) B A x (default 32)")
+    g.add_argument("--lora-load", default=None,
+                   help="a checkpoint folder of LoRA adapters (from --save, --lora-ckpt-filter or not): the adapters "
+                        "(and, without --finetune, the iteration and optimizer) from there, the base model from --load")
+    g.add_argument("--lora-fusion", action="store_true",
+                   help="MindSpeed-LLM's fused LoRA forward/backward (CC-LoRA): here each compiled layer's graph holds "
+                        "the base matmul, its TP collective and the adapters' matmuls together, the backend's fusions "
+                        "and overlap scheduler run over them (needs the compiled job)")
+    g.add_argument("--lora-ckpt-filter", action="store_true",
+                   help="checkpoints hold only the adapters of the model (optimizer, scheduler, RNG as usual); load "
+                        "them with --lora-load beside the base model's --load")
+
     g = p.add_argument_group("npu_compile")
     g.add_argument("--npu-compile-options", type=_json_object, default={},
                    help="JSON object passed to torch.compile(..., options=)")
@@ -1357,6 +1376,8 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
              "(default --train-iters); warm up for fewer iterations")
 
+    validate_lora(args, fail)
+
     mindspeed = [rule for flag, rules in MINDSPEED_FUSIONS.items() if getattr(args, flag) for rule in rules]
     if args.use_ascend_mc2 and args.npu_compile_options.get("mc2", "on") != "on":
         fail(f"--use-ascend-mc2 sets npu_compile option mc2='on', but --npu-compile-options gives mc2="
@@ -1725,3 +1746,49 @@ def compile_options(options: dict, switched_on: list[str], mc2: bool) -> dict:
     if mc2:
         options["mc2"] = "on"
     return options
+
+
+def validate_lora(args: argparse.Namespace, fail) -> None:
+    """MindSpeed-LLM's --lora-* flags (features_manager/finetune/lora.py: defaults r 16, alpha 32): LoRA is on with
+    --lora-target-modules (its is_enable_lora); the other flags without it would be ignored there, and are refused
+    here."""
+    from megatron_glue.training.lora import TARGETS
+
+    given = [flag for flag, on in (("--lora-r", args.lora_r is not None), ("--lora-alpha", args.lora_alpha is not None),
+                                   ("--lora-load", args.lora_load is not None), ("--lora-fusion", args.lora_fusion),
+                                   ("--lora-ckpt-filter", args.lora_ckpt_filter)) if on]
+    if not args.lora_target_modules:
+        if given:
+            fail(f"{', '.join(given)} without --lora-target-modules: LoRA is on only with --lora-target-modules "
+                 f"(any of {' '.join(TARGETS)}); give it, or drop {', '.join(given)}")
+        return
+    unknown = [m for m in args.lora_target_modules if m not in TARGETS]
+    if unknown:
+        fail(f"--lora-target-modules {' '.join(unknown)}: not a linear of this job's layers; choose from "
+             f"{' '.join(TARGETS)}")
+    args.lora_target_modules = list(dict.fromkeys(args.lora_target_modules))
+    args.lora_r = 16 if args.lora_r is None else args.lora_r
+    args.lora_alpha = 32 if args.lora_alpha is None else args.lora_alpha
+    if args.lora_r <= 0:
+        fail(f"--lora-r {args.lora_r}: the adapters' rank must be a positive integer (MindSpeed-LLM's tune scripts "
+             "give 8 or 16)")
+    if args.num_experts:
+        fail("--lora-target-modules with --num-experts: LoRA on MoE layers (MindSpeed-LLM's LoRA experts) is not "
+             "implemented here; LoRA adapts dense models")
+    if getattr(args, "full_attention_interval", None):
+        fail(LINEAR_ATTENTION.format("LoRA (--lora-target-modules)"))
+    if args.lora_fusion and not args.npu_compile:
+        fail("--lora-fusion is the compiled layer graph (base matmul, collective and adapters together), which "
+             "--no-npu-compile turns off; drop one of them")
+    if args.ckpt_format != "torch" and (args.save or args.load or args.lora_load):
+        fail(f"--lora-target-modules with --ckpt-format {args.ckpt_format}: LoRA checkpoints are written and read in "
+             "the torch format here (MindSpeed-LLM's tune scripts give --ckpt-format torch, and its "
+             "--lora-ckpt-filter applies to that format only); give --ckpt-format torch")
+    from megatron_glue.capture.adaptations import megatron_core_in
+
+    if (args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights
+            and not megatron_core_in(">=0.13")):
+        fail("--lora-target-modules with tied embeddings over pipeline stages on megatron-core "
+             "<0.13: its finalize_model_grads all-reduces the embedding's gradient, which the frozen embedding does "
+             "not have (0.12.1: distributed/finalize_model_grads.py:145-151); give "
+             "--untie-embeddings-and-output-weights, or use megatron-core 0.16")

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_glue.training import reuse_fp32_param, versions
+from megatron_glue.training import lora, reuse_fp32_param, versions
 from megatron_glue.training.log import print_rank0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -284,6 +284,8 @@ def _save_torch(args, folder, chunks, optimizer, scheduler, iteration, consumed,
     state = _common(args, iteration, consumed)
     for i, chunk in versions.model_chunks(chunks):
         state[_model_key(chunks, i)] = chunk.state_dict_for_save_checkpoint()
+        if getattr(args, "lora_ckpt_filter", False):  # the adapters alone (MindSpeed-LLM's filter_lora_keys)
+            state[_model_key(chunks, i)] = lora.adapters_of(state[_model_key(chunks, i)])
     if with_optim and optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -420,16 +422,26 @@ def _check_legacy_optimizer(args, saved_args: dict, folder: str, model_file: str
 
 def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
     """Load from args.load as Megatron-LM does; returns (iteration, consumed train samples, consumed validation
-    samples), zeros when there is nothing to load. --finetune loads only the model and restarts at 0."""
+    samples), zeros when there is nothing to load. --finetune loads only the model and restarts at 0. With
+    --lora-load (MindSpeed-LLM's _load_base_checkpoint_wrapper, training/checkpointing.py:96-104): the base model's
+    weights from --load, then the adapters, and what a resume takes (iteration, optimizer, RNG), from --lora-load."""
+    if lora.enabled(args) and args.lora_load:
+        if args.load:
+            _load(args, args.load, chunks, optimizer, scheduler, "--load", weights_only=True)
+        return _load(args, args.lora_load, chunks, optimizer, scheduler, "--lora-load")
+    return _load(args, args.load, chunks, optimizer, scheduler, "--load")
+
+
+def _load(args, root, chunks, optimizer, scheduler, flag: str, weights_only: bool = False) -> tuple[int, int, int]:
+    """Load the checkpoint under `root` (given by `flag`); `weights_only`: the model alone."""
     from megatron.core import dist_checkpointing
 
-    root = args.load
     if not root:
         return 0, 0, 0
     tracker = read_tracker(root)
     if tracker is None:
         if os.path.isdir(root) and os.listdir(root) and not args.save == root:
-            raise CheckpointError(f"--load {root}: no {TRACKER} there; expected a Megatron checkpoint directory")
+            raise CheckpointError(f"{flag} {root}: no {TRACKER} there; expected a Megatron checkpoint directory")
         print_rank0(f" WARNING: could not find the metadata file {os.path.join(root, TRACKER)}; "
                     "will not load any checkpoints and will start from random")
         return 0, 0, 0
@@ -440,7 +452,7 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
     if not os.path.isdir(folder):
         raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {tracker}, but {folder} is missing")
     release = tracker == "release"
-    finetune = args.finetune or release
+    finetune = args.finetune or release or weights_only
     if args.ckpt_format == "torch_dist":
         if not dist_checkpointing.check_is_distributed_checkpoint(folder):
             raise CheckpointError(f"{folder} is not a torch_dist checkpoint (no metadata); was it saved with "
@@ -493,7 +505,16 @@ def load_checkpoint(args, chunks, optimizer, scheduler) -> tuple[int, int, int]:
         else:
             state = common
         for i, chunk in versions.model_chunks(chunks):
-            chunk.load_state_dict(state[_model_key(chunks, i)], strict=True)
+            if lora.enabled(args):
+                held = lora.load_model_state(chunk, state[_model_key(chunks, i)], args, where=f"{flag} {folder}")
+                if held == "adapters" and flag == "--load":
+                    raise CheckpointError(f"--load {folder} holds only LoRA adapters (saved with --lora-ckpt-filter): "
+                                          "give it as --lora-load, and the base model's checkpoint as --load")
+                if held == "base" and flag == "--lora-load":
+                    raise CheckpointError(f"--lora-load {folder} holds no LoRA adapters; give the folder a LoRA job "
+                                          "saved to (the base model goes to --load)")
+            else:
+                chunk.load_state_dict(state[_model_key(chunks, i)], strict=True)
         if with_optim:
             optimizer.load_state_dict(state["optimizer"])
             if distributed_optim:  # after load_state_dict, as Megatron-LM: it allocates the state this fills

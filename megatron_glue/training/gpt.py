@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None, before_start=None, refusals=(), datasets
     from megatron_glue.training.checkpointing import CheckpointError
     from megatron_glue.data.datasets import build_loader
     from megatron_glue.data.tokenizer import DataError
+    from megatron_glue.training.lora import LoraError
 
     try:
         args = parse_args(argv, refusals=refusals)
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None, before_start=None, refusals=(), datasets
     except ArgumentError as e:
         print(e.message, file=sys.stderr)
         return 2
-    except (CheckpointError, DataError, FileNotFoundError) as e:  # bad input found while setting up: one line, no traceback
+    except (CheckpointError, DataError, LoraError, FileNotFoundError) as e:  # bad input found while setting up: one line, no traceback
         print(f"{name}: error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_glue.capture import quiet_megatron
-from megatron_glue.training import checkpointing, device as glue_device, monitor, noop_layers, versions
+from megatron_glue.training import checkpointing, device as glue_device, lora, monitor, noop_layers, versions
 from megatron_glue.training.log import (Metrics, TensorBoard, arguments_lines, iteration_line,
                                         num_floating_point_operations, parameters_line, peak_memory_mb, print_rank0,
                                         validation_lines)
@@ -310,8 +310,10 @@ def model_state_bytes(chunk, args) -> int:
     parameters in bf16/fp16 or fp32; gradients in fp32 with --accumulate-allreduce-grads-in-fp32 (or fp32
     training), else in the parameters' dtype; Adam's two fp32 moments (bf16 with --o2-optimizer; SGD's one
     momentum) plus an fp32 master
-    copy of half-precision parameters, divided over the data-parallel ranks with --use-distributed-optimizer."""
+    copy of half-precision parameters, divided over the data-parallel ranks with --use-distributed-optimizer;
+    gradients and optimizer state only for the trained parameters (with LoRA, the adapters)."""
     n = sum(p.numel() for p in chunk.parameters())
+    trained = sum(p.numel() for p in chunk.parameters() if p.requires_grad)  # LoRA: the adapters alone
     half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     param = 2 if half else 4
     grad = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) or not half else 2
@@ -321,7 +323,7 @@ def model_state_bytes(chunk, args) -> int:
         from megatron.core import parallel_state
 
         state /= parallel_state.get_data_parallel_world_size()
-    return int(n * (param + grad + state))
+    return int(n * param + trained * (grad + state))
 
 
 def in_flight_micro_batches(args) -> int:
@@ -355,6 +357,8 @@ def build_model(args, where, model_provider):
         pre, post = versions.pipeline_position(vp_stage)
         with quiet_megatron():
             chunk = model_provider(args, config, pre_process=pre, post_process=post, vp_stage=vp_stage)
+        if lora.enabled(args):  # adapters in, the rest frozen: before compiling, Float16Module and DDP see it
+            lora.inject(chunk, config, args)
         chunk.to(where.device)
         if args.npu_compile:
             compile_model(chunk, args)
@@ -370,7 +374,7 @@ def build_model(args, where, model_provider):
         # finds them and skips the step. The loss itself is still checked (train_step).
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not dynamic_fp16,
         bucket_size=args.ddp_bucket_size)
-    _print_parameters(chunks)
+    _print_parameters(chunks, lora.enabled(args))
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                       disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     for c in chunks:
@@ -378,13 +382,16 @@ def build_model(args, where, model_provider):
     return chunks, config
 
 
-def _print_parameters(chunks) -> None:
-    """Megatron-LM's get_model: the parameter count of this model-parallel rank, printed by its DP rank 0."""
+def _print_parameters(chunks, adapters: bool = False) -> None:
+    """Megatron-LM's get_model: the parameter count of this model-parallel rank, printed by its DP rank 0; with
+    LoRA, the trainable part too (peft's print_trainable_parameters)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_data_parallel_rank() == 0:
-        print(parameters_line(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                              sum(p.nelement() for c in chunks for p in c.parameters())), flush=True)
+        tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        print(parameters_line(tp, pp, sum(p.nelement() for c in chunks for p in c.parameters())), flush=True)
+        if adapters:
+            print(lora.trainable_line(chunks, tp, pp), flush=True)
 
 
 def build_optimizer(args, chunks, config):

@@ -16,7 +16,7 @@ import pytest
 
 from bench.mindspeed_census import scale_down
 from megatron_glue.training.arguments import (MOE_GROUPED_GEMM, NO_EFFECT, REFUSED, ArgumentError,
-                                             DialectError, INSTRUCTION, build_parser,
+                                             DialectError, INSTRUCTION, LORA_MODULES_TO_SAVE, build_parser,
                                              parse_args)
 from pretrain_runs import TINY, pretrain
 
@@ -396,7 +396,8 @@ def test_no_effect_flags_parse_and_change_nothing_the_job_builds():
 
 def test_every_refused_and_unknown_flag_at_once():
     argv = [*JOB, "--num-experts", "8", "--gemm-gradient-accumulation-fusion", "--no-such-flag", "3",
-            "--variable-seq-lengths", "--context-parallel-size", "2", "--cp-window-size", "2", "--lora-r", "8",
+            "--variable-seq-lengths", "--context-parallel-size", "2", "--cp-window-size", "2",
+            "--lora-modules-to-save", "linear_qkv",
             "--no-such-switch"]
     with pytest.raises(DialectError) as info:
         parse_args(argv)
@@ -404,7 +405,7 @@ def test_every_refused_and_unknown_flag_at_once():
         PROG + "6 flags of this command line are refused or unknown:",
         "  --gemm-gradient-accumulation-fusion: " + MOE_GROUPED_GEMM,
         "  --variable-seq-lengths: " + INSTRUCTION,
-        "  --lora-r: LoRA is not implemented here; fine-tune all weights (--finetune)",
+        "  --lora-modules-to-save: " + LORA_MODULES_TO_SAVE,
         "  --cp-window-size 2: MindSpeed's double-ring attention (windows of the CP ring) is not implemented here; "
         "give --cp-window-size 1 (one ring)",
         "  --no-such-flag: unrecognized (not a flag of Megatron-LM, MindSpeed or MindSpeed-LLM that this job knows)",
@@ -449,9 +450,9 @@ def test_help_lists_refused_and_no_effect_flags_with_their_reasons():
 
 def test_refused_flags_take_their_values():
     """A refused flag's values are its own (never read as flags of their own, or as unknown)."""
-    assert error([*JOB, "--lora-target-modules", "linear_qkv", "linear_proj", "--fc-type", "h_to_4h"]) == "\n".join([
+    assert error([*JOB, "--lora-modules-to-save", "linear_qkv", "linear_proj", "--fc-type", "h_to_4h"]) == "\n".join([
         PROG + "2 flags of this command line are refused or unknown:",
-        "  --lora-target-modules: LoRA is not implemented here; fine-tune all weights (--finetune)",
+        "  --lora-modules-to-save: " + LORA_MODULES_TO_SAVE,
         "  --fc-type: MindSpeed-LLM's alternative MLP layouts (--fc-type) are not implemented here"])
 
 
