@@ -208,18 +208,27 @@ def test_moe_layer_compiles_whole_with_the_aux_loss_and_matches_eager(moe_group,
     assert not torch.allclose(scaled[router], grads[router], rtol=1e-3)
 
 
-def _tracker_values() -> dict[str, torch.Tensor]:
+def _aux_loss_tracker() -> dict:
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import moe_utils
 
     # 0.16.1 keeps the tracker in moe_utils, 0.12.1 in parallel_state
     get = getattr(moe_utils, "get_moe_layer_wise_logging_tracker", None) or \
         parallel_state.get_moe_layer_wise_logging_tracker
-    return {name: entry["values"].clone() for name, entry in get().items()}
+    return get()
+
+
+@pytest.fixture
+def empty_aux_loss_tracker():
+    """A tracker sized by this test's layers (an entry keeps the layer count of the model that made it)."""
+    _aux_loss_tracker().clear()
+    yield
+    _aux_loss_tracker().clear()
 
 
 @pytest.mark.parametrize("dispatcher,graphs", [("allgather", 1), ("alltoall", 2)])
-def test_moe_layers_compiled_one_by_one_share_their_graphs(moe_group, fresh_dynamo, dispatcher, graphs):
+def test_moe_layers_compiled_one_by_one_share_their_graphs(moe_group, fresh_dynamo, empty_aux_loss_tracker,
+                                                           dispatcher, graphs):
     """Each MoE layer of a 5-layer GPT compiled on its own, as the job does: a fixed number of graphs for all of
     them (the router's layer_number a symbol: moe_dynamo_config), where one per layer ran the layers past Dynamo's
     recompile limit uncompiled; loss, every gradient and the aux-loss tracker's per-layer values equal eager's."""
@@ -245,7 +254,7 @@ def test_moe_layers_compiled_one_by_one_share_their_graphs(moe_group, fresh_dyna
             loss = models.loss_fn(model, data)
             loss.backward()
             steps.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
-                          _tracker_values()))
+                          {name: entry["values"].clone() for name, entry in _aux_loss_tracker().items()}))
         return steps
 
     want = run(False)  # the tracker's entries exist from here on: no graph for their creation
