@@ -83,6 +83,7 @@ bench: $(STAMP)
 	$(PY) -m bench.step_time
 	$(PY) -m bench.recompute
 	$(PY) -m bench.long_context_memory
+	$(PY) -m bench.moe_step
 
 clean:
 	rm -rf $(VENV) $(VENV012) npu_compile_dump .pytest_cache .hypothesis

@@ -935,7 +935,10 @@ def _aux_loss_scale_read_at_backward(backward):
     "its compile time grows with num_layers; as a nested compile region (torch.compiler.nested_compile_region) "
     "the layer is traced once and called N times (invoke_subgraph), and the backend compiles it once. At tensor "
     "parallel size > 1 the layer is inlined as before: the backend's overlap scheduling does not look inside a "
-    "region for its collectives",
+    "region for its collectives. An MoE layer is inlined too: its token dispatcher keeps the tensors of one call "
+    "on itself for the next step of the same call (0.16.1 transformer/moe/token_dispatcher.py:250-307, "
+    "routing_map, local_map, local_probs, ...), a side effect leaving the region that Dynamo cannot trace ('an "
+    "intermediate tensor ... created inside a higher-order op subgraph aliases an input or output')",
 )
 def _layer_compile_region(forward):
     def hidden_states(self, *args, **kwargs):
@@ -949,11 +952,13 @@ def _layer_compile_region(forward):
         return output
 
     region = torch.compiler.nested_compile_region(hidden_states)
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     @functools.wraps(forward)
     def layer_forward(self, *args, **kwargs):
         # config attributes and a None argument: Dynamo guards on them, so the choice is made once per graph
-        if self.config.tensor_model_parallel_size > 1 or kwargs.get("context") is not None:
+        if (self.config.tensor_model_parallel_size > 1 or kwargs.get("context") is not None
+                or isinstance(self.mlp, MoELayer)):
             return forward(self, *args, **kwargs)
         return region(self, *args, **kwargs), None
 

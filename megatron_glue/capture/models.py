@@ -75,6 +75,7 @@ def build_gpt_model(config: TransformerConfig, vocab_size: int = 128, seq_len: i
     every TP size, on every megatron-core line).
 
     position_embedding_type defaults to "rope" for RMSNorm configs (llama_config) and "learned_absolute" otherwise.
+    A config with ``num_moe_experts`` builds MoE layers (megatron-core's local MoE spec).
     """
     if position_embedding_type is None:
         position_embedding_type = "rope" if config.normalization == "RMSNorm" else "learned_absolute"
@@ -84,7 +85,9 @@ def build_gpt_model(config: TransformerConfig, vocab_size: int = 128, seq_len: i
     with quiet_megatron():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+            # with num_moe_experts: every layer's MLP is megatron-core's MoELayer (SequentialMLP experts)
+            transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                                            normalization=config.normalization),
             vocab_size=vocab_size,
             max_sequence_length=seq_len,
             position_embedding_type=position_embedding_type,

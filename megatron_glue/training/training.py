@@ -294,15 +294,25 @@ def compile_model(chunk, args) -> None:
         setattr(module, COMPILED_FORWARD, True)
 
 
+# The router's layer number, by its Dynamo source in a layer's frame (self.mlp.router.layer_number) or a model's
+ROUTER_LAYER_NUMBER = r".*\._modules\['router'\]\.layer_number"
+
+
 def moe_dynamo_config() -> None:
     """Dynamo settings an MoE layer needs to be captured whole (docs/moe.md): the router's token counts become
     the dispatcher's split sizes and permutation sizes (`.tolist()`, `masked_select`, `nonzero`), data-dependent
     values Dynamo keeps in the graph as unbacked symbols only with these on (otherwise a graph break at each).
+    And the router's ``layer_number`` a symbol, not a constant: the aux-loss tracker indexes its per-layer values
+    with it (``save_to_aux_losses_tracker``), and Dynamo, which takes a module's int attributes as constants,
+    compiled every MoE layer of the job once more and ran those past its recompile limit (8) uncompiled.
     Process-wide, as torchtitan sets them for its MoE blocks; set before the first layer is traced."""
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.capture_scalar_outputs = True
     dynamo_config.capture_dynamic_output_shape_ops = True
+    sources = torch.compiler.config.dynamic_sources  # appended to: $TORCH_COMPILE_DYNAMIC_SOURCES stays in
+    if ROUTER_LAYER_NUMBER not in sources.split(","):
+        torch.compiler.config.dynamic_sources = ",".join(filter(None, [sources, ROUTER_LAYER_NUMBER]))
 
 
 def model_state_bytes(chunk, args) -> int:

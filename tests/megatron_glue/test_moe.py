@@ -208,6 +208,72 @@ def test_moe_layer_compiles_whole_with_the_aux_loss_and_matches_eager(moe_group,
     assert not torch.allclose(scaled[router], grads[router], rtol=1e-3)
 
 
+def _aux_loss_tracker() -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    # 0.16.1 keeps the tracker in moe_utils, 0.12.1 in parallel_state
+    get = getattr(moe_utils, "get_moe_layer_wise_logging_tracker", None) or \
+        parallel_state.get_moe_layer_wise_logging_tracker
+    return get()
+
+
+@pytest.fixture
+def empty_aux_loss_tracker():
+    """A tracker sized by this test's layers (an entry keeps the layer count of the model that made it)."""
+    _aux_loss_tracker().clear()
+    yield
+    _aux_loss_tracker().clear()
+
+
+@pytest.mark.parametrize("dispatcher,graphs", [("allgather", 1), ("alltoall", 2)])
+def test_moe_layers_compiled_one_by_one_share_their_graphs(moe_group, fresh_dynamo, empty_aux_loss_tracker,
+                                                           dispatcher, graphs):
+    """Each MoE layer of a 5-layer GPT compiled on its own, as the job does: a fixed number of graphs for all of
+    them (the router's layer_number a symbol: moe_dynamo_config), where one per layer ran the layers past Dynamo's
+    recompile limit uncompiled; loss, every gradient and the aux-loss tracker's per-layer values equal eager's."""
+    import torch._dynamo.utils as dynamo_utils
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    from megatron_glue.capture import models
+    from megatron_glue.training.training import moe_dynamo_config
+
+    def run(compiled: bool):
+        model = models.build_gpt_model(models.llama_config(
+            hidden_size=32, num_attention_heads=4, num_layers=5, ffn_hidden_size=32, num_moe_experts=4,
+            moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.1, moe_token_dispatcher_type=dispatcher),
+            64, 8, seed=0)
+        if compiled:
+            for layer in model.decoder.layers:
+                layer.forward = torch.compile(layer.forward, backend="aot_eager")
+        data = models.synthetic_batch(2, 8, 64, seed=0)
+        steps = []
+        for _ in range(2):  # the second step: the graphs of the state the first one leaves (tracker, sync point)
+            clear_aux_losses_tracker()
+            model.zero_grad(set_to_none=True)
+            loss = models.loss_fn(model, data)
+            loss.backward()
+            steps.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                          {name: entry["values"].clone() for name, entry in _aux_loss_tracker().items()}))
+        return steps
+
+    want = run(False)  # the tracker's entries exist from here on: no graph for their creation
+    moe_dynamo_config()
+    dynamo_utils.counters.clear()
+    got = run(True)
+    # alltoall: a second graph once the dispatcher's cuda_sync_point, set by its first call, is read as set
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    assert sum(dynamo_utils.counters["graph_break"].values()) == 0
+    for (loss, grads, tracker), (want_loss, want_grads, want_tracker) in zip(got, want):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert tracker.keys() == want_tracker.keys() and "load_balancing_loss" in tracker
+        for name, values in want_tracker.items():
+            assert values.shape == (5,) and bool((values != 0).all()), (name, values)
+            torch.testing.assert_close(tracker[name], values, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.training  # about a minute of rule tracing: with the job runs (make test-training), not make test
 def test_moe_layer_compiles_with_the_ascend_backend(moe_group, fresh_dynamo):
