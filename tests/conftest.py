@@ -10,6 +10,7 @@ theirs from the fuzz profile and run only when asked for (`make fuzz`, `-m fuzz`
 
 import os
 import random
+import sys
 import tempfile
 import zlib
 
@@ -47,6 +48,22 @@ def fresh_dynamo(request):
     # In-process compiles run every pass (tests look at their stages): the cache only where a test asks for it.
     from npu_compile import config
 
+    # process-wide settings a test may set as the job does (training.moe_dynamo_config) come back after it
+    dynamo, compiler = torch._dynamo.config, torch.compiler.config
+    kept = (dynamo.capture_scalar_outputs, dynamo.capture_dynamic_output_shape_ops, compiler.dynamic_sources)
     with config.patch(cache=False):
         yield
     torch._dynamo.reset()
+    dynamo.capture_scalar_outputs, dynamo.capture_dynamic_output_shape_ops, compiler.dynamic_sources = kept
+    _empty_moe_tracker()
+
+
+def _empty_moe_tracker() -> None:
+    """megatron-core's MoE aux-loss tracker is process-wide and each entry keeps the layer count of the model that
+    made it (a later model with more layers indexes past it): emptied after each test that imported MoE."""
+    utils, state = sys.modules.get("megatron.core.transformer.moe.moe_utils"), sys.modules.get(
+        "megatron.core.parallel_state")
+    get = getattr(utils, "get_moe_layer_wise_logging_tracker", None) or getattr(
+        state, "get_moe_layer_wise_logging_tracker", None)
+    if get is not None:
+        get().clear()
