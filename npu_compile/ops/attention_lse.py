@@ -55,7 +55,7 @@ def attention_with_lse(
     out, softmax_max, softmax_sum = fused_attention(query, key, value, attn_mask, layout=layout, scale=scale,
                                                     causal=causal)
     lse = torch.where(softmax_sum > 0, softmax_max + softmax_sum.log(), -math.inf)
-    return out, lse
+    return out, lse.contiguous()  # the flash kernel's statistics come [b, s, n]-strided
 
 
 @attention_with_lse.register_fake
