@@ -34,14 +34,14 @@ ALGORITHMS = ("ulysses_cp_algo", "megatron_cp_algo")
 # -- the ring's arithmetic (no process group: unit-tested against full attention) ----------------------------------
 
 def attention_with_statistics(query, key, value, scale: float, causal: bool, hidden=None):
-    """The written-out form of a ring step (the reference `fused_step` is tested against; autograd through it
-    saves the step's [b, n, sq, sk] weights). Softmax attention of `query` [sq, b, n, d] over `key` / `value` [sk, b, g, d] (GQA: query head h reads key
-    head h // (n / g)), `causal`: query i sees keys <= i (sq == sk); `hidden`, when given: a bool mask broadcast to
-    [b, n, sq, sk], True where a query does not see a key (packed documents). Returns (out [sq, b, n, d],
-    softmax_max [b, n, sq], softmax_sum [b, n, sq]), all in fp32 (fp64 for fp64 inputs): out = exp(s - max) v /
-    sum, so that partial results over disjoint key blocks merge exactly (ring_attention_update). A query row that
-    sees no key of the block (a document that began after the block's keys) gets out 0, sum 0 and max -inf: the
-    merge gives it weight 0."""
+    """The written-out form of a ring step (the reference `fused_step` is tested against; autograd through it saves the
+    step's [b, n, sq, sk] weights). Softmax attention of `query` [sq, b, n, d] over `key` / `value` [sk, b, g, d] (GQA:
+    query head h reads key head h // (n / g)), `causal`: query i sees keys <= i (sq == sk); `hidden`, when given: a bool
+    mask broadcast to [b, n, sq, sk], True where a query does not see a key (packed documents). Returns (out [sq, b, n,
+    d], softmax_max [b, n, sq], softmax_sum [b, n, sq]), all in fp32 (fp64 for fp64 inputs): out = exp(s - max) v / sum,
+    so that partial results over disjoint key blocks merge exactly (ring_attention_update). A query row that sees no key
+    of the block (a document that began after the block's keys) gets out 0, sum 0 and max -inf: the merge gives it
+    weight 0."""
     n, g = query.size(2), key.size(2)
     if g != n:
         key = key.repeat_interleave(n // g, dim=2)
@@ -121,7 +121,8 @@ def ring_attention_local(query, key, value, scale: float, rank: int, size: int, 
     [b, 1, len_q, len_k] (True = not seen) of the queries in those chunks (global chunk numbers, in that order)
     against the keys in those; it must hide every later key (a document mask is causal), so that the blocks the
     causal plan skips stay skipped, and show each query itself (every row of step 0 sees a key). `attend`: each
-    step's attention, `fused_step` or the written-out `attention_with_statistics` (same arguments and results)."""
+    step's attention, `fused_step` or the written-out `attention_with_statistics` (same arguments; results that
+    merge alike)."""
     c = query.size(0) // 2
     own = (rank, 2 * size - 1 - rank)
     kv = torch.cat([key, value], dim=-1)

@@ -25,7 +25,8 @@ LAYOUTS = ("sbnd", "bsnd", "bnsd")
 def cases(draw):
     n, g = draw(st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 1)]))
     sq = draw(st.integers(1, 40))
-    return dict(b=draw(st.integers(1, 2)), n=n, g=g, sq=sq, sk=draw(st.integers(1, 40)), d=draw(st.sampled_from([4, 8])),
+    return dict(b=draw(st.integers(1, 2)), n=n, g=g, sq=sq, sk=draw(st.integers(1, 40)),
+                d=draw(st.sampled_from([4, 8])),
                 layout=draw(st.sampled_from(LAYOUTS)), dtype=draw(st.sampled_from([torch.float64, torch.float32])),
                 mask=draw(st.sampled_from(["none", "causal", "documents", "documents+causal"])),
                 empty_rows=draw(st.booleans()), scale=draw(st.sampled_from([None, 0.3])),

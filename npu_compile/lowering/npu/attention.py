@@ -470,7 +470,8 @@ def check_lse_backward(c: Call) -> str | None:
         return problem
     dims = _attention_dims(c)
     if dims.d + 1 > 768:
-        return f"the lse gradient pads the head dim by one (D_i shift through attention_in): Dk + 1 <= 768, got {dims.d}"
+        return (f"the lse gradient pads the head dim by one (D_i shifted through attention_in): Dk + 1 <= 768, "
+                f"got Dk={dims.d}")
     return None
 
 
