@@ -376,8 +376,8 @@ def notes(results: dict, eager_seqs: list[int], per_token: float) -> list[str]:
             "`causal_mask` folds into the fused attention's causal flag, so no s×s tensor is built or kept.",
             f"- CP = 2 Ulysses: {_fmt(ulysses_top)} a rank at {top // 1024}K, ×{causal_top / ulysses_top:.1f} less "
             "than CP 1: each rank holds half the sequence outside attention and half the heads inside it. Ring "
-            "attention's per-step attention is written out in aten ops (docs/context_parallel.md, \"Not done\"): "
-            "each step's fp32 scores ((s/CP)² a head) are made and kept for the backward; " + ring + ".",
+            "attention: each step is the fused `attention_with_lse` (docs/context_parallel.md), which keeps q, k, "
+            "v, out and lse for the backward, not the step's fp32 scores ((s/CP)² a head); " + ring + ".",
             "- The CP columns run causal rows (one document a row); packed rows under CP are implemented "
             "(docs/context_parallel.md) and not measured here.", ""]
     ratios = [(k, s, r["planned"] / r["peak"]) for (k, s), ranks in results.items() if k != "eager"

@@ -10,9 +10,9 @@ asserts CP == 1). These modules take its place in the layer spec (`cp_layer_spec
   megatron-core's own `DotProductAttention` over the whole sequence with H/CP heads (the attention the backend fuses),
   and the all-to-all back.
 - `RingAttention` (MindSpeed's `megatron_cp_algo`): K/V passed around the CP ring, each step's partial attention
-  returned with its fp32 statistics (row max and row sum of exponentials, torch_npu's `softmax_max` /
-  `softmax_sum`) and merged exactly (`ring_attention_update`, the merge of `npu_ring_attention_update`); causal
-  masking per pair of chunks.
+  the fused `npu_compile::attention_with_lse` (its fp32 log-sum-exp a differentiable output, its backward
+  recomputing the step from q, k, v, out and lse: no step keeps its score block) and merged exactly
+  (`ring_attention_update`, the merge of `npu_ring_attention_update`); causal masking per pair of chunks.
 
 The collectives are torch's functional collectives with autograd (`all_to_all_single_autograd`): under Dynamo they
 are `_c10d_functional` ops in the captured graph (the backend's comm scheduling and cost model see them), eagerly
@@ -34,13 +34,14 @@ ALGORITHMS = ("ulysses_cp_algo", "megatron_cp_algo")
 # -- the ring's arithmetic (no process group: unit-tested against full attention) ----------------------------------
 
 def attention_with_statistics(query, key, value, scale: float, causal: bool, hidden=None):
-    """Softmax attention of `query` [sq, b, n, d] over `key` / `value` [sk, b, g, d] (GQA: query head h reads key
-    head h // (n / g)), `causal`: query i sees keys <= i (sq == sk); `hidden`, when given: a bool mask broadcast to
-    [b, n, sq, sk], True where a query does not see a key (packed documents). Returns (out [sq, b, n, d],
-    softmax_max [b, n, sq], softmax_sum [b, n, sq]), all in fp32 (fp64 for fp64 inputs): out = exp(s - max) v /
-    sum, so that partial results over disjoint key blocks merge exactly (ring_attention_update). A query row that
-    sees no key of the block (a document that began after the block's keys) gets out 0, sum 0 and max -inf: the
-    merge gives it weight 0."""
+    """The written-out form of a ring step (the reference `fused_step` is tested against; autograd through it saves the
+    step's [b, n, sq, sk] weights). Softmax attention of `query` [sq, b, n, d] over `key` / `value` [sk, b, g, d] (GQA:
+    query head h reads key head h // (n / g)), `causal`: query i sees keys <= i (sq == sk); `hidden`, when given: a bool
+    mask broadcast to [b, n, sq, sk], True where a query does not see a key (packed documents). Returns (out [sq, b, n,
+    d], softmax_max [b, n, sq], softmax_sum [b, n, sq]), all in fp32 (fp64 for fp64 inputs): out = exp(s - max) v / sum,
+    so that partial results over disjoint key blocks merge exactly (ring_attention_update). A query row that sees no key
+    of the block (a document that began after the block's keys) gets out 0, sum 0 and max -inf: the merge gives it
+    weight 0."""
     n, g = query.size(2), key.size(2)
     if g != n:
         key = key.repeat_interleave(n // g, dim=2)
@@ -65,6 +66,18 @@ def attention_with_statistics(query, key, value, scale: float, causal: bool, hid
     out = torch.einsum("bnst,tbnd->sbnd", weights, value.to(dtype))
     out = out / torch.where(empty, 1.0, softmax_sum).permute(2, 0, 1).unsqueeze(-1)
     return out, torch.where(empty, float("-inf"), row_max), softmax_sum
+
+
+def fused_step(query, key, value, scale: float, causal: bool, hidden=None):
+    """A ring step as attention_with_statistics returns it, computed by the fused `npu_compile::attention_with_lse`
+    (its backward recomputes the step from q, k, v, out and lse, so no [b, n, sq, sk] block is kept for the
+    backward): (out [sq, b, n, d] in fp32, lse as the row max, 1 as the row sum), the same merge weights
+    exp(lse − max) as (max, sum). A row that sees no key: out 0, lse −inf, weight 0 in the merge."""
+    import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile)
+
+    out, lse = torch.ops.npu_compile.attention_with_lse(query, key, value, hidden, layout="sbnd", scale=scale,
+                                                        causal=causal)
+    return out.to(torch.promote_types(query.dtype, torch.float32)), lse, torch.ones_like(lse)
 
 
 def ring_attention_update(prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum):
@@ -99,14 +112,17 @@ def ring_steps(rank: int, size: int):
             yield step, source, "second", "all"
 
 
-def ring_attention_local(query, key, value, scale: float, rank: int, size: int, exchange, hidden=None):
+def ring_attention_local(query, key, value, scale: float, rank: int, size: int, exchange, hidden=None,
+                         attend=fused_step):
     """Causal attention of this rank's queries over the whole sequence, the sequence split as
     get_batch_on_this_cp_rank splits it (chunks rank and 2·size-1-rank of 2·size, concatenated). `exchange(kv)`
     returns the previous rank's tensor (the ring); `query` [2c, b, n, d], `key`/`value` [2c, b, g, d]. Returns out
     [2c, b, n, d] in fp32. `hidden(query_chunks, key_chunks)`, when given (packed documents): the bool mask
     [b, 1, len_q, len_k] (True = not seen) of the queries in those chunks (global chunk numbers, in that order)
     against the keys in those; it must hide every later key (a document mask is causal), so that the blocks the
-    causal plan skips stay skipped, and show each query itself (every row of step 0 sees a key)."""
+    causal plan skips stay skipped, and show each query itself (every row of step 0 sees a key). `attend`: each
+    step's attention, `fused_step` or the written-out `attention_with_statistics` (same arguments; results that
+    merge alike)."""
     c = query.size(0) // 2
     own = (rank, 2 * size - 1 - rank)
     kv = torch.cat([key, value], dim=-1)
@@ -121,18 +137,17 @@ def ring_attention_local(query, key, value, scale: float, rank: int, size: int, 
         held = (source, 2 * size - 1 - source)
         if step == 0:
             mask = None if hidden is None else hidden(own, own)
-            out, softmax_max, softmax_sum = attention_with_statistics(query, k, v, scale, causal=hidden is None,
-                                                                      hidden=mask)
+            out, softmax_max, softmax_sum = attend(query, k, v, scale, causal=hidden is None, hidden=mask)
             continue
         if keys == "first":
             k, v, held = k[:c], v[:c], held[:1]
         if queries == "all":
             mask = None if hidden is None else hidden(own, held)
-            cur = attention_with_statistics(query, k, v, scale, causal=False, hidden=mask)
+            cur = attend(query, k, v, scale, causal=False, hidden=mask)
             out, softmax_max, softmax_sum = ring_attention_update(out, softmax_max, softmax_sum, *cur)
         else:
             mask = None if hidden is None else hidden(own[1:], held)
-            cur = attention_with_statistics(query[c:], k, v, scale, causal=False, hidden=mask)
+            cur = attend(query[c:], k, v, scale, causal=False, hidden=mask)
             second = ring_attention_update(out[c:], softmax_max[..., c:], softmax_sum[..., c:], *cur)
             out = torch.cat([out[:c], second[0]])
             softmax_max = torch.cat([softmax_max[..., :c], second[1]], dim=-1)

@@ -5,6 +5,8 @@ plain torch (any device), a fake kernel with the real kernel's shapes and stride
 backward op that is itself a custom op, so the partitioner sees one opaque node each way:
 
     attention    fused_attention, fused_attention_backward
+    attention_lse  attention_with_lse (+ _backward): attention whose log-sum-exp is a differentiable output
+                 (ring attention's per-step attention, merged by its statistics)
     norms        rms_norm, add_rms_norm, add_layer_norm (+ _backward each)
     activations  bias_gelu, swiglu (+ _backward each)
     rotary       rotary, rotary_backward
@@ -25,6 +27,7 @@ from npu_compile.ops import cross_entropy
 from npu_compile.ops import varlen_attention
 from npu_compile.ops import moe
 from npu_compile.ops import offload
+from npu_compile.ops import attention_lse
 
-__all__ = ["activations", "attention", "cross_entropy", "dropout_add", "norms", "offload", "rotary", "varlen_attention",
+__all__ = ["activations", "attention", "attention_lse", "cross_entropy", "dropout_add", "norms", "offload", "rotary", "varlen_attention",
            "moe"]

@@ -66,6 +66,15 @@ def _attention(layout: str, **kw: Any) -> Callable:
     return fn
 
 
+def _attention_lse(layout: str, **kw: Any) -> Callable:
+    """Both outputs, so the backward gets a gradient of lse (ring attention's merge gives it one); a row with no
+    visible key has lse -inf, taken out of the loss."""
+    def fn(q, k, v, mask=None):
+        out, lse = F.attention_with_lse(q, k, v, mask, layout=layout, **kw)
+        return out, torch.where(torch.isinf(lse), 0.0, lse)
+    return fn
+
+
 def _qkv(layout: str, dv: int = D, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     shape = {"sbnd": lambda n, d: (S, B, n, d), "bsnd": lambda n, d: (B, S, n, d), "bnsd": lambda n, d: (B, n, S, d)}
     return [_t(*shape[layout](n, d), dtype=dtype) for n, d in ((N, D), (NKV, D), (NKV, dv))]
@@ -189,6 +198,14 @@ CASES: dict[str, Case] = {
         _attention("sbnd", causal=True), lambda: _qkv("sbnd", dtype=torch.bfloat16), ATTENTION, tolerance=2e-2),
     "attention_bias_grad": Case(  # the forward lowers; the backward keeps its reference kernel
         _attention("bnsd"), lambda: [*_qkv("bnsd"), None, _t(B, N, S, S)], ("npu.npu_fusion_attention_v3",)),
+    "attention_lse_sbnd_causal_gqa": Case(_attention_lse("sbnd", causal=True, scale=0.3), lambda: _qkv("sbnd"),
+                                          ATTENTION),
+    "attention_lse_bsnd_mask_empty_row_eager": Case(
+        _attention_lse("bsnd"), lambda: [*_qkv("bsnd"), _mask(B, 1, S, S, empty_row=5)], ATTENTION, EAGER),
+    "attention_lse_sbnd_mask_causal_aclgraph": Case(
+        _attention_lse("sbnd", causal=True), lambda: [*_qkv("sbnd"), _mask(S, S)], V3, ACLGRAPH),
+    "attention_lse_sbnd_causal_bf16": Case(
+        _attention_lse("sbnd", causal=True), lambda: _qkv("sbnd", dtype=torch.bfloat16), ATTENTION, tolerance=2e-2),
     "attention_small_fill": Case(_attention("sbnd", fill=-1.0), lambda: [*_qkv("sbnd"), _mask(S, S)], ()),
     "rms_norm": Case(lambda x, w: F.rms_norm(x, w, 1e-5)[0], lambda: [_t(S, B, H), _t(H)],
                      ("npu.npu_rms_norm", "npu.npu_rms_norm_backward")),

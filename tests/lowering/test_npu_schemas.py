@@ -41,7 +41,8 @@ def test_the_binding_check_is_not_vacuous():
 
 # One case per lowering, at symbolic sizes: the calls still bind (a size is then a SymInt node), and the graph
 # lowers to the same torch_npu ops as at static sizes.
-DYNAMIC_CASES = ("attention_sbnd_causal_gqa", "attention_bnsd_mask_causal_bias", "rms_norm", "add_rms_norm",
+DYNAMIC_CASES = ("attention_sbnd_causal_gqa", "attention_bnsd_mask_causal_bias", "attention_lse_sbnd_causal_gqa",
+                 "rms_norm", "add_rms_norm",
                  "add_layer_norm", "bias_gelu_erf", "bias_gelu_fast_opt_in", "swiglu",
                  "rotary_interleave_partial_cos_grad")
 

@@ -121,6 +121,44 @@ def test_the_ring_masks_no_block_but_the_first():
                 assert (queries, keys) == (("all", "first") if source < rank else ("second", "all"))
 
 
+@pytest.mark.parametrize("attend", ["fused_step", "attention_with_statistics"])
+def test_the_compiled_rings_saved_activations_hold_no_score_block(attend):
+    """Rank 0 of a CP 2 ring compiled for target reference (the other rank's K/V an input standing in for the
+    exchange): with the fused step the graph holds npu_compile.attention_with_lse and the backward saves q, k, v,
+    out and lse (O(s/CP) each), far under one [b, n, s/CP, s/CP] fp32 block; the written-out step saves its
+    weights, blocks of that size (the case shows the bar sees them)."""
+    from npu_compile.debug.report import collect
+
+    c, b, n, d = 64, 1, 2, 4  # this rank's 2c = 128 tokens; the first step's block is 2c x 2c
+    block = b * n * (2 * c) * (2 * c) * 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2 * c, b, n, d, generator=gen, requires_grad=True) for _ in range(3))
+    other = torch.randn(2 * c, b, n, 2 * d, generator=gen, requires_grad=True)
+    step = getattr(cp, attend)
+
+    def rank0(q, k, v, other):
+        return cp.ring_attention_local(q, k, v, 0.5, 0, 2, lambda kv: other, attend=step)
+
+    expected = rank0(q, k, v, other)
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v, other))
+    torch._dynamo.reset()
+    with collect() as reports:
+        got = torch.compile(rank0, backend="ascend", options={"target": "reference"})(q, k, v, other)
+        grads = torch.autograd.grad(got.sum(), (q, k, v, other))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for a, e in zip(grads, expected_grads):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    (report,) = reports
+    saved = report.memory["saved_activation_bytes"]
+    if attend == "fused_step":
+        assert report.lowered_ops.get("npu_compile.attention_with_lse") == 2, report.lowered_ops
+        assert report.lowered_ops.get("npu_compile.attention_with_lse_backward") == 2, report.lowered_ops
+        assert 0 < saved < block / 4, (saved, block)
+    else:
+        assert "npu_compile.attention_with_lse" not in report.lowered_ops
+        assert saved >= block, (saved, block)
+
+
 def test_ulysses_reorder_is_the_sequence_order(megatron_cpu):
     """The chunks the CP ranks hold, gathered rank after rank, put back in sequence order and split again."""
     size, s = 3, 12

@@ -42,7 +42,8 @@ def test_context_parallel_2_equals_one_process(reference, algorithm, compiled, t
     assert_close(norms, [r["grad_norm"] for r in reference.rows("train")], what=f"{algorithm} grad norm")
     if not compiled:
         return
-    # the layer's training graph on each rank: the CP collectives in it, no break; Ulysses' attention fused
+    # the layer's training graph on each rank: the CP collectives in it, no break; Ulysses' attention fused, the
+    # ring's steps the fused attention_with_lse
     for rank in (0, 1):
         reports = [json.loads(p.read_text()) for p in (tmp_path / "dumps" / f"rank{rank}").glob("*/report.json")]
         layer = [r for r in reports if r["lowered_ops"].get("_c10d_functional.all_to_all_single")]
@@ -55,6 +56,9 @@ def test_context_parallel_2_equals_one_process(reference, algorithm, compiled, t
         assert training["comm"]["collectives"] == training["lowered_ops"]["_c10d_functional.all_to_all_single"]
         if algorithm == "ulysses_cp_algo":
             assert training["fusions"]["attention"] == 1
+        else:  # each of the ring's 2 steps the fused attention_with_lse, forward and backward
+            assert training["lowered_ops"].get("npu_compile.attention_with_lse") == 2, training["lowered_ops"]
+            assert training["lowered_ops"].get("npu_compile.attention_with_lse_backward") == 2
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 """Attention on the npu targets: ``fused_attention`` / ``_backward`` → ``npu_fusion_attention`` / ``_grad``, or
-their graph-mode versions ``npu_fusion_attention_v3`` / ``_grad_v3``, chosen by the requested graph mode.
+their graph-mode versions ``npu_fusion_attention_v3`` / ``_grad_v3``, chosen by the requested graph mode; ring
+attention's step ``attention_with_lse`` / ``_backward`` → the same pair (lse = softmax_max + log(softmax_sum); the
+backward's lse gradient through a padded attention_in, :func:`emit_lse_backward`).
 
 Semantics of the torch_npu ops: docs/npu_ops.md. Decisions:
 
@@ -443,6 +445,89 @@ def emit_varlen_backward(em: Emitter, c: Call, opts: Options) -> Outputs:
     return tuple(_from_tnd(em, g, layout, c.val(n)) for g, n in zip(grads, ("query", "key", "value")))
 
 
+# ---- attention_with_lse: ring attention's step, its lse a differentiable output ------------------------------
+
+_LSE_WHY = ("attention_with_lse's backward → npu_fusion_attention_grad with the head dim padded by one column: "
+            "D_i = rowsum(dO ∘ O)_i − dlse_i is passed through attention_in (the grad takes D from "
+            "rowsum(dy ∘ attention_in)): q, k, v padded with 0, dy with 1, attention_in with −dlse, the padded "
+            "gradient columns dropped")
+
+
+def _as_attention(c: Call) -> Call:
+    """attention_with_lse's call read as fused_attention's: no bias, no dropout, no fill."""
+    for name, value in (("attn_bias", None), ("seed", None), ("dropout_p", 0.0), ("fill", None),
+                        ("bias_grad", False)):
+        c.args.setdefault(name, value)
+    return c
+
+
+def check_lse(c: Call) -> str | None:
+    return check_attention(_as_attention(c))
+
+
+def check_lse_backward(c: Call) -> str | None:
+    if problem := check_lse(c):
+        return problem
+    dims = _attention_dims(c)
+    if dims.d + 1 > 768:
+        return (f"the lse gradient pads the head dim by one (D_i shifted through attention_in): Dk + 1 <= 768, "
+                f"got Dk={dims.d}")
+    return None
+
+
+def emit_lse(em: Emitter, c: Call, opts: Options) -> Outputs:
+    """npu_fusion_attention, lse = softmax_max + log(softmax_sum) (a row that sees no key: sum 0, lse −inf)."""
+    out, softmax_max, softmax_sum = emit_attention(em, _as_attention(c), opts)
+    return out, em(aten.add.Tensor, softmax_max, em(aten.log.default, softmax_sum))
+
+
+def _pad_column(em: Emitter, t: Node, column: Node | float) -> Node:
+    """``t`` [.., d] with one more column: a constant (0 or 1) or the given [..., 1] node."""
+    val = t.meta["val"]
+    if not isinstance(column, Node):
+        make = aten.new_zeros.default if column == 0.0 else aten.new_ones.default
+        column = em(make, t, [*val.shape[:-1], 1])
+    return em(aten.cat.default, [t, column], -1)
+
+
+def _rows_in_layout(em: Emitter, rows: Node, layout: str) -> Node:
+    """[b, n, s] per-row values → [.., 1] in ``layout``'s order (the shape of an output's column)."""
+    order = {"sbnd": [2, 0, 1], "bsnd": [0, 2, 1], "bnsd": [0, 1, 2]}[layout]
+    return em(aten.unsqueeze.default, em(aten.permute.default, rows, order), -1)
+
+
+def emit_lse_backward(em: Emitter, c: Call, opts: Options) -> Outputs:
+    """npu_fusion_attention_grad from (max, sum) = (lse, 1), so P = exp(S − lse), with the lse gradient as a
+    shift of D through the padded attention_in (_LSE_WHY). An lse of −inf (no visible key) is clamped to fp32's
+    lowest: every score of that row is removed, so P stays 0."""
+    c = _as_attention(c)
+    layout, dims = c["layout"], _attention_dims(c)
+    variant = attention_variant(c, opts)
+    _note(em, c, variant)
+    scale = _scale(c, dims)
+    out_dtype = c.val("out").dtype
+    shift = em.cast(em(aten.neg.default, _rows_in_layout(em, c["grad_lse"], layout)), out_dtype)
+    padded = {"query": _pad_column(em, c["query"], 0.0), "key": _pad_column(em, c["key"], 0.0),
+              "value": _pad_column(em, c["value"], 0.0), "grad_out": _pad_column(em, c["grad_out"], 1.0),
+              "out": _pad_column(em, c["out"], shift)}
+    q, k, v, dy, out = (_to_device(em, padded[n], layout, variant.layout)
+                        for n in ("query", "key", "value", "grad_out", "out"))
+    stats = [dims.b, dims.nq, dims.sq, 8]
+    lse = em(aten.clamp_min.default, c["lse"], torch.finfo(torch.float32).min)
+    softmax_max = em(aten.expand.default, em(aten.unsqueeze.default, lse, -1), stats)
+    softmax_sum = em(aten.new_ones.default, softmax_max, stats)
+    kw = _attention_arguments(em, c, dims, scale, v3=variant.v3)
+    call = em(npu_op(variant.backward), q, k, v, dy, dims.nq, variant.layout,
+              softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out, scale_value=scale, **kw)
+    grads = []
+    for g, name in zip(em.outputs(call, 3), ("query", "key", "value")):
+        g = _from_device(em, g, layout, variant.layout, padded[name].meta["val"])
+        width = c.val(name).shape[-1]
+        grads.append(em(aten.clone.default, em(aten.slice.Tensor, g, -1, 0, width),
+                        memory_format=torch.contiguous_format))
+    return tuple(grads)
+
+
 ROWS = {
     fused.varlen_attention.default: Mapping(("npu_fusion_attention_v3",), check_varlen, emit_varlen,
                                             note=lambda c: _VARLEN_WHY),
@@ -451,4 +536,7 @@ ROWS = {
     fused.fused_attention.default: Mapping(("npu_fusion_attention",), check_attention, emit_attention),
     fused.fused_attention_backward.default: Mapping(
         ("npu_fusion_attention_grad",), check_attention, emit_attention_backward),
+    fused.attention_with_lse.default: Mapping(("npu_fusion_attention",), check_lse, emit_lse),
+    fused.attention_with_lse_backward.default: Mapping(("npu_fusion_attention_grad",), check_lse_backward,
+                                                       emit_lse_backward, note=lambda c: _LSE_WHY),
 }
