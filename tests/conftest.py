@@ -48,12 +48,18 @@ def fresh_dynamo(request):
     # In-process compiles run every pass (tests look at their stages): the cache only where a test asks for it.
     from npu_compile import config
 
-    # process-wide settings a test may set as the job does (training.moe_dynamo_config) come back after it
-    dynamo, compiler = torch._dynamo.config, torch.compiler.config
-    kept = (dynamo.capture_scalar_outputs, dynamo.capture_dynamic_output_shape_ops, compiler.dynamic_sources)
     with config.patch(cache=False):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def moe_settings_restored():
+    """Process-wide settings a test may set as the job does (training.moe_dynamo_config) come back after it, and
+    megatron-core's MoE aux-loss tracker is emptied (own fixture: tests/megatron_glue overrides fresh_dynamo)."""
+    dynamo, compiler = torch._dynamo.config, torch.compiler.config
+    kept = (dynamo.capture_scalar_outputs, dynamo.capture_dynamic_output_shape_ops, compiler.dynamic_sources)
+    yield
     dynamo.capture_scalar_outputs, dynamo.capture_dynamic_output_shape_ops, compiler.dynamic_sources = kept
     _empty_moe_tracker()
 
