@@ -74,11 +74,14 @@ t = time.perf_counter()
 with collect() as reports:
     compiled(**batch).mean().backward()
 first = time.perf_counter() - t
+t = time.perf_counter()
+compiled(**batch).mean().backward()  # the step itself, which grows with the layers whatever the compile does
+second = time.perf_counter() - t
 parts = {}
 for r in reports:
     for k, v in r.compile_s.items():
         parts[k] = parts.get(k, 0.0) + v
-print(json.dumps({"first_step_s": first, "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+print(json.dumps({"first_step_s": first, "second_step_s": second, "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                   "parts": parts, "regions": {k: v for r in reports for k, v in r.regions.items()},
                   "attention": sum(r.fusions.get("attention", 0) for r in reports)}))
 """
@@ -105,13 +108,18 @@ def whole_model_lines(rows: list[tuple[int, dict, dict, dict]]) -> list[str]:
              "Layers as one nested compile region (adapt()'s \"regions\" group: traced once, compiled once, called N "
              "times) beside the same model with its layers inlined (the group taken off: every layer traced and "
              "compiled again), and the job's per-layer compile from the table above; each a fresh process with the "
-             "backend's and torch's caches off.", "",
-             "| layers | regions (s) | vs 2 layers | inlined (s) | vs 2 layers | job cold (s) | region calls | attention fused |",
-             "|---|---|---|---|---|---|---|---|"]
+             "backend's and torch's caches off. The first step runs the step too: \"2nd step\" is the regions "
+             "model's next step in the same process, and \"first - 2nd\" what is left of the first step without it.",
+             "",
+             "| layers | regions (s) | vs 2 layers | 2nd step (s) | first - 2nd (s) | vs 2 layers | inlined (s) "
+             "| vs 2 layers | job cold (s) | region calls | attention fused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base_c = base_r - rows[0][1]["second_step_s"]
     for layers, reg, inl, job in rows:
-        r, i = reg["first_step_s"], inl["first_step_s"]
+        r, i, s = reg["first_step_s"], inl["first_step_s"], reg["second_step_s"]
         calls = sum(v["calls"] for v in reg["regions"].values())
-        lines.append(f"| {layers} | {r:.2f} | {r / base_r:.2f}x | {i:.2f} | {i / base_i:.2f}x | "
+        lines.append(f"| {layers} | {r:.2f} | {r / base_r:.2f}x | {s:.2f} | {r - s:.2f} | {(r - s) / base_c:.2f}x "
+                     f"| {i:.2f} | {i / base_i:.2f}x | "
                      f"{job['first_step_s']:.2f} | {calls} | {reg['attention']} |")
     return lines
 
