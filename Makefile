@@ -78,6 +78,7 @@ bench: $(STAMP)
 	$(PY) -m bench.convert_memory
 	$(PY) -m bench.reference_kernels
 	$(PY) -m bench.compile_time
+	$(PY) -m bench.compile_time --phases
 	$(PY) -m bench.memory_fit
 	$(PY) -m bench.fused_loss
 	$(PY) -m bench.step_time

@@ -8,6 +8,8 @@ does (`megatron_glue.adapt()` then `torch.compile(gpt_model)`), cold: with the l
     python -m bench.compile_time                # writes bench/results/compile_time.md and .png
     python -m bench.compile_time --whole-model  # only the whole-model table (with the job's cold run beside it),
                                                 # replacing that section of compile_time.md
+    python -m bench.compile_time --phases       # where the whole-model first step goes, at 2 and 32 layers
+                                                # (bench/results/compile_time_phases.md)
 """
 
 from __future__ import annotations
@@ -74,11 +76,14 @@ t = time.perf_counter()
 with collect() as reports:
     compiled(**batch).mean().backward()
 first = time.perf_counter() - t
+t = time.perf_counter()
+compiled(**batch).mean().backward()  # the step itself, which grows with the layers whatever the compile does
+second = time.perf_counter() - t
 parts = {}
 for r in reports:
     for k, v in r.compile_s.items():
         parts[k] = parts.get(k, 0.0) + v
-print(json.dumps({"first_step_s": first, "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+print(json.dumps({"first_step_s": first, "second_step_s": second, "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                   "parts": parts, "regions": {k: v for r in reports for k, v in r.regions.items()},
                   "attention": sum(r.fusions.get("attention", 0) for r in reports)}))
 """
@@ -105,13 +110,18 @@ def whole_model_lines(rows: list[tuple[int, dict, dict, dict]]) -> list[str]:
              "Layers as one nested compile region (adapt()'s \"regions\" group: traced once, compiled once, called N "
              "times) beside the same model with its layers inlined (the group taken off: every layer traced and "
              "compiled again), and the job's per-layer compile from the table above; each a fresh process with the "
-             "backend's and torch's caches off.", "",
-             "| layers | regions (s) | vs 2 layers | inlined (s) | vs 2 layers | job cold (s) | region calls | attention fused |",
-             "|---|---|---|---|---|---|---|---|"]
+             "backend's and torch's caches off. The first step runs the step too: \"2nd step\" is the regions "
+             "model's next step in the same process, and \"first - 2nd\" what is left of the first step without it.",
+             "",
+             "| layers | regions (s) | vs 2 layers | 2nd step (s) | first - 2nd (s) | vs 2 layers | inlined (s) "
+             "| vs 2 layers | job cold (s) | region calls | attention fused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base_c = base_r - rows[0][1]["second_step_s"]
     for layers, reg, inl, job in rows:
-        r, i = reg["first_step_s"], inl["first_step_s"]
+        r, i, s = reg["first_step_s"], inl["first_step_s"], reg["second_step_s"]
         calls = sum(v["calls"] for v in reg["regions"].values())
-        lines.append(f"| {layers} | {r:.2f} | {r / base_r:.2f}x | {i:.2f} | {i / base_i:.2f}x | "
+        lines.append(f"| {layers} | {r:.2f} | {r / base_r:.2f}x | {s:.2f} | {r - s:.2f} | {(r - s) / base_c:.2f}x "
+                     f"| {i:.2f} | {i / base_i:.2f}x | "
                      f"{job['first_step_s']:.2f} | {calls} | {reg['attention']} |")
     return lines
 
@@ -131,6 +141,95 @@ def whole_model_main() -> None:
     kept = path.read_text().split("\n" + WHOLE_HEADING)[0].rstrip("\n").split("\n") if path.exists() else []
     path.write_text("\n".join(kept + whole_model_lines(rows)) + "\n")
     print(path.read_text())
+
+
+# The whole model's first step (regions) under cProfile with the main thread's CPU clock (load on a shared machine
+# stretches wall time, not this), then its second step; each phase a function's cumulative time and its calls.
+_PHASES_CHILD = r"""
+import cProfile, json, pstats, sys, time
+import torch
+import megatron_glue
+from megatron_glue.capture import models
+from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
+layers = int(sys.argv[1])
+megatron_glue.adapt(); models.init_single_process()
+model = build_gpt_model(gpt_config(hidden_size=128, num_attention_heads=4, num_layers=layers), 128, 128)
+compiled = torch.compile(model, backend="ascend", options={"cache": False})
+batch = synthetic_batch(2, 128, 128)
+profile = cProfile.Profile(time.thread_time)
+profile.enable()
+compiled(**batch).mean().backward()
+profile.disable()
+c = time.thread_time()
+compiled(**batch).mean().backward()
+second = time.thread_time() - c
+stats = pstats.Stats(profile).stats
+total = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.items())
+found, first = {}, {}
+for (path, line, name), (_, calls, _, cum, _) in stats.items():
+    for phase, (where, fn) in json.loads(sys.argv[2]).items():
+        # the first function of that name in the file (a method, not a closure of the same name inside it)
+        if path.replace("\\", "/").endswith(where) and name == fn and line < first.get(phase, 1 << 30):
+            first[phase], found[phase] = line, (calls, cum)
+print(json.dumps({"total": total, "second_step_cpu": second, "phases": found}))
+"""
+
+# (phase, (file, function)): torch's and the backend's steps of the first step, outermost first
+PHASES = {
+    "Dynamo: the frame's whole compile": ("torch/_dynamo/convert_frame.py", "_compile"),
+    "Dynamo: fingerprint a region call's arguments": ("torch/_dynamo/variables/invoke_subgraph.py",
+                                                     "build_input_fingerprint"),
+    "Dynamo: check a traced region's guards for reuse": ("torch/_dynamo/variables/invoke_subgraph.py",
+                                                          "find_reuse_match"),
+    "Dynamo: stamp out a reused region call": ("torch/_dynamo/variables/invoke_subgraph.py", "stamp_out_subgraph"),
+    "the backend (aot_autograd and ours)": ("npu_compile/backend.py", "ascend"),
+    "aot_autograd: trace metadata and joint graph": ("torch/_functorch/_aot_autograd/graph_compile.py",
+                                                     "aot_stage1_graph_capture"),
+    "aot_autograd: invoke_subgraph.gen_schema (retraces the region)": ("torch/_higher_order_ops/invoke_subgraph.py",
+                                                                        "gen_schema"),
+    "ours: partition (rules + min-cut), region and outer": ("npu_compile/backend.py", "partition"),
+    "ours: the region's joint (rules + min-cut)": ("npu_compile/backend.py", "_partition_region"),
+    "torch's min-cut partitioner (called by ours)": ("torch/_functorch/partitioners.py",
+                                                     "min_cut_rematerialization_partition"),
+    "ours: memory ordering (reorder_for_peak)": ("npu_compile/passes/reorder.py", "reorder_for_peak"),
+    "ours: a forward / backward graph's stages and lowering": ("npu_compile/backend.py", "compile_graph"),
+    "running the first step (executor)": ("npu_compile/precompile.py", "__call__"),
+}
+
+
+def phases_main() -> None:
+    """bench/results/compile_time_phases.md: the whole model's first step at 2 and 32 layers, by phase."""
+    got = {}
+    for layers in (2, 32):
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as inductor:
+            env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", NPU_COMPILE_CACHE_DIR=cache,
+                       TORCHINDUCTOR_CACHE_DIR=inductor, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+                       TORCHINDUCTOR_AUTOGRAD_CACHE="0", PYTHONWARNINGS="ignore")
+            done = subprocess.run([sys.executable, "-c", _PHASES_CHILD, str(layers), json.dumps(PHASES)], env=env,
+                                  capture_output=True, text=True, timeout=3600, cwd=Path(__file__).parent.parent)
+        if done.returncode:
+            raise RuntimeError(f"phases at {layers} layers failed:\n{done.stderr[-3000:]}")
+        got[layers] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(layers, got[layers], flush=True)
+    a, b = got[2], got[32]
+    lines = ["# Where the first step of `adapt()` + `torch.compile(gpt_model)` goes (regions, hidden 128, seq 128, CPU)",
+             "",
+             "One fresh process per size, caches off; the first training step under cProfile timed by the main "
+             "thread's CPU clock (`time.thread_time`: load from other processes on this shared machine does not "
+             "stretch it; the profiler's own overhead is in it, heaviest on code made of many small Python calls, such as "
+             "the memory ordering's loop, so compare sizes and rows, not absolute seconds). Each phase "
+             "is one function's cumulative time; phases nest (the backend runs inside Dynamo's compile, the "
+             "partition inside the backend). `python -m bench.compile_time --phases`.", "",
+             "| phase | 2 layers: calls | CPU (s) | 32 layers: calls | CPU (s) | 32 - 2 (s) |",
+             "|---|---|---|---|---|---|",
+             f"| the whole first step | | {a['total']:.2f} | | {b['total']:.2f} | {b['total'] - a['total']:+.2f} |"]
+    for phase in PHASES:
+        (ca, ta), (cb, tb) = a["phases"].get(phase, (0, 0.0)), b["phases"].get(phase, (0, 0.0))
+        lines.append(f"| {phase} | {ca} | {ta:.2f} | {cb} | {tb:.2f} | {tb - ta:+.2f} |")
+    lines.append(f"| the second step, unprofiled | | {a['second_step_cpu']:.2f} | | {b['second_step_cpu']:.2f} "
+                 f"| {b['second_step_cpu'] - a['second_step_cpu']:+.2f} |")
+    (RESULTS / "compile_time_phases.md").write_text("\n".join(lines) + "\n")
+    print((RESULTS / "compile_time_phases.md").read_text())
 
 
 def run(layers: int, backend: str, cache_dir: str, inductor_dir: str) -> dict:
@@ -205,4 +304,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    whole_model_main() if "--whole-model" in sys.argv[1:] else main()
+    if "--phases" in sys.argv[1:]:
+        phases_main()
+    else:
+        whole_model_main() if "--whole-model" in sys.argv[1:] else main()

@@ -941,10 +941,12 @@ def _aux_loss_scale_read_at_backward(backward):
     "intermediate tensor ... created inside a higher-order op subgraph aliases an input or output')",
 )
 def _layer_compile_region(forward):
-    def hidden_states(self, *args, **kwargs):
+    def hidden_states(self, positional, *flat):
         # the region returns the hidden states alone: Dynamo reuses a traced region only when it returns tensors
         # (torch/_dynamo/variables/invoke_subgraph.py, is_reuse_eligible), and the layer's second output, the
         # cross-attention context, is None in a GPT layer
+        args, named = flat[:positional], flat[positional:]
+        kwargs = dict(zip(named[:len(named) // 2], named[len(named) // 2:]))
         output, context = forward(self, *args, **kwargs)
         if context is not None:
             raise RuntimeError("layer_compile_region: a TransformerLayer returned a cross-attention context; "
@@ -960,7 +962,11 @@ def _layer_compile_region(forward):
         if (self.config.tensor_model_parallel_size > 1 or kwargs.get("context") is not None
                 or isinstance(self.mlp, MoELayer)):
             return forward(self, *args, **kwargs)
-        return region(self, *args, **kwargs), None
+        # every argument positional, the keywords as their names then their values: at each call after the first,
+        # Dynamo fingerprints the arguments to find the traced region to reuse, and with keyword arguments (or any
+        # argument not a tensor, number, string, None or module) it does so by tracing pytree.tree_flatten over them
+        # (invoke_subgraph.py, build_input_fingerprint: the fast path takes flat leaves and no keywords)
+        return region(self, len(args), *args, *kwargs.keys(), *kwargs.values()), None
 
     return layer_forward
 

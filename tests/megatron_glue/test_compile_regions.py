@@ -2,9 +2,11 @@
 nested compile region, traced and compiled once, and training still equals eager (losses and every gradient)."""
 
 import json
+from unittest import mock
 
 import pytest
 import torch
+import torch._dynamo.variables.invoke_subgraph as dynamo_regions
 
 from megatron_glue.capture import adapt
 from megatron_glue.capture.adaptations import registry
@@ -58,10 +60,13 @@ def test_layers_compile_once_and_train_as_eager(regions, name, tmp_path):
     expected = _train(eager, eager)
     torch._dynamo.utils.counters.clear()
     torch._dynamo.utils.compilation_time_metrics.pop(REUSE, None)
-    with collect() as reports:
+    with collect() as reports, mock.patch.object(dynamo_regions, "build_fingerprint_with_pytree",
+                                                 wraps=dynamo_regions.build_fingerprint_with_pytree) as flatten:
         got = _train(_compiled(model, tmp_path), model)
     # Dynamo traced the first layer and stamped it out for the others, rather than tracing each layer again
     assert len(torch._dynamo.utils.compilation_time_metrics.get(REUSE, [])) == LAYERS - 1
+    # each reuse fingerprinted the layer's arguments as flat leaves, without tracing pytree.tree_flatten over them
+    assert flatten.call_count == 0
 
     _assert_same(expected, got)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
