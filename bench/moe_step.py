@@ -276,9 +276,9 @@ def write(cells: list[Cell], args: argparse.Namespace, torch_version: str) -> Pa
         "run it. Loss Δ: largest relative difference from eager over the two first steps.\n\n"
         + graph_table(cells) + "\n"
     )
-    out = Path(__file__).parent / "results" / "moe_step.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    from bench.harness import write_result
+
+    out = write_result("moe_step", text.rstrip("\n"))
     (out.parent / "moe_step.json").write_text(json.dumps([[s, n, d, r] for s, n, d, r in cells], indent=1))
     plot(cells, out.with_suffix(".png"))
     return out

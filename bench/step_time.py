@@ -159,9 +159,9 @@ def write(cells: list[tuple[int, int, dict]], args: argparse.Namespace, torch_ve
         f"memory events over one forward+backward. `python -m bench.step_time`"
         + (f" (skipped: {', '.join(args.skip)})" if args.skip else "") + ".\n\n" + table(cells) + "\n"
     )
-    out = Path(__file__).parent / "results" / "step_time.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    from bench.harness import write_result
+
+    out = write_result("step_time", text.rstrip("\n"))
     (out.parent / "step_time.json").write_text(json.dumps([[s, n, r] for s, n, r in cells], indent=1))
     plot(cells, out.with_suffix(".png"))
     return out
