@@ -35,7 +35,10 @@ torch.topk's, descending), the softmax's internal precision for 16-bit x (taken 
 
 from __future__ import annotations
 
+import operator
+
 import torch
+from torch.fx import Node
 
 from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, aten, dtype_problem, fused, npu_op
 from npu_compile.config import Options
@@ -94,21 +97,67 @@ def emit_weight_grad(em: Emitter, c: Call, opts: Options) -> Outputs:
     return (em(npu_op("npu_grouped_matmul"), xs, b, split_item=0, group_type=-1),)
 
 
+MAX_UNPERMUTE_TOPK = 512  # DOCS: topK_num <= 512
+
+
 def check_unpermute(c: Call) -> str | None:
+    name = "npu_moe_token_unpermute_with_routing_map"
     val = c.val("permuted_tokens")
-    if problem := dtype_problem("npu_moe_token_unpermute_with_routing_map", val.dtype):
+    if problem := dtype_problem(name, val.dtype):
         return problem
     tokens, hidden = c.val("num_tokens"), val.shape[1]
     if type(tokens) is not int or type(hidden) is not int:
-        return ("npu_moe_token_unpermute_with_routing_map takes restore_shape as int[]: the token count and hidden "
-                f"size must be static, got [{tokens}, {hidden}]")
+        return (f"{name} takes restore_shape as int[]: the token count and hidden size must be static, got "
+                f"[{tokens}, {hidden}]")
+    if not c["topk"]:
+        return (f"{name} without drop_and_pad takes the rows as tokens x topK slots (sorted_indices: each slot's "
+                "row, DOCS), and these rows are not known to be topK per token (not a router's top-k map over all "
+                "experts: a rank's slice of the experts, or another index)")
+    if c["topk"] > MAX_UNPERMUTE_TOPK:
+        return f"{name} takes topK <= {MAX_UNPERMUTE_TOPK}, got {c['topk']}"
     return None
 
 
+def _lowered_permute(c: Call) -> Node | None:
+    """The lowered npu_moe_token_permute_with_routing_map whose rows these are, where the graph holds it:
+    megatron-core's row tokens are the masked_select of the token numbers by the transposed map that permute took
+    (the rule's proof, passes/moe.py), with the same token count and topK. None elsewhere (a backward graph: the
+    permute is in the forward)."""
+    from npu_compile.passes.moe import _map_source
+
+    index = c["sorted_indices"]
+    if not (isinstance(index, Node) and index.target is aten.masked_select.default):
+        return None
+    mask = index.args[1]
+    tokens, topk = c["num_tokens"], c["topk"]
+    for permute in c.node.graph.find_nodes(op="call_function",
+                                           target=npu_op("npu_moe_token_permute_with_routing_map")):
+        routing_map = permute.args[1]
+        same_map = routing_map is _map_source(mask) or (
+            routing_map.target is aten.t.default and routing_map.args[0] is mask)
+        if same_map and permute.args[0].meta["val"].shape[0] == tokens \
+                and permute.kwargs.get("num_out_tokens") == tokens * topk \
+                and not permute.kwargs.get("drop_and_pad", False):
+            return permute
+    return None
+
+
+def _slots(em: Emitter, c: Call) -> Node:
+    """Each token's topK rows, token by token: the argsort of megatron-core's row tokens (every token has topK
+    rows: the rule showed it), int32. Which of a token's slots a row takes does not matter without probs (the op
+    sums them), so the sort need not be stable (aten.sort.stable has no GE converter: torchair
+    ge_converter/aten/sort.py)."""
+    _, order = em.outputs(em(aten.sort.default, c["sorted_indices"]), 2)
+    return em.cast(order, torch.int32)
+
+
 def emit_unpermute(em: Emitter, c: Call, opts: Options) -> Outputs:
+    """The op sums, for token t, the rows of slots t x topK .. t x topK + topK - 1 (DOCS); the slots are the
+    graph's lowered permute's sorted_indices where it has that permute, else computed from megatron-core's."""
     hidden = c["permuted_tokens"].meta["val"].shape[1]
-    index = em(aten._to_copy.default, c["sorted_indices"], dtype=torch.int32)
-    return (em(npu_op("npu_moe_token_unpermute_with_routing_map"), c["permuted_tokens"], index,
+    permute = _lowered_permute(c)
+    slots = em(operator.getitem, permute, 2) if permute is not None else _slots(em, c)
+    return (em(npu_op("npu_moe_token_unpermute_with_routing_map"), c["permuted_tokens"], slots,
                [c["num_tokens"], hidden], drop_and_pad=False),)
 
 
@@ -182,8 +231,9 @@ ROWS = {
                        "no transposed x)"),
     fused.unpermute_tokens.default: Mapping(
         ("npu_moe_token_unpermute_with_routing_map",), check_unpermute, emit_unpermute,
-        note=lambda c: "unpermute_tokens: sorted_indices cast to int32 (npu_moe_token_unpermute_with_routing_map "
-                       "takes int32)"),
+        note=lambda c: "unpermute_tokens: sorted_indices in npu_moe_token_unpermute_with_routing_map's slot layout "
+                       "(int32): " + ("the graph's npu_moe_token_permute_with_routing_map's" if _lowered_permute(c)
+                                      else "a sort of megatron-core's row tokens")),
     fused.permute_tokens.default: Mapping(("npu_moe_token_permute_with_routing_map",), check_permute, emit_permute),
     fused.topk_softmax.default: Mapping(
         ("npu_moe_gating_top_k_softmax_v2",), check_topk_softmax, emit_topk_softmax,
