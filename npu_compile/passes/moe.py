@@ -647,8 +647,9 @@ register_graph_rule(GraphRule(TOPK_SOFTMAX, apply_topk_softmax))
 # same node, or the transpose of the same [T, E] map: as many rows by construction) is the probs' permutation,
 # folded into the op (its node stays while a size check reads the symbol it binds). ``topk`` is the map's per-row
 # count where the map is a router's top-k scatter along the experts (``_rows_per_token``, as the unpermute's; a
-# top-k along the tokens gives uneven rows), else 0: the npu lowering needs it. Declined with the reason: an ``index_select`` by a masked_select whose values are
-# not each token's number, a map that is not [E, T], tokens that are not a 2-D float [T, H].
+# top-k along the tokens gives uneven rows), else 0: the npu lowering needs it. Declined with the reason: an
+# ``index_select`` by a masked_select whose values are not each token's number, a map that is not [E, T], tokens
+# that are not a 2-D float [T, H].
 
 PERMUTE = "permute"
 _TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)

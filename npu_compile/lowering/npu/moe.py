@@ -7,21 +7,28 @@ y_i = x_i × weight_i; lists of at most 128 tensors; float16, bfloat16 or float3
 with group_type -1 only split_item 0 or 1, x_i of one rank (2 to 6), weight_i 2-D, group_list None; weights may
 be transposed, all or none; x may not; every x_i's and weight_i's last dim below 65536 (the "InnerLimit").
 
-unpermute_tokens → npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices (int32),
-restore_shape=[tokens, hidden]), no probs, no routing map (DOCS: "当probs为None时，routing_map不需要传入"),
-drop_and_pad False: out[sorted_indices[i]] += permuted_tokens[i], out of shape restore_shape. The routing-map form
-is the one whose sorted_indices are megatron-core's (the token of each permuted row, what MindSpeed passes it:
-mindspeed/te/pytorch/permutation.py, MoeUnpermuteMaskMap) and whose output shape is restore_shape (static);
-npu_moe_token_unpermute's output has ``sorted_indices.size(0) // topK`` rows (its meta function) and its
-sorted_indices are npu_moe_token_permute's (index-based routing), not megatron-core's. DOCS: permuted_tokens
-float16, bfloat16 or float32; sorted_indices int32 1-D; restore_shape of 2 ints.
+unpermute_tokens → npu_moe_token_unpermute_with_routing_map(permuted_tokens, slots (int32), restore_shape=[tokens,
+hidden]), no probs, no routing map (DOCS: "当probs为None时，routing_map不需要传入"), drop_and_pad False. The op reads
+the rows through sorted_indices in a slot layout (DOCS, torch_npu/_op_plugin_docs.py:16980-17028): tokens x topK
+of them, values in [0, tokens x topK - 1] (rows, not tokens), -1 an empty slot, token t the sum of the rows of slots
+t x topK .. t x topK + topK - 1; the layout of npu_moe_token_permute_with_routing_map's own sorted_indices
+("permuted_tokens[sorted_indices[i]] = tokens[i//topK]", :16907), which MindSpeed hands it
+(mindspeed/te/pytorch/permutation.py:24-34,85-87; both halves swapped in together,
+mindspeed/features_manager/fusions/fused_moe_permute.py:77,82). megatron-core's sorted_indices (each row's token)
+are not that layout, so ``slots`` are the lowered permute's sorted_indices where the graph holds the permute of the
+same map (the forward), else the argsort of megatron-core's (the backward: every token has topk rows, which the
+rule showed, so the sort puts each token's rows in its slots; their order among them does not matter without
+probs). Only with topk known (a router's top-k map over all experts; not a rank's slice of them) and a static token
+count and hidden size (restore_shape is int[]). npu_moe_token_unpermute, the other unpermute, returns
+``sorted_indices.size(0) // topK`` rows (its meta function): without probs one per row, no sum. DOCS: permuted_tokens
+float16, bfloat16 or float32; sorted_indices int32 1-D; restore_shape of 2 ints; topK <= 512.
 
 permute_tokens → npu_moe_token_permute_with_routing_map(tokens, routing_map, probs=probs, num_out_tokens=tokens x
 topk, drop_and_pad=False), its permuted tokens and probs (DOCS: topK = num_out_tokens // tokens, every map row
 holding topK experts, topK < 512; the rows sorted by expert, as megatron-core's permute; the meta function's
 outToken = topK x tokens). Only where the rule showed the rows each hold topk experts and the token count is static
-(num_out_tokens is int?). Its sorted_indices (each token slot's row, DOCS) are not megatron-core's layout and are not
-read: the graph keeps megatron-core's for the unpermute and the gradient.
+(num_out_tokens is int?). Its sorted_indices (each token slot's row, DOCS) are not megatron-core's layout: the graph
+keeps megatron-core's for its reference ops and gradient, and the unpermute of the same map reads the op's.
 
 topk_softmax → npu_moe_gating_top_k_softmax_v2(logits, k=k, renorm=1): top-k, then softmax over the k (DOCS,
 npu_moe_gating_top_k_softmax_v2: renorm 1 "对x做topk操作，后做softmax操作"; x 2-D / 3-D float16, bfloat16 or
@@ -189,8 +196,8 @@ def check_permute(c: Call) -> str | None:
 
 def emit_permute(em: Emitter, c: Call, opts: Options) -> Outputs:
     """num_out_tokens = tokens x topK (the map's rows each hold topK experts: the rule proved it), so the output
-    holds every routed copy; its sorted_indices (each token slot's row, DOCS) are not read: the graph keeps
-    megatron-core's (each row's token) for the unpermute and the gradient."""
+    holds every routed copy; its sorted_indices (each token slot's row, DOCS) are read by the unpermute of the
+    same map (emit_unpermute), the op's other readers keep megatron-core's (each row's token)."""
     tokens = c.val("tokens")
     call = em(npu_op("npu_moe_token_permute_with_routing_map"), c["tokens"], c["routing_map"], probs=c["probs"],
               num_out_tokens=tokens.shape[0] * c["topk"], drop_and_pad=False)
