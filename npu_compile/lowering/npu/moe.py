@@ -239,8 +239,8 @@ ROWS = {
     fused.unpermute_tokens.default: Mapping(
         ("npu_moe_token_unpermute_with_routing_map",), check_unpermute, emit_unpermute,
         note=lambda c: "unpermute_tokens: sorted_indices in npu_moe_token_unpermute_with_routing_map's slot layout "
-                       "(int32): " + ("the graph's npu_moe_token_permute_with_routing_map's" if _lowered_permute(c)
-                                      else "a sort of megatron-core's row tokens")),
+                       "(int32): " + ("the graph's npu_moe_token_permute_with_routing_map's"
+                                      if _lowered_permute(c) is not None else "a sort of megatron-core's row tokens")),
     fused.permute_tokens.default: Mapping(("npu_moe_token_permute_with_routing_map",), check_permute, emit_permute),
     fused.topk_softmax.default: Mapping(
         ("npu_moe_gating_top_k_softmax_v2",), check_topk_softmax, emit_topk_softmax,
