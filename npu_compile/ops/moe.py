@@ -132,9 +132,10 @@ grouped_matmul.register_autograd(_backward, setup_context=_setup_context)
 
 # -- unpermute_tokens ---------------------------------------------------------------------------------------------
 #
-#     unpermute_tokens(permuted_tokens, sorted_indices, num_tokens)      out[sorted_indices[i]] += permuted_tokens[i]
-#                          ~ npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices.int(),
-#                                                                     [num_tokens, hidden])
+#     unpermute_tokens(permuted_tokens, sorted_indices, num_tokens, topk=0)
+#                                                                out[sorted_indices[i]] += permuted_tokens[i]
+#                          ~ npu_moe_token_unpermute_with_routing_map(permuted_tokens, slots, [num_tokens, hidden])
+#                            slots: each token's topk rows, token by token (the op's slot layout; npu lowering)
 #
 # megatron-core's ``unpermute`` without probs (``moe_utils.py``: zeros of ``restore_shape``, then ``scatter_add_``
 # of the rows along dim 0 by ``sorted_indices`` broadcast over the hidden dim, or ``index_add_`` when deterministic
@@ -142,10 +143,12 @@ grouped_matmul.register_autograd(_backward, setup_context=_setup_context)
 # sorted_indices [N] (int64 or int32; the token of each row), out [num_tokens, hidden] in permuted_tokens' dtype, a
 # static shape. Reference kernel: ``index_add`` into zeros. Its gradient is each row's token's gradient,
 # ``grad_out.index_select(0, sorted_indices)`` (plain aten: no fused op is needed for a row gather); sorted_indices
-# get none.
+# get none. ``topk``: every token has exactly topk rows (the rows of a router's top-k map: rule ``unpermute`` shows
+# it), 0 where not known; the reference checks it, the npu lowering needs it (torch_npu's op takes the rows as
+# tokens x topK slots, docs/moe.md).
 
 
-def _check_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, num_tokens) -> None:
+def _check_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, num_tokens, topk: int) -> None:
     if permuted_tokens.dim() != 2 or not permuted_tokens.is_floating_point():
         raise ValueError(f"unpermute_tokens: permuted_tokens must be a 2-D float tensor [rows, hidden], got "
                          f"{tuple(permuted_tokens.shape)} {permuted_tokens.dtype}")
@@ -155,19 +158,27 @@ def _check_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, num_tokens
     torch._check(sorted_indices.shape[0] == permuted_tokens.shape[0], lambda: (
         f"unpermute_tokens: one index per row: {sorted_indices.shape[0]} indices, {permuted_tokens.shape[0]} rows"))
     torch._check(num_tokens >= 0, lambda: f"unpermute_tokens: num_tokens must be >= 0, got {num_tokens}")
+    if topk < 0:
+        raise ValueError(f"unpermute_tokens: topk must be >= 0 (0: rows per token not known), got {topk}")
 
 
 @torch.library.custom_op("npu_compile::unpermute_tokens", mutates_args=())
-def unpermute_tokens(permuted_tokens: Tensor, sorted_indices: Tensor, num_tokens: int) -> Tensor:
-    """[num_tokens, hidden]: each token the sum of its rows of permuted_tokens (sorted_indices: each row's token)."""
-    _check_unpermute(permuted_tokens, sorted_indices, num_tokens)
+def unpermute_tokens(permuted_tokens: Tensor, sorted_indices: Tensor, num_tokens: int, topk: int = 0) -> Tensor:
+    """[num_tokens, hidden]: each token the sum of its rows of permuted_tokens (sorted_indices: each row's token;
+    topk > 0: every token has exactly topk rows)."""
+    _check_unpermute(permuted_tokens, sorted_indices, num_tokens, topk)
+    if topk:
+        per_token = torch.bincount(sorted_indices, minlength=num_tokens)
+        if per_token.shape[0] != num_tokens or not bool((per_token == topk).all()):
+            raise ValueError(f"unpermute_tokens: every one of the {num_tokens} tokens must have topk={topk} rows, got "
+                             f"{sorted(set(per_token.tolist()))} (or an index past the tokens)")
     out = permuted_tokens.new_zeros((num_tokens, permuted_tokens.shape[1]))
     return out.index_add_(0, sorted_indices, permuted_tokens)
 
 
 @unpermute_tokens.register_fake
-def _(permuted_tokens, sorted_indices, num_tokens):
-    _check_unpermute(permuted_tokens, sorted_indices, num_tokens)
+def _(permuted_tokens, sorted_indices, num_tokens, topk=0):
+    _check_unpermute(permuted_tokens, sorted_indices, num_tokens, topk)
     return permuted_tokens.new_empty((num_tokens, permuted_tokens.shape[1]))
 
 
@@ -177,7 +188,7 @@ def _unpermute_setup(ctx, inputs, output):
 
 def _unpermute_backward(ctx, grad):
     (sorted_indices,) = ctx.saved_tensors
-    return grad.index_select(0, sorted_indices), None, None
+    return grad.index_select(0, sorted_indices), None, None, None
 
 
 unpermute_tokens.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
@@ -258,8 +269,10 @@ topk_softmax.register_autograd(_topk_softmax_backward, setup_context=_topk_softm
 # ``topk``: each row of the map holds exactly topk true entries (a router's top-k scatter), 0 where not known; the
 # reference checks it, the npu lowering needs it (torch_npu's op takes num_out_tokens = tokens x topk).
 # sorted_indices (each row's token) are not an output: the graph keeps megatron-core's masked_select for them
-# (it binds the row count, and torch_npu's sorted_indices are another layout: each token slot's row, DOCS).
-# Gradient: the tokens' is the rows' gradients summed into their tokens (``unpermute_tokens``), the probs' the
+# (it binds the row count; torch_npu's sorted_indices are another layout, each token slot's row, DOCS, which the
+# npu lowering hands to the unpermute of the same map: lowering/npu/moe.py).
+# Gradient: the tokens' is the rows' gradients summed into their tokens (``unpermute_tokens`` with the op's topk,
+# which the forward checked), the probs' the
 # rows' probs gradients scattered back into the map's true entries; the map gets none.
 
 
@@ -315,9 +328,10 @@ def _(tokens, routing_map, num_out_tokens, probs=None, topk=0):
 
 
 def _permute_setup(ctx, inputs, output):
-    tokens, routing_map, num_out_tokens, probs, _ = inputs
+    tokens, routing_map, num_out_tokens, probs, topk = inputs
     ctx.save_for_backward(routing_map)
     ctx.num_tokens, ctx.num_out_tokens, ctx.with_probs = tokens.shape[0], num_out_tokens, probs is not None
+    ctx.topk = topk
 
 
 def _permute_backward(ctx, grad_tokens, grad_probs):
@@ -327,7 +341,7 @@ def _permute_backward(ctx, grad_tokens, grad_probs):
     # expert by expert, as positions e x T + t of its transpose, num_out_tokens of them
     flat = routing_map.bool().t().reshape(-1)
     idx = torch.nonzero_static(flat, size=ctx.num_out_tokens).reshape(-1) % ctx.num_tokens
-    grad_in = torch.ops.npu_compile.unpermute_tokens(grad_tokens, idx, ctx.num_tokens)
+    grad_in = torch.ops.npu_compile.unpermute_tokens(grad_tokens, idx, ctx.num_tokens, ctx.topk)
     grad_p = None
     if ctx.with_probs and grad_probs is not None and ctx.needs_input_grad[3]:
         mask = routing_map.bool().t()

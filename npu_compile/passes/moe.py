@@ -192,6 +192,9 @@ register_graph_rule(GraphRule(NAME, apply))
 # ``index_select(tokens, 0, idx)``), which is the same sum of rows into tokens and is fused too. The output is
 # [T, H], a static shape; x's rows (the routed copies) are a data-dependent size, compared as a symbol, never
 # evaluated. A site that accumulates along dim 0 into a 2-D tensor but is not that form is declined with the reason.
+# The op's ``topk`` (each token's row count, which the npu lowering needs) is K where idx is megatron-core's
+# ``masked_select`` of the token numbers by the transpose of a router's top-k scatter over all experts [T, E] with
+# K per row (``unbacked_hints.topk_mask_count``), else 0.
 
 UNPERMUTE = "unpermute"
 _ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default, aten.full.default,
@@ -294,6 +297,32 @@ def _unpermute_site(node: Node):
     return base, idx, src
 
 
+def _rows_per_token(idx: Node, tokens) -> int:
+    """K where ``idx`` holds each of the ``tokens`` tokens' number exactly K times (see above), else 0."""
+    from npu_compile.passes.unbacked_hints import _SAME_VALUES, topk_mask_count
+
+    if not _is(idx, aten.masked_select.default) or type(tokens) is not int or tokens <= 0:
+        return 0
+    values, mask = idx.args
+    node, mval = _map_source(mask), _val(mask)
+    if node is None or _token_numbers(values, tokens) is not None or not isinstance(mval, torch.Tensor) \
+            or mval.dim() != 2:
+        return 0
+    shape = (tokens, mval.shape[0])
+
+    def is_map(n) -> bool:
+        return isinstance(_val(n), torch.Tensor) and tuple(_val(n).shape) == shape
+
+    # copies, casts, same-shape views: the map's own values, its rows still the tokens (no transpose: T may be E)
+    while _is(node, *(_SAME_VALUES - set(_TRANSPOSES))) and is_map(node):
+        node = node.args[0]
+    # the scatter into [T, E] along the experts: each token's row holds the top-k's k indices
+    if not (_is(node, aten.scatter.value) and is_map(node) and node.args[1] % 2 == 1):
+        return 0
+    count = topk_mask_count(node)
+    return count // tokens if count and count % tokens == 0 else 0
+
+
 def apply_unpermute(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
     count, declined = 0, []
     for node in [*graph.find_nodes(op="call_function", target=aten.scatter_add.default),
@@ -308,7 +337,8 @@ def apply_unpermute(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]
         zeros, idx, src = site
         rows = _token_count(graph, zeros, node)
         with graph.inserting_before(node):
-            call = graph.call_function(torch.ops.npu_compile.unpermute_tokens.default, (src, idx, rows))
+            call = graph.call_function(torch.ops.npu_compile.unpermute_tokens.default,
+                                       (src, idx, rows, _rows_per_token(idx, rows)))
         call.meta = {**node.meta}
         node.replace_all_uses_with(call)
         graph.erase_node(node)
@@ -616,9 +646,10 @@ register_graph_rule(GraphRule(TOPK_SOFTMAX, apply_topk_softmax))
 # op takes the count from it (``sym_size``). A ``masked_select(P, M')`` of a float [E, T] by the same map (M' the
 # same node, or the transpose of the same [T, E] map: as many rows by construction) is the probs' permutation,
 # folded into the op (its node stays while a size check reads the symbol it binds). ``topk`` is the map's per-row
-# count where the map is a router's top-k scatter (``unbacked_hints.topk_mask_count``), else
-# 0: the npu lowering needs it. Declined with the reason: an ``index_select`` by a masked_select whose values are
-# not each token's number, a map that is not [E, T], tokens that are not a 2-D float [T, H].
+# count where the map is a router's top-k scatter along the experts (``_rows_per_token``, as the unpermute's; a
+# top-k along the tokens gives uneven rows), else 0: the npu lowering needs it. Declined with the reason: an
+# ``index_select`` by a masked_select whose values are not each token's number, a map that is not [E, T], tokens
+# that are not a 2-D float [T, H].
 
 PERMUTE = "permute"
 _TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
@@ -716,8 +747,6 @@ def _insert_transpose(graph: Graph, node: Node, before: Node) -> Node:
 
 
 def apply_permute(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
-    from npu_compile.passes.unbacked_hints import topk_mask_count
-
     count, declined = 0, []
     for node in list(graph.find_nodes(op="call_function", target=aten.index_select.default)):
         site = _permute_site(node)
@@ -734,8 +763,7 @@ def apply_permute(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
         before = node if probs_select is None else max(node, probs_select, key=lambda n: _order(graph)[n])
         routing_map = _insert_transpose(graph, mask, before)
         probs = _insert_transpose(graph, probs_select.args[0], before) if probs_select is not None else None
-        per_row = topk_mask_count(routing_map)
-        topk = per_row // _val(routing_map).shape[0] if per_row and type(_val(routing_map).shape[0]) is int else 0
+        topk = _rows_per_token(idx, _val(tokens).shape[0])  # a top-k along the experts, not the tokens
         with graph.inserting_before(before):
             rows = graph.call_function(aten.sym_size.int, (idx, 0))
             call = graph.call_function(torch.ops.npu_compile.permute_tokens.default,

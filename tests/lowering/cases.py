@@ -170,8 +170,8 @@ CASES: dict[str, Case] = {
         _grouped_matmul(True), lambda: _experts((5, 0, 11, 3), True), GROUPED_MATMUL),
     "grouped_matmul_bf16": Case(
         _grouped_matmul(False), lambda: _experts((4, 9, 2), False, torch.bfloat16), GROUPED_MATMUL, tolerance=2e-2),
-    "unpermute_tokens": Case(lambda x, i: F.unpermute_tokens(x, i, 6), lambda: _routed(6, 2), UNPERMUTE),
-    "unpermute_tokens_bf16": Case(lambda x, i: F.unpermute_tokens(x, i, 5), lambda: _routed(5, 3, torch.bfloat16),
+    "unpermute_tokens": Case(lambda x, i: F.unpermute_tokens(x, i, 6, 2), lambda: _routed(6, 2), UNPERMUTE),
+    "unpermute_tokens_bf16": Case(lambda x, i: F.unpermute_tokens(x, i, 5, 3), lambda: _routed(5, 3, torch.bfloat16),
                                   UNPERMUTE, tolerance=2e-2),
     "topk_softmax": Case(lambda x: F.topk_softmax(x, 2)[0], lambda: [_t(8, 6)], TOPK_SOFTMAX),
     "topk_softmax_bf16": Case(lambda x: F.topk_softmax(x, 3)[0], lambda: [_t(7, 8, dtype=torch.bfloat16)],

@@ -436,16 +436,30 @@ def test_grouped_matmul_forms_not_emulated_are_refused():
 
 # ---- token unpermute --------------------------------------------------------------------------------------
 
-def test_moe_token_unpermute_with_routing_map_sums_rows_into_their_tokens():
+def test_moe_token_unpermute_with_routing_map_sums_each_tokens_slots():
     """The documented example's inputs without its probs (DOCS, npu_moe_token_unpermute_with_routing_map: rows
-    [1,1,1,1] and [2,2,2,2], sorted_indices [0, 1], restore_shape [2, 4]), then rows summed into a token and a -1
-    slot (documented: an empty slot), in fp16."""
+    [1,1,1,1] and [2,2,2,2], sorted_indices [0, 1], restore_shape [2, 4]: topK 1), then 3 tokens x topK 2 slots in
+    fp16: token t sums the rows sorted_indices[2t] and sorted_indices[2t + 1] name, -1 an empty slot (DOCS)."""
     rows = torch.tensor([[1, 1, 1, 1], [2, 2, 2, 2]], dtype=torch.float16)
     out = npu.npu_moe_token_unpermute_with_routing_map(rows, torch.tensor([0, 1], dtype=torch.int32), [2, 4])
     assert out.dtype == torch.float16 and torch.equal(out, rows)
-    rows = torch.arange(12, dtype=torch.float16).view(4, 3)
-    out = npu.npu_moe_token_unpermute_with_routing_map(rows, torch.tensor([2, 0, 2, -1], dtype=torch.int32), [3, 3])
-    torch.testing.assert_close(out, torch.stack([rows[1], torch.zeros(3, dtype=torch.float16), rows[0] + rows[2]]))
+    rows = torch.arange(18, dtype=torch.float16).view(6, 3)
+    out = npu.npu_moe_token_unpermute_with_routing_map(rows, torch.tensor([4, 0, 5, -1, 1, 2], dtype=torch.int32),
+                                                       [3, 3])
+    torch.testing.assert_close(out, torch.stack([rows[4] + rows[0], rows[5], rows[1] + rows[2]]))
+
+
+def test_moe_token_unpermute_with_routing_map_undoes_the_permute_by_its_sorted_indices():
+    """MindSpeed's pairing (mindspeed/te/pytorch/permutation.py: the permute's sorted_indices fed to the unpermute):
+    each token comes back as the sum of its topK copies; megatron-core's row tokens (each row's token, what the
+    reference unpermute takes) would not."""
+    tokens = torch.randn(5, 4)
+    routing_map = torch.zeros(5, 4, dtype=torch.bool).scatter(1, torch.rand(5, 4).argsort(1)[:, :2], True)
+    permuted, _, sorted_indices = npu.npu_moe_token_permute_with_routing_map(tokens, routing_map, num_out_tokens=10)
+    out = npu.npu_moe_token_unpermute_with_routing_map(permuted, sorted_indices, [5, 4])
+    torch.testing.assert_close(out, 2 * tokens)
+    row_tokens = torch.arange(5).expand(4, -1).masked_select(routing_map.t()).int()
+    assert not torch.allclose(npu.npu_moe_token_unpermute_with_routing_map(permuted, row_tokens, [5, 4]), 2 * tokens)
 
 
 def test_moe_token_unpermute_forms_not_emulated_are_refused():
@@ -456,8 +470,11 @@ def test_moe_token_unpermute_forms_not_emulated_are_refused():
                                                      routing_map=torch.eye(2, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"sorted_indices must be int32 \[2\], got \(2,\) torch.int64"):
         npu.npu_moe_token_unpermute_with_routing_map(rows, index.long(), [2, 4])
-    with pytest.raises(ValueError, match=r"sorted_indices must lie in \[-1, 1\)"):
-        npu.npu_moe_token_unpermute_with_routing_map(rows, index, [1, 4])
+    with pytest.raises(ValueError, match=r"the 2 rows must be tokens x topK slots with 0 < topK <= 512, for 3 "
+                                         r"tokens"):
+        npu.npu_moe_token_unpermute_with_routing_map(rows, index, [3, 4])
+    with pytest.raises(ValueError, match=r"sorted_indices must lie in \[-1, 2\)"):
+        npu.npu_moe_token_unpermute_with_routing_map(rows, index + 1, [1, 4])
 
 
 # ---- token permute ----------------------------------------------------------------------------------------

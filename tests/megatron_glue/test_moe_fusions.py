@@ -104,6 +104,14 @@ def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, monkeypatc
     assert report.lowered_ops["npu.npu_moe_token_unpermute_with_routing_map"] == 2
     assert "npu_compile.unpermute_tokens" not in report.lowered_ops
     assert [u for u in report.unfused if u.get("rule") == "unpermute"] == []
+    # each in the op's slot layout (token t's rows at t x topK ..): the forward's the lowered permute's own
+    # sorted_indices (the same routing map), the backward's (no permute there) a sort of megatron-core's row tokens;
+    # npu-sim emulates that layout, so the equality above checks the indices handed over
+    prefix = "npu: unpermute_tokens: sorted_indices in npu_moe_token_unpermute_with_routing_map's slot layout (int32): "
+    assert [u["reason"] for u in report.unfused if u["op"] == "npu_compile.unpermute_tokens"] == [
+        prefix + "the graph's npu_moe_token_permute_with_routing_map's",
+        prefix + "a sort of megatron-core's row tokens"]
+    assert report.lowered_ops["aten.sort"] == 1
     # megatron-core's permute (index_select of the tokens by the masked_select of their numbers; alltoall also
     # the probs' masked_select, allgather its own of the local probs by the same map): one permute_tokens, lowered
     # to npu_moe_token_permute_with_routing_map (the map is the router's top-k scatter: topK known)

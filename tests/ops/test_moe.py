@@ -154,7 +154,8 @@ def check_unpermute(case):
     try:
         mine, theirs = rows.clone().requires_grad_(), rows.clone().requires_grad_()
         want = unpermute(theirs, sorted_indices, restore_shape=torch.Size((tokens, hidden)), routing_map=routing_map)
-        got = ops.unpermute_tokens(mine, sorted_indices, tokens)
+        # topk where every token has its topk rows (a router's map over all experts), as the rule passes it
+        got = ops.unpermute_tokens(mine, sorted_indices, tokens, case["topk"] if case["local"] == experts else 0)
         (want_grad,) = torch.autograd.grad(want, theirs, grad)
         (got_grad,) = torch.autograd.grad(got, mine, grad)
     finally:
@@ -191,6 +192,14 @@ def test_unpermute_tokens_gradcheck_opcheck_and_errors():
         ops.unpermute_tokens(rows[:, 0], index, 6)
     with pytest.raises(RuntimeError, match="one index per row: 6 indices, 7 rows"):
         ops.unpermute_tokens(rows, index[:6], 6)
+    # topk: every token has exactly topk rows (checked), what the npu lowering's slot layout needs
+    pairs = torch.tensor([2, 0, 1, 2, 1, 0])
+    torch.testing.assert_close(ops.unpermute_tokens(rows[:6], pairs, 3, 2), ops.unpermute_tokens(rows[:6], pairs, 3))
+    opcheck(ops.unpermute_tokens, (rows[:6].detach().float().requires_grad_(), pairs, 3, 2))
+    with pytest.raises(ValueError, match=r"every one of the 6 tokens must have topk=2 rows, got \[0, 1, 2\]"):
+        ops.unpermute_tokens(rows, index, 6, 2)
+    with pytest.raises(ValueError, match=r"topk must be >= 0 \(0: rows per token not known\), got -1"):
+        ops.unpermute_tokens(rows, index, 6, -1)
 
 
 # -- permute_tokens against megatron-core's own permute -----------------------------------------------------------

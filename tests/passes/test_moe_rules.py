@@ -374,6 +374,75 @@ def test_megatron_permute_becomes_one_op(scalars, monkeypatch, with_probs, local
             "ranks)"], reasons
 
 
+def _expert_choice_dispatch(x, logits, w, with_probs: bool, local: int):
+    """Each expert takes its top-2 tokens (a top-k along the tokens: a token gets 0 to every expert's rows), then
+    megatron-core's permute and unpermute by that map."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    routing_map = torch.zeros_like(logits, dtype=torch.int32).scatter(0, logits.topk(2, dim=0).indices, 1).bool()
+    permuted, _, sorted_indices = permute(x, routing_map)
+    return unpermute(permuted @ w, sorted_indices, restore_shape=x.shape, routing_map=routing_map)
+
+
+UNPERMUTE_SLOTS = "npu: unpermute_tokens: sorted_indices in npu_moe_token_unpermute_with_routing_map's slot layout " \
+                  "(int32): "
+
+
+@pytest.mark.parametrize("routing", ["top-k", "a rank's experts", "expert choice"])
+def test_unpermute_rows_per_token_and_the_npu_slot_layout(scalars, monkeypatch, routing):
+    """The unpermute (and the permute's gradient) takes topk where its index is the masked_select of the token
+    numbers by a router's top-k map over every expert, 0 where not (a rank's slice of the experts; a top-k along
+    the tokens, with as many tokens as experts so the count alone would pass). npu-sim, which emulates
+    npu_moe_token_unpermute_with_routing_map's slot layout: with topk the forward takes the lowered permute's
+    sorted_indices and the backward a sort of the row tokens, without it the reference kernel stays with the
+    reason; output and gradients eager's either way."""
+    from npu_compile.passes import engine, moe
+
+    unpermutes = []
+
+    def recording(graph, mode):
+        result = moe.apply_unpermute(graph, mode)
+        unpermutes.extend(n for n in graph.nodes if n.target is torch.ops.npu_compile.unpermute_tokens.default)
+        return result
+
+    monkeypatch.setitem(engine.GRAPH_RULES, "unpermute", engine.GraphRule("unpermute", recording))
+    tokens = EXPERTS if routing == "expert choice" else TOKENS
+    fn = _expert_choice_dispatch if routing == "expert choice" else _permute_dispatch
+    local = EXPERTS - 1 if routing == "a rank's experts" else EXPERTS
+    gen = torch.Generator().manual_seed(6)
+    x, logits, w = (torch.randn(tokens, H, generator=gen), torch.randn(tokens, EXPERTS, generator=gen),
+                    torch.randn(H, H, generator=gen))
+    compiled = torch.compile(fn, backend="ascend", fullgraph=True,
+                             options={"target": "npu-sim", "fusions": ["permute", "unpermute"], "cache": False})
+    runs = []
+    for f in (fn, compiled):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with collect() as reports:
+            out = f(xs, logits, ws, False, local)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
+        runs.append((out.detach(), xs.grad, ws.grad, reports))
+    (want, *want_grads, _), (got, *got_grads, reports) = runs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w_ in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-6)
+    (report,) = reports
+    assert report.fusions["unpermute"] == 2
+    reasons = [u["reason"] for u in report.unfused if u["op"] == "npu_compile.unpermute_tokens"]
+    if routing == "top-k":
+        assert [n.args[3] for n in unpermutes] == [2, 2]
+        assert report.lowered_ops["npu.npu_moe_token_unpermute_with_routing_map"] == 2
+        assert reasons == [UNPERMUTE_SLOTS + "the graph's npu_moe_token_permute_with_routing_map's",
+                           UNPERMUTE_SLOTS + "a sort of megatron-core's row tokens"], reasons
+    else:
+        assert [n.args[3] for n in unpermutes] == [0, 0]
+        assert report.lowered_ops["npu_compile.unpermute_tokens"] == 2
+        assert report.lowered_ops["npu_compile.permute_tokens"] == 1  # topk 0 there too: uneven rows
+        assert reasons == 2 * [
+            "npu: npu_moe_token_unpermute_with_routing_map without drop_and_pad takes the rows as tokens x topK "
+            "slots (sorted_indices: each slot's row, DOCS), and these rows are not known to be topK per token (not "
+            "a router's top-k map over all experts: a rank's slice of the experts, or another index)"], reasons
+
+
 def test_permute_declines_what_it_cannot_show_is_one(scalars):
     """Tokens gathered by a masked_select of something other than their numbers, or by a map over fewer tokens:
     declined with the reason; an index_select by any other index is no candidate (nothing said)."""

@@ -7,21 +7,28 @@ y_i = x_i × weight_i; lists of at most 128 tensors; float16, bfloat16 or float3
 with group_type -1 only split_item 0 or 1, x_i of one rank (2 to 6), weight_i 2-D, group_list None; weights may
 be transposed, all or none; x may not; every x_i's and weight_i's last dim below 65536 (the "InnerLimit").
 
-unpermute_tokens → npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices (int32),
-restore_shape=[tokens, hidden]), no probs, no routing map (DOCS: "当probs为None时，routing_map不需要传入"),
-drop_and_pad False: out[sorted_indices[i]] += permuted_tokens[i], out of shape restore_shape. The routing-map form
-is the one whose sorted_indices are megatron-core's (the token of each permuted row, what MindSpeed passes it:
-mindspeed/te/pytorch/permutation.py, MoeUnpermuteMaskMap) and whose output shape is restore_shape (static);
-npu_moe_token_unpermute's output has ``sorted_indices.size(0) // topK`` rows (its meta function) and its
-sorted_indices are npu_moe_token_permute's (index-based routing), not megatron-core's. DOCS: permuted_tokens
-float16, bfloat16 or float32; sorted_indices int32 1-D; restore_shape of 2 ints.
+unpermute_tokens → npu_moe_token_unpermute_with_routing_map(permuted_tokens, slots (int32), restore_shape=[tokens,
+hidden]), no probs, no routing map (DOCS: "当probs为None时，routing_map不需要传入"), drop_and_pad False. The op reads
+the rows through sorted_indices in a slot layout (DOCS, torch_npu/_op_plugin_docs.py:16980-17028): tokens x topK
+of them, values in [0, tokens x topK - 1] (rows, not tokens), -1 an empty slot, token t the sum of the rows of slots
+t x topK .. t x topK + topK - 1; the layout of npu_moe_token_permute_with_routing_map's own sorted_indices
+("permuted_tokens[sorted_indices[i]] = tokens[i//topK]", :16907), which MindSpeed hands it
+(mindspeed/te/pytorch/permutation.py:24-34,85-87; both halves swapped in together,
+mindspeed/features_manager/fusions/fused_moe_permute.py:77,82). megatron-core's sorted_indices (each row's token)
+are not that layout, so ``slots`` are the lowered permute's sorted_indices where the graph holds the permute of the
+same map (the forward), else the argsort of megatron-core's (the backward: every token has topk rows, which the
+rule showed, so the sort puts each token's rows in its slots; their order among them does not matter without
+probs). Only with topk known (a router's top-k map over all experts; not a rank's slice of them) and a static token
+count and hidden size (restore_shape is int[]). npu_moe_token_unpermute, the other unpermute, returns
+``sorted_indices.size(0) // topK`` rows (its meta function): without probs one per row, no sum. DOCS: permuted_tokens
+float16, bfloat16 or float32; sorted_indices int32 1-D; restore_shape of 2 ints; topK <= 512.
 
 permute_tokens → npu_moe_token_permute_with_routing_map(tokens, routing_map, probs=probs, num_out_tokens=tokens x
 topk, drop_and_pad=False), its permuted tokens and probs (DOCS: topK = num_out_tokens // tokens, every map row
 holding topK experts, topK < 512; the rows sorted by expert, as megatron-core's permute; the meta function's
 outToken = topK x tokens). Only where the rule showed the rows each hold topk experts and the token count is static
-(num_out_tokens is int?). Its sorted_indices (each token slot's row, DOCS) are not megatron-core's layout and are not
-read: the graph keeps megatron-core's for the unpermute and the gradient.
+(num_out_tokens is int?). Its sorted_indices (each token slot's row, DOCS) are not megatron-core's layout: the graph
+keeps megatron-core's for its reference ops and gradient, and the unpermute of the same map reads the op's.
 
 topk_softmax → npu_moe_gating_top_k_softmax_v2(logits, k=k, renorm=1): top-k, then softmax over the k (DOCS,
 npu_moe_gating_top_k_softmax_v2: renorm 1 "对x做topk操作，后做softmax操作"; x 2-D / 3-D float16, bfloat16 or
@@ -35,7 +42,10 @@ torch.topk's, descending), the softmax's internal precision for 16-bit x (taken 
 
 from __future__ import annotations
 
+import operator
+
 import torch
+from torch.fx import Node
 
 from npu_compile.lowering.npu.emit import Call, Emitter, Mapping, Outputs, aten, dtype_problem, fused, npu_op
 from npu_compile.config import Options
@@ -94,21 +104,67 @@ def emit_weight_grad(em: Emitter, c: Call, opts: Options) -> Outputs:
     return (em(npu_op("npu_grouped_matmul"), xs, b, split_item=0, group_type=-1),)
 
 
+MAX_UNPERMUTE_TOPK = 512  # DOCS: topK_num <= 512
+
+
 def check_unpermute(c: Call) -> str | None:
+    name = "npu_moe_token_unpermute_with_routing_map"
     val = c.val("permuted_tokens")
-    if problem := dtype_problem("npu_moe_token_unpermute_with_routing_map", val.dtype):
+    if problem := dtype_problem(name, val.dtype):
         return problem
     tokens, hidden = c.val("num_tokens"), val.shape[1]
     if type(tokens) is not int or type(hidden) is not int:
-        return ("npu_moe_token_unpermute_with_routing_map takes restore_shape as int[]: the token count and hidden "
-                f"size must be static, got [{tokens}, {hidden}]")
+        return (f"{name} takes restore_shape as int[]: the token count and hidden size must be static, got "
+                f"[{tokens}, {hidden}]")
+    if not c["topk"]:
+        return (f"{name} without drop_and_pad takes the rows as tokens x topK slots (sorted_indices: each slot's "
+                "row, DOCS), and these rows are not known to be topK per token (not a router's top-k map over all "
+                "experts: a rank's slice of the experts, or another index)")
+    if c["topk"] > MAX_UNPERMUTE_TOPK:
+        return f"{name} takes topK <= {MAX_UNPERMUTE_TOPK}, got {c['topk']}"
     return None
 
 
+def _lowered_permute(c: Call) -> Node | None:
+    """The lowered npu_moe_token_permute_with_routing_map whose rows these are, where the graph holds it:
+    megatron-core's row tokens are the masked_select of the token numbers by the transposed map that permute took
+    (the rule's proof, passes/moe.py), with the same token count and topK. None elsewhere (a backward graph: the
+    permute is in the forward)."""
+    from npu_compile.passes.moe import _map_source
+
+    index = c["sorted_indices"]
+    if not (isinstance(index, Node) and index.target is aten.masked_select.default):
+        return None
+    mask = index.args[1]
+    tokens, topk = c["num_tokens"], c["topk"]
+    for permute in c.node.graph.find_nodes(op="call_function",
+                                           target=npu_op("npu_moe_token_permute_with_routing_map")):
+        routing_map = permute.args[1]
+        same_map = routing_map is _map_source(mask) or (
+            routing_map.target is aten.t.default and routing_map.args[0] is mask)
+        if same_map and permute.args[0].meta["val"].shape[0] == tokens \
+                and permute.kwargs.get("num_out_tokens") == tokens * topk \
+                and not permute.kwargs.get("drop_and_pad", False):
+            return permute
+    return None
+
+
+def _slots(em: Emitter, c: Call) -> Node:
+    """Each token's topK rows, token by token: the argsort of megatron-core's row tokens (every token has topK
+    rows: the rule showed it), int32. Which of a token's slots a row takes does not matter without probs (the op
+    sums them), so the sort need not be stable (aten.sort.stable has no GE converter: torchair
+    ge_converter/aten/sort.py)."""
+    _, order = em.outputs(em(aten.sort.default, c["sorted_indices"]), 2)
+    return em.cast(order, torch.int32)
+
+
 def emit_unpermute(em: Emitter, c: Call, opts: Options) -> Outputs:
+    """The op sums, for token t, the rows of slots t x topK .. t x topK + topK - 1 (DOCS); the slots are the
+    graph's lowered permute's sorted_indices where it has that permute, else computed from megatron-core's."""
     hidden = c["permuted_tokens"].meta["val"].shape[1]
-    index = em(aten._to_copy.default, c["sorted_indices"], dtype=torch.int32)
-    return (em(npu_op("npu_moe_token_unpermute_with_routing_map"), c["permuted_tokens"], index,
+    permute = _lowered_permute(c)
+    slots = em(operator.getitem, permute, 2) if permute is not None else _slots(em, c)
+    return (em(npu_op("npu_moe_token_unpermute_with_routing_map"), c["permuted_tokens"], slots,
                [c["num_tokens"], hidden], drop_and_pad=False),)
 
 
@@ -140,8 +196,8 @@ def check_permute(c: Call) -> str | None:
 
 def emit_permute(em: Emitter, c: Call, opts: Options) -> Outputs:
     """num_out_tokens = tokens x topK (the map's rows each hold topK experts: the rule proved it), so the output
-    holds every routed copy; its sorted_indices (each token slot's row, DOCS) are not read: the graph keeps
-    megatron-core's (each row's token) for the unpermute and the gradient."""
+    holds every routed copy; its sorted_indices (each token slot's row, DOCS) are read by the unpermute of the
+    same map (emit_unpermute), the op's other readers keep megatron-core's (each row's token)."""
     tokens = c.val("tokens")
     call = em(npu_op("npu_moe_token_permute_with_routing_map"), c["tokens"], c["routing_map"], probs=c["probs"],
               num_out_tokens=tokens.shape[0] * c["topk"], drop_and_pad=False)
@@ -182,8 +238,9 @@ ROWS = {
                        "no transposed x)"),
     fused.unpermute_tokens.default: Mapping(
         ("npu_moe_token_unpermute_with_routing_map",), check_unpermute, emit_unpermute,
-        note=lambda c: "unpermute_tokens: sorted_indices cast to int32 (npu_moe_token_unpermute_with_routing_map "
-                       "takes int32)"),
+        note=lambda c: "unpermute_tokens: sorted_indices in npu_moe_token_unpermute_with_routing_map's slot layout "
+                       "(int32): " + ("the graph's npu_moe_token_permute_with_routing_map's"
+                                      if _lowered_permute(c) is not None else "a sort of megatron-core's row tokens")),
     fused.permute_tokens.default: Mapping(("npu_moe_token_permute_with_routing_map",), check_permute, emit_permute),
     fused.topk_softmax.default: Mapping(
         ("npu_moe_gating_top_k_softmax_v2",), check_topk_softmax, emit_topk_softmax,

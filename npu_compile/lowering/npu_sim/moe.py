@@ -51,25 +51,32 @@ def _fake(x, weight, *, split_item=0, group_type=None, group_list=None, **kwargs
 
 def npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, *, probs=None,
                                              routing_map=None, drop_and_pad=False):
-    """unpermuted[t] = the sum of permuted_tokens[i] over the i with sorted_indices[i] == t (DOCS,
-    npu_moe_token_unpermute_with_routing_map: "根据sorted_indices存储的下标，获取permuted_tokens中存储的输入数据 …
-    最后进行累加求和"), a -1 index an empty slot; as one matmul of a one-hot [tokens, rows] map in fp32, rounded
-    once to permuted_tokens' dtype. The form the lowering emits only: no probs, no routing map, drop_and_pad False."""
+    """Without drop_and_pad the rows are tokens x topK slots, token by token: sorted_indices[s] is the row of
+    slot s (in [0, tokens x topK), -1 an empty slot), and unpermuted[t] is the sum of the rows of slots t x topK ..
+    t x topK + topK - 1 (DOCS, npu_moe_token_unpermute_with_routing_map: permuted_tokens and sorted_indices
+    (tokens_num * topK_num) long, indices in [0, tokens_num * topK_num - 1], -1 an invalid slot, "根据
+    sorted_indices存储的下标，获取permuted_tokens中存储的输入数据 … 最后进行累加求和"; the layout of
+    npu_moe_token_permute_with_routing_map's sorted_indices output, which MindSpeed feeds it:
+    mindspeed/te/pytorch/permutation.py), topK = the indices // tokens; summed in fp32, rounded once to
+    permuted_tokens' dtype. The form the lowering emits only: no probs, no routing map, drop_and_pad False."""
     unsupported(probs is None and routing_map is None and not drop_and_pad,
                 "npu_moe_token_unpermute_with_routing_map with probs, a routing map or drop_and_pad")
     check_float(permuted_tokens=permuted_tokens)
     check(permuted_tokens.dim() == 2, f"permuted_tokens must be 2-D, got {tuple(permuted_tokens.shape)}")
-    check(sorted_indices.dim() == 1 and sorted_indices.dtype == torch.int32
-          and sorted_indices.shape[0] == permuted_tokens.shape[0],
-          f"sorted_indices must be int32 [{permuted_tokens.shape[0]}], got {tuple(sorted_indices.shape)} "
-          f"{sorted_indices.dtype}")
+    rows = permuted_tokens.shape[0]
+    check(sorted_indices.dim() == 1 and sorted_indices.dtype == torch.int32 and sorted_indices.shape[0] == rows,
+          f"sorted_indices must be int32 [{rows}], got {tuple(sorted_indices.shape)} {sorted_indices.dtype}")
     check(len(restore_shape) == 2 and restore_shape[1] == permuted_tokens.shape[1],
           f"restore_shape must be [tokens, {permuted_tokens.shape[1]}], got {list(restore_shape)}")
     tokens = restore_shape[0]
-    check(bool(((sorted_indices >= -1) & (sorted_indices < tokens)).all()),
-          f"sorted_indices must lie in [-1, {tokens})")
-    onehot = (torch.arange(tokens).unsqueeze(1) == sorted_indices.long().unsqueeze(0)).to(ACC)  # [tokens, rows]
-    return (onehot @ permuted_tokens.to(ACC)).to(permuted_tokens.dtype).contiguous()
+    check(rows == 0 if tokens == 0 else rows % tokens == 0 and 0 < rows // tokens <= 512,
+          f"the {rows} rows must be tokens x topK slots with 0 < topK <= 512, for {tokens} tokens")
+    check(bool(((sorted_indices >= -1) & (sorted_indices < rows)).all()), f"sorted_indices must lie in [-1, {rows})")
+    slots = sorted_indices.long()
+    taken = permuted_tokens.to(ACC).index_select(0, slots.clamp(min=0)) * (slots >= 0).unsqueeze(1)
+    hidden = permuted_tokens.shape[1]
+    out = taken.view(tokens, -1, hidden).sum(1) if tokens else taken.new_zeros((0, hidden))
+    return out.to(permuted_tokens.dtype).contiguous()
 
 
 def _fake_unpermute(permuted_tokens, sorted_indices, restore_shape, **kwargs):
