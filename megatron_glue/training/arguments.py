@@ -1553,7 +1553,7 @@ def validate_moe(args: argparse.Namespace, fail) -> None:
     if args.moe_token_dispatcher_type == "alltoall_seq" and megatron_core_in(">=0.13"):
         # alltoall_seq (megatron/core/transformer/moe/legacy_a2a_token_dispatcher.py, 0.12.1) was removed in 0.13;
         # it sends the same tokens to the same experts as alltoall, which differs only in where the sequence
-        # dimension is gathered (its all-to-all over the TP x EP group; here ETP is 1)
+        # dimension is gathered (its all-to-all over the TP x EP group); test_moe.py's layouts: both equal one process
         args.moe_token_dispatcher_type = "alltoall"
         if int(os.environ.get("RANK", "0")) == 0:
             print(" WARNING: --moe-token-dispatcher-type alltoall_seq is megatron-core 0.12's (removed in 0.13); "
