@@ -1,7 +1,8 @@
 """The "moe" group's stand-ins for megatron-core's gather / reduce-scatter in per-rank row counts over gloo
 (uneven_gather_on_gloo, uneven_reduce_scatter_on_gloo: what the alltoall dispatcher does over the expert-tensor-
 parallel group, docs/moe.md "Adaptations"), on 2 gloo processes: megatron-core's own functions, eager and compiled,
-equal to one process in output and input gradient; without the stand-ins gloo refuses them."""
+equal to one process in output and input gradient; without the stand-ins gloo refuses them; for other backends the
+stand-ins stand aside."""
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def _step(x, sizes, weight, group):
     from megatron.core.tensor_parallel.mappings import (
         gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region)
 
-    split_sizes = sizes.tolist()  # as the dispatcher gives them (token_dispatcher.py:694): from a tensor
+    split_sizes = sizes.tolist()  # as the dispatcher gives them (token_dispatcher.py:695): from a tensor
     gathered = gather_from_sequence_parallel_region(x, group=group, output_split_sizes=split_sizes)
     return reduce_scatter_to_sequence_parallel_region(torch.tanh(gathered @ weight), group=group,
                                                       input_split_sizes=split_sizes)
@@ -80,6 +81,12 @@ def _on_ranks():
         run("reverted compiled")
     run("eager")
     run("compiled")
+    get_backend = torch.distributed.get_backend
+    torch.distributed.get_backend = lambda group=None: "hccl"  # a group of another backend: megatron-core's own call
+    try:
+        run("other backend")
+    finally:
+        torch.distributed.get_backend = get_backend
     return results
 
 
@@ -108,3 +115,10 @@ def test_gloo_and_dynamo_refuse_megatron_cores_uneven_collectives(ranks):
     for results in ranks:
         assert "ProcessGroupGloo::allgather: invalid tensor size" in results["reverted eager"]
         assert "Could not guard on data-dependent expression Eq(u0, " in results["reverted compiled"]
+
+
+def test_other_backends_keep_megatron_cores_collectives(ranks):
+    """The stand-ins act over gloo only: for a group of another backend (HCCL, NCCL) megatron-core's own
+    all_gather runs, here met by gloo's refusal."""
+    for results in ranks:
+        assert "ProcessGroupGloo::allgather: invalid tensor size" in results["other backend"]
