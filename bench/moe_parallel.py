@@ -6,7 +6,7 @@ A tiny MoE GPT (2 layers, hidden 64, 4 experts, top-2, aux loss 0.01, fp32) trai
 each layout loads that checkpoint (--finetune: the same weights whatever its own initialisation) and trains 2
 iterations of the same global batch, once with the backend (`backend="ascend"`) and once `--no-npu-compile`; its
 losses, gradient norms and load-balancing losses are compared with one eager process's. The CI test
-(tests/megatron_glue/test_moe.py, `test_parallel_layouts_equal_one_process`) runs four of these launches; the
+(tests/megatron_glue/test_moe.py, `test_parallel_layouts_equal_one_process`) runs six of these launches; the
 compiled ones at 4 processes take minutes on 2 cores and live here. Writes `bench/results/moe_parallel.md`.
 """
 
@@ -34,6 +34,8 @@ LAYOUTS = {
     "EP 2, alltoall": (2, [*EP2, *A2A]),
     "TP 2 x EP 2, ETP 1, alltoall": (4, [*TP2_SP, *EP2, "--expert-tensor-parallel-size", "1", *A2A]),
     "TP 2 x EP 2, ETP 2, allgather": (4, [*TP2_SP, *EP2, *AG]),
+    "TP 2 x EP 2, ETP 2, alltoall": (4, [*TP2_SP, *EP2, *A2A]),
+    "TP 2, --moe-tp-extend-ep (EP 2, ETP 1), alltoall": (2, [*TP2_SP, *A2A, "--moe-tp-extend-ep"]),
     "PP 2, alltoall": (2, ["--pipeline-model-parallel-size", "2", *A2A]),
     "TP 2 x PP 2 x EP 2, ETP 1, alltoall": (4, [*TP2_SP, "--pipeline-model-parallel-size", "2", *EP2,
                                                "--expert-tensor-parallel-size", "1", *A2A]),

@@ -877,6 +877,84 @@ def _sort_chunks_by_host_order(sort_chunks_by_idxs):
     return sort_chunks
 
 
+def _on_gloo(group) -> bool:
+    """Whether `group` is a gloo group, whose all_gather and reduce_scatter take equal sizes only; elsewhere (HCCL,
+    NCCL) megatron-core's own uneven collective runs. Dynamo evaluates it while tracing (a constant in the graph)."""
+    return torch.distributed.get_backend(group) == "gloo"
+
+
+def _tp_group_if_none(group):
+    """0.12's mappings take group=None as the tensor-parallel group (0.12.1: tensor_parallel/mappings.py:128-129)."""
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
+
+
+def gather_uneven_rows(input_: torch.Tensor, group, output_split_sizes) -> torch.Tensor:
+    """All-gather along the first dimension of rows whose count differs per rank (rank r holds
+    output_split_sizes[r]), as one all_to_all_single: each rank sends its rows whole to every rank. Exact (a copy);
+    the rows go out world-size times, on a path (gloo) where only correctness counts."""
+    world = group.size()
+    output = torch.empty((sum(output_split_sizes), *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+    torch.distributed.all_to_all_single(output, torch.cat([input_.contiguous()] * world),
+                                        output_split_sizes=list(output_split_sizes),
+                                        input_split_sizes=[input_.shape[0]] * world, group=group)
+    return output
+
+
+def reduce_scatter_uneven_rows(input_: torch.Tensor, group, input_split_sizes) -> torch.Tensor:
+    """Reduce-scatter (sum) along the first dimension in per-rank row counts (rank r keeps input_split_sizes[r]
+    rows), as one all_to_all_single: rank r receives every rank's r-th chunk and sums them in rank order."""
+    world, rank = group.size(), group.rank()
+    mine = input_split_sizes[rank]
+    received = torch.empty((world * mine, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+    torch.distributed.all_to_all_single(received, input_.contiguous(), output_split_sizes=[mine] * world,
+                                        input_split_sizes=list(input_split_sizes), group=group)
+    return received.view(world, mine, *input_.shape[1:]).sum(0)
+
+
+_UNEVEN_REASON = (
+    "behind the alltoall dispatcher at expert-tensor-parallel size > 1 the routed tokens are all-gathered over the "
+    "expert-TP group in counts that differ per rank (transformer/moe/token_dispatcher.py:691-701; 0.12.1: "
+    "token_dispatcher.py:521-531), and reduce-scattered back in the same counts (token_dispatcher.py:774-783; 0.12.1: "
+    "token_dispatcher.py:618-628), each gradient the other (tensor_parallel/mappings.py:328-377); with split sizes "
+    "megatron-core calls torch.distributed.all_gather / reduce_scatter on lists of unequal tensors "
+    "(mappings.py:149-150,185-193; 0.12.1: mappings.py:150-151,189-197), which gloo refuses (\"ProcessGroupGloo::"
+    "allgather: invalid tensor size\") and Dynamo cannot capture (its functional all_gather compares the per-rank "
+    "sizes, data-dependent here: torch/distributed/_functional_collectives.py all_gather_inplace); over gloo the "
+    "same rows move by all_to_all_single with uneven splits, which both take; on other backends megatron-core's "
+    "own call")
+
+
+@registry.wraps("uneven_gather_on_gloo", "megatron.core.tensor_parallel.mappings._gather_along_first_dim", "moe",
+                reason=_UNEVEN_REASON + " (the gather)")
+def _uneven_gather_on_gloo(gather):
+    @functools.wraps(gather)
+    def gather_along_first_dim(input_, group=None, output_split_sizes=None, use_global_buffer=False):
+        resolved = None if output_split_sizes is None else _tp_group_if_none(group)
+        if resolved is None or resolved.size() == 1 or not _on_gloo(resolved):
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        return gather_uneven_rows(input_, resolved, output_split_sizes)
+
+    return gather_along_first_dim
+
+
+@registry.wraps("uneven_reduce_scatter_on_gloo",
+                "megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim", "moe",
+                reason=_UNEVEN_REASON + " (the reduce-scatter)")
+def _uneven_reduce_scatter_on_gloo(reduce_scatter):
+    @functools.wraps(reduce_scatter)
+    def reduce_scatter_along_first_dim(input_, group=None, input_split_sizes=None, use_global_buffer=False):
+        resolved = None if input_split_sizes is None else _tp_group_if_none(group)
+        if resolved is None or resolved.size() == 1 or not _on_gloo(resolved):
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        return reduce_scatter_uneven_rows(input_, resolved, input_split_sizes)
+
+    return reduce_scatter_along_first_dim
+
+
 _aux_loss_backward_scale = None
 
 

@@ -65,8 +65,6 @@ RECOMPUTE = ("it is not implemented here; Megatron's --recompute-granularity ful
 MOE_REFUSED: dict[str, tuple[int | str, str]] = {
     "--gemm-gradient-accumulation-fusion": (0, MOE_GROUPED_GEMM),
     "--moe-fb-overlap": (0, MOE_FB_OVERLAP),
-    "--moe-tp-extend-ep": (0, MOE_MINDSPEED.format("tensor-parallel ranks used as expert-parallel ones "
-                                                   "(--moe-tp-extend-ep)")),
     "--moe-zero-memory": (1, MOE_MINDSPEED.format("MoE activation recompute / swap (--moe-zero-memory); Megatron's "
                                                   "--recompute-granularity full is implemented")),
     "--n-hash-layers": (1, MOE_MINDSPEED.format("hash routing (--n-hash-layers)")),
@@ -892,7 +890,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "alltoall dispatcher: the same tokens to the same experts); flex is refused")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="default --tensor-model-parallel-size; 1 only here")
+                   help="default --tensor-model-parallel-size")
+    g.add_argument("--moe-tp-extend-ep", action="store_true",
+                   help="MindSpeed: the tensor-parallel ranks hold whole experts instead of slices of each; here "
+                        "megatron-core's layout --expert-tensor-parallel-size 1 with --expert-model-parallel-size "
+                        "multiplied by --tensor-model-parallel-size (the same ranks, the same experts on each)")
 
     g = p.add_argument_group("MindSpeed switches (fusions of the ascend backend, on by default)")
     for name in MINDSPEED_FUSIONS:
@@ -1017,17 +1019,6 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
             if kind in args.moe_router_load_balancing_type:
                 lines.append(refusal(f"--moe-router-load-balancing-type {kind}",
                                      f"{kind} balancing is not implemented here; use aux_loss, seq_aux_loss or none"))
-        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-        if etp > 1 and args.moe_token_dispatcher_type != "allgather":
-            lines.append(refusal(
-                f"--expert-tensor-parallel-size {etp} with --moe-token-dispatcher-type "
-                f"{args.moe_token_dispatcher_type}",
-                "experts split over tensor-parallel ranks behind the all-to-all dispatcher are not implemented here "
-                "(it all-gathers uneven token counts over the expert-tensor-parallel group, "
-                "transformer/moe/token_dispatcher.py:696-701, which gloo's all_gather refuses); give "
-                "--expert-tensor-parallel-size 1 (whole experts, spread by --expert-model-parallel-size), or the "
-                "allgather dispatcher" + ("" if args.expert_tensor_parallel_size else
-                                          " (it defaults to --tensor-model-parallel-size)")))
     if args.position_embedding_type in POSITION_EMBEDDINGS_REFUSED:
         lines.append(refusal(f"--position-embedding-type {args.position_embedding_type}",
                              POSITION_EMBEDDINGS_REFUSED[args.position_embedding_type]
@@ -1488,6 +1479,8 @@ def validate_moe(args: argparse.Namespace, fail) -> None:
         return
     if args.num_experts < 0:
         fail(f"--num-experts {args.num_experts} must be >= 0 (0: a dense model)")
+    if args.moe_tp_extend_ep:
+        ep, etp = tp_extended_ep(args, fail)
     args.expert_tensor_parallel_size = etp = args.tensor_model_parallel_size if etp is None else etp
     if ep < 1 or args.num_experts % ep:
         fail(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}; give an "
@@ -1560,12 +1553,43 @@ def validate_moe(args: argparse.Namespace, fail) -> None:
     if args.moe_token_dispatcher_type == "alltoall_seq" and megatron_core_in(">=0.13"):
         # alltoall_seq (megatron/core/transformer/moe/legacy_a2a_token_dispatcher.py, 0.12.1) was removed in 0.13;
         # it sends the same tokens to the same experts as alltoall, which differs only in where the sequence
-        # dimension is gathered (its all-to-all over the TP x EP group; here ETP is 1)
+        # dimension is gathered (its all-to-all over the TP x EP group); test_moe.py's layouts: both equal one process
         args.moe_token_dispatcher_type = "alltoall"
         if int(os.environ.get("RANK", "0")) == 0:
             print(" WARNING: --moe-token-dispatcher-type alltoall_seq is megatron-core 0.12's (removed in 0.13); "
                   "this megatron-core runs the alltoall dispatcher, which routes the same tokens to the same "
                   "experts", file=sys.stderr)
+
+
+def tp_extended_ep(args: argparse.Namespace, fail) -> tuple[int, int]:
+    """MindSpeed's --moe-tp-extend-ep as megatron-core's layout: (expert-parallel size, expert-tensor-parallel size)
+    = (EP x TP, 1), set on args. MindSpeed gives the rank of expert-parallel rank e and tensor-parallel rank t the
+    E / (EP x TP) whole experts from (e x TP + t) x that count (mindspeed/core/transformer/moe/moe_feature/overlap/
+    moe_layer.py:37-43, its grouped MLP built at expert-TP size 1, mindspeed/core/transformer/moe/experts.py:109-118)
+    and exchanges tokens over the expert tensor-and-model-parallel group (mindspeed/core/transformer/moe/
+    legacy_a2a_token_dispatcher.py:692-693,785-786), without the sequence-to-hidden all-to-all over TP (:672,819):
+    megatron-core's alltoall dispatcher at ETP 1 over an expert-parallel group of those same ranks, in that order
+    (its expert ranks run TP fastest: parallel_state.initialize_model_parallel's RankGenerator, order tp-ep-dp-pp)."""
+    from megatron_glue.capture.adaptations import megatron_core_in
+
+    tp, ep, etp = args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    if etp is not None and etp != tp:
+        fail(f"--moe-tp-extend-ep spreads the experts over the tensor-parallel ranks instead of splitting each over "
+             f"--expert-tensor-parallel-size; {etp} given with --tensor-model-parallel-size {tp}: drop one of them")
+    if args.moe_token_dispatcher_type not in ("alltoall", "alltoall_seq"):
+        fail(f"--moe-tp-extend-ep exchanges tokens by all-to-all over the tensor x expert-parallel ranks (MindSpeed: "
+             f"alltoall_seq only, docs/zh/features/megatron_moe/megatron-moe-tp-extend-ep.md); this job's "
+             f"--moe-token-dispatcher-type is {args.moe_token_dispatcher_type!r}: give alltoall or alltoall_seq")
+    if args.num_experts % (tp * ep):  # MindSpeed's rule (mindspeed/arguments.py:617-619)
+        fail(f"--moe-tp-extend-ep puts whole experts on each of --tensor-model-parallel-size {tp} x "
+             f"--expert-model-parallel-size {ep} ranks: --num-experts {args.num_experts} must be divisible by "
+             f"{tp * ep}")
+    if args.moe_token_dispatcher_type == "alltoall_seq" and not megatron_core_in(">=0.13"):
+        # megatron-core 0.12's alltoall_seq takes expert-TP = TP only (transformer/transformer_config.py:948-952);
+        # its alltoall dispatcher at ETP 1 is MindSpeed's exchange
+        args.moe_token_dispatcher_type = "alltoall"
+    args.expert_model_parallel_size, args.expert_tensor_parallel_size = tp * ep, 1
+    return tp * ep, 1
 
 
 def validate_recompute(args: argparse.Namespace, fail) -> None:

@@ -97,23 +97,76 @@ def test_unimplemented_moe_parts_are_refused_with_the_reason():
 
 
 def test_tensor_parallel_experts_and_sequence_parallel():
-    """Experts split over the TP ranks (--expert-tensor-parallel-size, by default TP) with the allgather dispatcher;
-    the all-to-all dispatchers' uneven gather over those ranks is refused; MoE at TP > 1 needs --sequence-parallel,
-    as megatron-core's MoE layer does."""
+    """Experts split over the TP ranks (--expert-tensor-parallel-size, by default TP) with every dispatcher (behind
+    the all-to-all ones through the "moe" group's uneven gather over gloo, test_uneven_collectives.py); MoE at
+    TP > 1 needs --sequence-parallel, as megatron-core's MoE layer does."""
     args = _args("--tensor-model-parallel-size", "2", "--sequence-parallel", world_size=2)
     assert args.expert_tensor_parallel_size == 2 and args.moe_token_dispatcher_type == "allgather"
     assert _args("--expert-tensor-parallel-size", "2", "--sequence-parallel", "--tensor-model-parallel-size", "2",
                  "--expert-model-parallel-size", "2", world_size=4).expert_tensor_parallel_size == 2
-    message = _error("--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type",
-                     "alltoall", world_size=2)
-    assert "--expert-tensor-parallel-size 2 with --moe-token-dispatcher-type alltoall: experts split over " \
-           "tensor-parallel ranks behind the all-to-all dispatcher are not implemented here" in message
-    assert message.endswith("or the allgather dispatcher (it defaults to --tensor-model-parallel-size)")
+    for dispatcher in ("alltoall", "alltoall_seq"):
+        args = _args("--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type",
+                     dispatcher, "--expert-model-parallel-size", "2", world_size=4)
+        assert (args.expert_tensor_parallel_size, args.expert_model_parallel_size) == (2, 2)
     assert _args("--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type",
                  "alltoall", "--expert-tensor-parallel-size", "1", world_size=2).expert_tensor_parallel_size == 1
     assert _error("--tensor-model-parallel-size", "2", world_size=2).endswith(
         "MoE at --tensor-model-parallel-size 2 needs --sequence-parallel (megatron-core's MoE layer refuses to train "
         "with tensor parallelism without it)")
+
+
+EXTEND = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall_seq",
+          "--moe-tp-extend-ep"]
+
+
+@pytest.mark.parametrize("tp, ep, pp, world", [(2, 1, 1, 2), (2, 2, 1, 8), (4, 2, 2, 32)])
+def test_moe_tp_extend_ep_is_megatron_cores_layout_at_expert_tp_1(tp, ep, pp, world):
+    """MindSpeed's --moe-tp-extend-ep (whole experts on the TP ranks, tokens exchanged over its expert TP x EP
+    group) is megatron-core's ETP 1 with EP x TP expert-parallel ranks: megatron-core's expert-parallel groups are
+    MindSpeed's TP x EP groups, rank for rank, so each rank holds the experts MindSpeed gives it ((e x TP + t) x
+    local experts on, mindspeed/core/transformer/moe/moe_feature/overlap/moe_layer.py:37-43), and the expert
+    data-parallel groups (the experts' gradient reduction) are the same."""
+    from megatron.core.parallel_state import RankGenerator
+
+    args = _args("--num-experts", "16", "--tensor-model-parallel-size", str(tp), "--sequence-parallel",
+                 "--expert-model-parallel-size", str(ep), "--pipeline-model-parallel-size", str(pp),
+                 "--num-layers", str(2 * pp), "--moe-token-dispatcher-type", "alltoall_seq", "--moe-tp-extend-ep",
+                 "--global-batch-size", str(8 * world), world_size=world)
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (tp * ep, 1)
+    # megatron-core 0.12's alltoall_seq takes ETP = TP only; 0.16 has no alltoall_seq
+    assert args.moe_token_dispatcher_type == "alltoall"
+
+    def experts(etp, ep_size):  # megatron-core's expert rank generator (parallel_state.initialize_model_parallel)
+        return RankGenerator(tp=etp, ep=ep_size, dp=world // (etp * ep_size * pp), pp=pp, cp=1,
+                             order="tp-cp-ep-dp-pp")
+
+    mindspeed, ours = experts(tp, ep), experts(1, args.expert_model_parallel_size)
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    assert ours.get_ranks("ep") == mindspeed.get_ranks("tp-ep")
+    assert ours.get_ranks("dp") == mindspeed.get_ranks("dp")
+
+    def index(groups, rank):
+        return next(group.index(rank) for group in groups if rank in group)
+
+    for rank in range(world):  # megatron-core's experts of EP rank r: from r x local experts on (MoELayer)
+        t, e = index(dense.get_ranks("tp"), rank), index(mindspeed.get_ranks("ep"), rank)
+        assert index(ours.get_ranks("ep"), rank) == e * tp + t
+
+
+def test_moe_tp_extend_ep_refusals():
+    assert _error(*EXTEND, "--expert-tensor-parallel-size", "1", world_size=2).endswith(
+        "--moe-tp-extend-ep spreads the experts over the tensor-parallel ranks instead of splitting each over "
+        "--expert-tensor-parallel-size; 1 given with --tensor-model-parallel-size 2: drop one of them")
+    assert _error(*EXTEND, "--moe-token-dispatcher-type", "allgather", world_size=2).endswith(
+        "--moe-tp-extend-ep exchanges tokens by all-to-all over the tensor x expert-parallel ranks (MindSpeed: "
+        "alltoall_seq only, docs/zh/features/megatron_moe/megatron-moe-tp-extend-ep.md); this job's "
+        "--moe-token-dispatcher-type is 'allgather': give alltoall or alltoall_seq")
+    assert _error(*EXTEND, "--num-experts", "6", "--expert-model-parallel-size", "2", world_size=4).endswith(
+        "--moe-tp-extend-ep puts whole experts on each of --tensor-model-parallel-size 2 x "
+        "--expert-model-parallel-size 2 ranks: --num-experts 6 must be divisible by 4")
+    # the world checks see the extended layout: 1 x (2 x 2) x 1 expert ranks on 2 processes
+    assert "world size 2 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 4" in \
+        _error(*EXTEND, "--expert-model-parallel-size", "2", world_size=2)
 
 
 def test_moe_layer_freq_negative_as_megatron_core_reads_it():
@@ -360,8 +413,10 @@ def _moe_rows(run, key):
 
 # Every (dispatcher, compiled or eager) pair at EP=2, in four launches: 2 processes EP=2 (DP=2 for the dense part),
 # compiled with allgather and eager with alltoall; 4 processes TP=2 x PP=2 x EP=2 (alltoall, experts whole: ETP=1)
-# and TP=2 x EP=2 with the experts split over the TP ranks (allgather, ETP=2 by default), eager. Compiled at TP=2
-# and PP=2 (four processes compiling on two cores: minutes) is in `python -m bench.moe_parallel`.
+# and TP=2 x EP=2 with the experts split over the TP ranks (ETP=2 by default) behind each dispatcher (alltoall_seq
+# on 0.12 only), eager; MindSpeed's --moe-tp-extend-ep on 2 processes. Compiled at TP=2 and PP=2 (four processes
+# compiling on two cores: minutes) is in `python -m bench.moe_parallel`; the uneven gather compiled is in
+# test_uneven_collectives.py.
 LAYOUTS = {
     "ep2-allgather-compiled": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
     "ep2-alltoall-eager": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
@@ -371,6 +426,15 @@ LAYOUTS = {
                                        "alltoall", "--no-npu-compile"]),
     "tp2-etp2-ep2-allgather-eager": (4, [*TP2_SP, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
                                          "allgather", "--no-npu-compile"]),
+    # the experts split over the TP ranks behind the all-to-all dispatchers: the tokens gathered over the expert-TP
+    # group in counts that differ per rank (the "moe" group's uneven_gather_on_gloo)
+    "tp2-etp2-ep2-alltoall-eager": (4, [*TP2_SP, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                        "alltoall", "--no-npu-compile"]),
+    "tp2-etp2-ep2-alltoall_seq-eager": (4, [*TP2_SP, "--expert-model-parallel-size", "2",
+                                            "--moe-token-dispatcher-type", "alltoall_seq", "--no-npu-compile"]),
+    # MindSpeed's --moe-tp-extend-ep: ETP 1, EP 2 over the TP ranks
+    "tp2-extend-ep-eager": (2, [*TP2_SP, "--moe-token-dispatcher-type", "alltoall_seq", "--moe-tp-extend-ep",
+                                "--no-npu-compile"]),
 }
 
 
@@ -381,9 +445,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.megatron_lines] if name.endswith("eager")
                                                  else []) for name in LAYOUTS])
 def test_parallel_layouts_equal_one_process(moe_one_process, tmp_path, layout):
-    """EP=2 (allgather and alltoall), TP=2 with EP=2 (experts whole or split over the TP ranks) and PP=2 with EP=2,
-    compiled and eager, equal one process of the same global batch: losses, gradient norms and the load-balancing
+    """EP=2 (allgather and alltoall), TP=2 with EP=2 (experts whole or split over the TP ranks, each dispatcher),
+    PP=2 with EP=2 and MindSpeed's --moe-tp-extend-ep, compiled and eager, equal one process of the same global batch: losses, gradient norms and the load-balancing
     loss, fp32 1e-5."""
+    if layout.endswith("alltoall_seq-eager") and megatron_core_in(">=0.13"):
+        pytest.skip("megatron-core 0.13 removed alltoall_seq; the job runs the alltoall dispatcher for it (the "
+                    "tp2-etp2-ep2-alltoall-eager layout)")
     start, one = moe_one_process
     nproc, flags = LAYOUTS[layout]
     run = pretrain(tmp_path / layout, *LAYOUT_FLAGS, *start, *flags, nproc=nproc).check()
