@@ -646,6 +646,9 @@ def apply_topk_gating(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]
                 f"not megatron-core's router with the score before the top-k: {site[1]}")})
             continue
         logits, k, bias, function, (groups, group_topk, group_values), probs, scores = site
+        masked = node.args[0] if groups else None
+        if groups and group_topk == groups:  # every group kept (MindSpeed-LLM's --moe-router-num-groups 1
+            groups = group_topk = group_values = 0  # --moe-router-group-topk 1): the mask fills nothing
         indices = _getitems(node).get(1, [])
         with graph.inserting_before(node):
             call = graph.call_function(torch.ops.npu_compile.topk_gating.default,
@@ -666,8 +669,9 @@ def apply_topk_gating(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]
             chosen.meta = {"val": _val(values[0])}
             for v in values:
                 v.replace_all_uses_with(chosen)
-        if groups and _is(node.args[0], aten.masked_fill.Scalar) and k <= group_topk * (_val(logits).shape[1] // groups):
-            _drop_mask_gradient(node.args[0].args[1], outs[1])
+        experts = _val(logits).shape[1]
+        if masked is not None and k <= (group_topk * (experts // groups) if groups else experts):
+            _drop_mask_gradient(masked.args[1], outs[1])  # the chosen experts all lie in kept groups
         dead, erased = [probs, scores, *indices, *values], set()  # the old chain back to the scores
         while dead:
             n = dead.pop()
