@@ -82,6 +82,19 @@ def test_softmax_after_a_group_limited_top_k_is_declined(against_eager):
         "only (renorm 0, torch_npu/_op_plugin_docs.py)"]
 
 
+@pytest.mark.parametrize("kw", [{"use_pre_softmax": True, "num_groups": 4, "group_topk": 2},
+                                {"score_function": "sigmoid", "num_groups": 2, "group_topk": 1},
+                                {"score_function": "sigmoid"}])
+def test_no_top_k_is_kept_for_the_backward(against_eager, kw):
+    """The backward reads the group mask (masked_fill's gradient) and, for sigmoid without a bias, the top-k values:
+    rewired to the op's outputs, so the compiled graphs hold no aten.topk and no group choice."""
+    logits = torch.randn(12, 8, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    result = against_eager(lambda x: _router(x, 2, **kw), logits, rules=RULES)
+    assert result.fusions == {"topk_gating": 1}
+    assert not {op for op in result.report.lowered_ops if op in ("aten.topk", "aten.masked_fill", "aten.sigmoid",
+                                                                  "aten._softmax")}, result.report.lowered_ops
+
+
 def test_the_default_router_is_left_to_topk_softmax(against_eager):
     logits = torch.randn(12, 8, generator=torch.Generator().manual_seed(4), requires_grad=True)
     result = against_eager(lambda x: _router(x, 2), logits, rules=["topk_gating", "topk_softmax"])
@@ -168,18 +181,21 @@ def test_npu_sim_runs_the_torch_npu_op_as_eager():
     assert report.lowered_ops.get("aten.topk", 0) == 0
 
 
-@pytest.mark.parametrize("kw,reason", [
-    ({"score_function": "sigmoid", "num_groups": 2, "group_topk": 1},  # k 3: each group scored by its top 3
+@pytest.mark.parametrize("k,kw,reason", [
+    (3, {"score_function": "sigmoid", "num_groups": 2, "group_topk": 1},  # each group scored by its top 3
      "npu_moe_gating_top_k scores a group by its best expert or the sum of its best 2 (group_select_mode 0 / 1); "
      "megatron-core sums its topk // group_topk = 3 best"),
-    ({"score_function": "sigmoid", "num_groups": 4, "group_topk": 3},  # 2 experts per group
+    (3, {"score_function": "sigmoid", "num_groups": 4, "group_topk": 3},  # 2 experts per group
      "npu_moe_gating_top_k needs experts / group_count > 2 and that quotient, rounded up to 32, times group_count "
      "<= 2048: 8 experts in 4 groups"),
+    (1, {"score_function": "sigmoid", "expert_bias": torch.randn(8)},
+     "npu_moe_gating_top_k divides the chosen sigmoid scores by their sum + eps for every k (norm_type 1); "
+     "megatron-core leaves a single expert's score as it is (k = 1)"),
 ])
-def test_npu_sim_declines_what_the_device_op_does_not_compute(kw, reason):
+def test_npu_sim_declines_what_the_device_op_does_not_compute(k, kw, reason):
     logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(5), requires_grad=True)
-    got, report = _sim(lambda x: _router(x, 3, **kw), logits)
-    torch.testing.assert_close(got, _router(logits, 3, **kw))
+    got, report = _sim(lambda x: _router(x, k, **kw), logits)
+    torch.testing.assert_close(got, _router(logits, k, **kw))
     assert report.lowered_ops["npu_compile.topk_gating"] == 1
     assert [u["reason"] for u in report.unfused] == [f"npu: {reason}"]
 
