@@ -1,5 +1,6 @@
-"""Mixture of experts, in namespace npu_compile: ``grouped_matmul``, the routed experts' matmuls as one op, and
-``unpermute_tokens``, the token unpermutation (the experts' output rows summed back into their tokens).
+"""Mixture of experts, in namespace npu_compile: ``grouped_matmul``, the routed experts' matmuls as one op,
+``unpermute_tokens``, the token unpermutation (the experts' output rows summed back into their tokens), and the
+router's top-k (``topk_softmax``, ``topk_gating``) and token permutation (``permute_tokens``), below.
 
     grouped_matmul(x, weight, *, transpose_weight)   y_i = x_i @ weight_i   (weight_iᵀ when transpose_weight)
                                                    ~ npu_grouped_matmul(x, weight, split_item=0, group_type=-1)

@@ -31,6 +31,16 @@ torch_npu/op_plugin/meta/_meta_registrations.py:1759-1783)). DOCS say "该接口
 the op has no backward of its own, and none is asked of it: the gradient stays aten (the softmax's backward on the
 probs, scattered by the indices). Not known for the device: the order of the k experts in a row (taken as
 torch.topk's, descending), the softmax's internal precision for 16-bit x (taken as fp32, as megatron-core's).
+
+topk_gating → npu_moe_gating_top_k(logits, k, bias=expert_bias, k_group, group_count, group_select_mode, renorm=0,
+norm_type=1 sigmoid / 0 softmax, out_flag=True, routed_scaling_factor=1.0, eps=1e-20) (DOCS, npu_moe_gating_top_k;
+the computation: Ascend/op-plugin docs/context/torch_npu-npu_moe_gating_top_k.md, 等价计算逻辑): norm of x, + bias
+for the choice only, groups scored by their max (mode 0) or top-2 sum (mode 1) and the k_group best kept, the top
+k, y the chosen norms (over their sum + eps for sigmoid) x routed_scaling_factor, normOut the float32 norm (the
+meta function's third output, [tokens, experts] float32: _meta_registrations.py:1786-1830). Limits checked (DOCS):
+x float16 / bfloat16 / float32 (here float32: see check_topk_gating), experts <= 2048, experts / group_count > 2
+and its 32-aligned size x group_count <= 2048, 1 <= k <= k_group x experts / group_count; renorm 0 only. Inference
+per DOCS, no backward asked of it (megatron-core's aten backward reads normOut).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""npu_grouped_matmul, npu_moe_token_permute_with_routing_map, npu_moe_token_unpermute_with_routing_map and
-npu_moe_gating_top_k_softmax_v2 on the CPU, in the forms the lowering emits (no quantization, no group_list).
+"""npu_grouped_matmul, npu_moe_token_permute_with_routing_map, npu_moe_token_unpermute_with_routing_map,
+npu_moe_gating_top_k_softmax_v2 and npu_moe_gating_top_k on the CPU, in the forms the lowering emits (no
+quantization, no group_list).
 
 y_i = x_i × weight_i (+ bias_i), in fp32, rounded once to x's dtype (torch_npu/_op_plugin_docs.py,
 npu_grouped_matmul: "非量化" y dtype = x dtype, output_dtype None). split_item 0/1 gives one output per group;
@@ -152,7 +153,8 @@ def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_gro
     or its top-2 sum (mode 1), the k_group best kept, the rest -inf; expertIdxOut = the top k of choice (int32);
     yOut = norm at those experts, divided by their sum + eps for sigmoid, times routed_scaling_factor, in x's
     dtype; normOut = norm (float32; of x's shape whatever out_flag, as the wheel's meta function: what it holds
-    without out_flag is not documented, and the lowering sets it). Hash routing (input_ids / tid2eid) is not emulated."""
+    without out_flag is not documented, and the lowering sets it). Hash routing (input_ids / tid2eid) is not
+    emulated."""
     unsupported(input_ids is None and tid2eid is None, "npu_moe_gating_top_k hash routing (input_ids, tid2eid)")
     check_float(x=x)
     check(x.dim() == 2 and x.shape[-1] <= 2048, f"x must be 2-D with at most 2048 experts, got {tuple(x.shape)}")
