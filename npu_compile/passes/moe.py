@@ -627,8 +627,9 @@ def _drop_mask_gradient(mask: Node, indices: Node) -> None:
         if not (_is(user, aten.masked_fill.Scalar) and user.args[1] is mask and user.args[2] == 0):
             continue
         src = user.args[0]
-        if _is(src, aten.scatter.src, aten.scatter_add.default) and src.args[2] is indices \
-                and _is(src.args[0], *_ZEROS) and src.args[0].target not in (aten.full.default, aten.new_full.default):
+        if _is(src, aten.scatter.src, aten.scatter_add.default) and src.args[1] in (1, -1) \
+                and src.args[2] is indices and _is(src.args[0], *_ZEROS) \
+                and src.args[0].target not in (aten.full.default, aten.new_full.default):
             user.replace_all_uses_with(src)
             user.graph.erase_node(user)
 

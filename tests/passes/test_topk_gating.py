@@ -232,3 +232,20 @@ def test_npu_sim_kernel_of_npu_moe_gating_top_k():
                                  tid2eid=torch.zeros(4, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"group_count must divide the experts \(12\) into groups of more than 2"):
         npu.npu_moe_gating_top_k(x, 2, group_count=6, k_group=1)
+
+
+def test_one_group_kept_of_one_is_the_ungrouped_router():
+    """MindSpeed-LLM's --moe-router-num-groups 1 --moe-router-group-topk 1 (several of its sigmoid scripts): the group
+    mask keeps every expert, so the site is the ungrouped router and lowers (megatron-core's group score would sum
+    the top 8, which npu_moe_gating_top_k's group_select_mode cannot)."""
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(6)) / 4
+
+    def router(x):
+        return _router(x, 8, score_function="sigmoid", expert_bias=bias, num_groups=1, group_topk=1)
+
+    got, report = _sim(router, logits)
+    torch.testing.assert_close(got, router(logits))
+    assert report.fusions == {"topk_gating": 1}
+    assert report.lowered_ops["npu.npu_moe_gating_top_k"] == 1
+    assert not {"aten.topk", "aten.masked_fill"} & set(report.lowered_ops), report.lowered_ops
