@@ -69,13 +69,36 @@ MOE_REFUSED: dict[str, tuple[int | str, str]] = {
                                                   "--recompute-granularity full is implemented")),
     "--n-hash-layers": (1, MOE_MINDSPEED.format("hash routing (--n-hash-layers)")),
     "--num-zero-experts": (1, MOE_MINDSPEED.format("zero experts (--num-zero-experts)")),
-    "--seq-aux": (0, MOE_MINDSPEED.format("sequence aux loss switch (--seq-aux); give "
-                                          "--moe-router-load-balancing-type seq_aux_loss")),
-    "--router-gating-in-fp32": (0, MOE_MINDSPEED.format("fp32 gating switch (--router-gating-in-fp32); give "
-                                                        "--moe-router-dtype fp32")),
-    "--topk-softmax-in-fp32": (0, MOE_MINDSPEED.format("fp32 top-k softmax switch (--topk-softmax-in-fp32); give "
-                                                       "--moe-router-dtype fp32")),
+    "--seq-aux": (0, "MindSpeed-LLM's sequence-wise balance loss (--seq-aux: apply_seq_aux_loss after the routing, "
+                     "mindspeed_llm/core/transformer/moe/router.py:437-494, and group_limited_greedy's, 81-101) is "
+                     "not implemented here: it adds the expert bias to the sigmoid scores before normalising them "
+                     "and divides the coefficient by the tensor-parallel size, which megatron-core's seq_aux_loss "
+                     "does not (compute_routing_scores_for_aux_loss: sigmoid scores without the bias); drop it, or "
+                     "give --moe-router-load-balancing-type seq_aux_loss for megatron-core's"),
+    "--topk-softmax-in-fp32": (0, "MindSpeed-LLM's --topk-softmax-in-fp32 (with --moe-router-pre-softmax the "
+                                  "softmax scores are kept in float32 instead of being rounded to the logits' dtype "
+                                  "before the top-k, its patched topk_softmax_with_capacity, "
+                                  "mindspeed_llm/core/transformer/moe/moe_utils.py:282-284; the aux_loss routing's "
+                                  "probs cast back, router.py:562-563) is not implemented here: no megatron-core "
+                                  "setting computes that; --moe-router-dtype fp32 computes the whole router in "
+                                  "float32"),
     "--shared-expert-gate": (0, MOE_MINDSPEED.format("gated shared expert (--shared-expert-gate)")),
+}
+
+# MindSpeed-LLM's own --moe-router-load-balancing-type values (mindspeed_llm/features_manager/moe/moe_router.py:
+# 11-15, routed in mindspeed_llm/core/transformer/moe/router.py:533-600), each refused with its reason
+MINDSPEED_LLM_ROUTING = {
+    "softmax_topk": ("MindSpeed-LLM's softmax_topk routing (router.py:567-584: the softmax over all experts, the "
+                     "expert bias added to it for the choice, --norm-topk-prob) is not implemented here; "
+                     "megatron-core's --moe-router-load-balancing-type none --moe-router-pre-softmax routes the same "
+                     "way without the expert bias"),
+    "pai_megatron_aux_loss": ("MindSpeed-LLM's pai_megatron_aux_loss routing (mindspeed_llm/tasks/models/common/"
+                              "pai_megatron.py) is not implemented here; use aux_loss, seq_aux_loss or none"),
+    "sparsemixer_topk": ("MindSpeed-LLM's sparsemixer_topk routing (router.py:246-356, sparsemixer_top2) is not "
+                         "implemented here; use aux_loss, seq_aux_loss or none"),
+    "group_limited_greedy": ("MindSpeed-LLM's group_limited_greedy routing (router.py:35, DeepSeek-V2's device-"
+                             "limited routing with its own balance losses) is not implemented here; megatron-core's "
+                             "group-limited routing is --moe-router-num-groups / --moe-router-group-topk"),
 }
 
 # flag -> (values it takes: 0 a switch, 1 one value, "+" one or more; why it is refused)
@@ -854,13 +877,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                                          "--ffn-hidden-size)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default=["aux_loss"],
-                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none",
+                            *MINDSPEED_LLM_ROUTING],
                    help="aux_loss, seq_aux_loss or none (several at once on megatron-core 0.16); global_aux_loss and "
                         "sinkhorn are refused")
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=[0.0],
                    help="the load-balancing loss's coefficient (one per --moe-router-load-balancing-type)")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
-    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid", "sqrtsoftplus"], default="softmax",
+                   help="softmax or sigmoid; MindSpeed-LLM's sqrtsoftplus is refused")
     g.add_argument("--moe-router-pre-softmax", action="store_true")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
@@ -876,6 +901,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the shared experts' output scaled by sigmoid(x . gate_weight) (megatron-core 0.16's "
                         "moe_shared_expert_gate; Qwen2-MoE's shared_expert_gate); needs "
                         "--moe-shared-expert-intermediate-size")
+    g.add_argument("--router-gating-in-fp32", action="store_true",
+                   help="MindSpeed-LLM: the router's linear in float32 (--moe-router-dtype fp32: the same logits)")
     g.add_argument("--n-shared-experts", type=int, default=None,
                    help="MindSpeed-LLM: shared experts, each of --moe-ffn-hidden-size (sets "
                         "--moe-shared-expert-intermediate-size when that is not given)")
@@ -1019,6 +1046,15 @@ def _value_refusals(args: argparse.Namespace) -> list[str]:
             if kind in args.moe_router_load_balancing_type:
                 lines.append(refusal(f"--moe-router-load-balancing-type {kind}",
                                      f"{kind} balancing is not implemented here; use aux_loss, seq_aux_loss or none"))
+        for kind, why in MINDSPEED_LLM_ROUTING.items():
+            if kind in args.moe_router_load_balancing_type:
+                lines.append(refusal(f"--moe-router-load-balancing-type {kind}", why))
+        if args.moe_router_score_function == "sqrtsoftplus":
+            lines.append(refusal("--moe-router-score-function sqrtsoftplus", (
+                "MindSpeed-LLM's sqrtsoftplus scores (sqrt(softplus(logits)), "
+                "mindspeed_llm/core/transformer/moe/moe_utils.py:298-305, a score function megatron-core does not "
+                "have) are not implemented here, and torch_npu's gating ops have no such norm (npu_moe_gating_top_k: "
+                "softmax or sigmoid); use softmax or sigmoid")))
     if args.position_embedding_type in POSITION_EMBEDDINGS_REFUSED:
         lines.append(refusal(f"--position-embedding-type {args.position_embedding_type}",
                              POSITION_EMBEDDINGS_REFUSED[args.position_embedding_type]
@@ -1513,6 +1549,15 @@ def validate_moe(args: argparse.Namespace, fail) -> None:
     if args.n_shared_experts and args.moe_shared_expert_intermediate_size is None:
         # MindSpeed-LLM (mindspeed_llm/features_manager/moe/shared_expert.py, validate_args)
         args.moe_shared_expert_intermediate_size = args.n_shared_experts * args.moe_ffn_hidden_size
+    if args.router_gating_in_fp32:
+        # MindSpeed-LLM (mindspeed_llm/core/transformer/moe/router.py:497-515, topk_router_gating_func): the
+        # router's linear on float32 copies of its input and weight, the copies recomputed in the backward rather
+        # than kept: the logits (and their gradients) of megatron-core's moe_router_dtype fp32 (router.py gating:
+        # input.to(float32) @ weight.to(float32)), which keeps them
+        if args.moe_router_dtype == "fp64":
+            fail("--router-gating-in-fp32 with --moe-router-dtype fp64: one says float32 logits, the other float64; "
+                 "give one of them")
+        args.moe_router_dtype = "fp32"
     if args.moe_shared_expert_gate and not args.moe_shared_expert_intermediate_size:
         fail("--moe-shared-expert-gate gates the shared experts: give --moe-shared-expert-intermediate-size (or "
              "--n-shared-experts)")

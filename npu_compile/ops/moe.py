@@ -1,5 +1,6 @@
-"""Mixture of experts, in namespace npu_compile: ``grouped_matmul``, the routed experts' matmuls as one op, and
-``unpermute_tokens``, the token unpermutation (the experts' output rows summed back into their tokens).
+"""Mixture of experts, in namespace npu_compile: ``grouped_matmul``, the routed experts' matmuls as one op,
+``unpermute_tokens``, the token unpermutation (the experts' output rows summed back into their tokens), and the
+router's top-k (``topk_softmax``, ``topk_gating``) and token permutation (``permute_tokens``), below.
 
     grouped_matmul(x, weight, *, transpose_weight)   y_i = x_i @ weight_i   (weight_iᵀ when transpose_weight)
                                                    ~ npu_grouped_matmul(x, weight, split_item=0, group_type=-1)
@@ -247,6 +248,122 @@ def _topk_softmax_backward(ctx, grad_probs, grad_indices):
 
 
 topk_softmax.register_autograd(_topk_softmax_backward, setup_context=_topk_softmax_setup)
+
+
+# -- topk_gating ---------------------------------------------------------------------------------------------------
+#
+#     topk_gating(logits, k, expert_bias, score_function, num_groups, group_topk, group_values)
+#         -> (probs [tokens, k], indices [tokens, k] int64, scores [tokens, experts])
+#                          ~ npu_moe_gating_top_k(logits, k, bias=expert_bias, k_group=group_topk,
+#                                                 group_count=num_groups, group_select_mode=group_values - 1,
+#                                                 norm_type=1 (sigmoid) or 0 (softmax), out_flag=True)
+#
+# megatron-core's router with the score function before the top-k (``topk_routing_with_score_function``, 0.16.1
+# moe_utils.py:709-725; 0.12.1 ``topk_softmax_with_capacity``, moe_utils.py:536-551; group-limited routing
+# ``group_limited_topk``, 0.16.1 moe_utils.py:515-563, 0.12.1 moe_utils.py:420-475):
+#
+#     scores = sigmoid(logits.float()).type_as(logits)          score_function "sigmoid"
+#            = softmax(logits, -1, dtype=float32).type_as(logits)   "softmax" (--moe-router-pre-softmax)
+#     choice = scores + expert_bias (sigmoid only; the bias chooses, it never weighs)
+#     with groups: the experts in num_groups groups, each scored by the sum of its group_values largest choice
+#                  values (megatron-core: topk // group_topk of them), the group_topk best kept, the rest -inf
+#     indices = topk(choice, k); probs = scores at indices
+#     sigmoid: probs / (probs.sum(-1) + 1e-20) where k > 1
+#
+# ``num_groups`` 0: no groups. ``scores`` is what megatron-core's backward reads (the score of every expert).
+# --moe-router-topk-scaling-factor stays a multiplication after the op. Gradient: through the scores of the
+# chosen experts only, as megatron-core's (the bias and the group choice are discrete choices: no gradient).
+
+_SCORE_FUNCTIONS = ("sigmoid", "softmax")
+
+
+def _check_topk_gating(logits: Tensor, k: int, expert_bias: Tensor | None, score_function: str, num_groups: int,
+                       group_topk: int, group_values: int) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"topk_gating: logits must be a 2-D float tensor [tokens, experts], got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    experts = logits.shape[1]
+    if not 0 < k <= experts:
+        raise ValueError(f"topk_gating: k must be in 1..experts ({experts}), got {k}")
+    if score_function not in _SCORE_FUNCTIONS:
+        raise ValueError(f"topk_gating: score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}")
+    if expert_bias is not None and (expert_bias.shape != (experts,) or not expert_bias.is_floating_point()):
+        raise ValueError(f"topk_gating: expert_bias must be a float tensor [{experts}], got "
+                         f"{tuple(expert_bias.shape)} {expert_bias.dtype}")
+    if expert_bias is not None and score_function != "sigmoid":
+        raise ValueError("topk_gating: expert_bias is megatron-core's for the sigmoid score function only")
+    if num_groups:
+        if experts % num_groups or not 0 < group_topk <= num_groups:
+            raise ValueError(f"topk_gating: num_groups must divide the experts ({experts}) and group_topk be in "
+                             f"1..num_groups, got num_groups={num_groups}, group_topk={group_topk}")
+        if not 0 < group_values <= experts // num_groups:
+            raise ValueError(f"topk_gating: group_values must be in 1..experts per group ({experts // num_groups}), "
+                             f"got {group_values}")
+
+
+def _gating_scores(logits: Tensor, score_function: str) -> Tensor:
+    """megatron-core's scores: computed in float32 (float64 stays float64), rounded to the logits' dtype."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits.to(acc)).type_as(logits)
+    return torch.softmax(logits, dim=-1, dtype=acc).type_as(logits)
+
+
+@torch.library.custom_op("npu_compile::topk_gating", mutates_args=())
+def topk_gating(logits: Tensor, k: int, expert_bias: Tensor | None, score_function: str, num_groups: int,
+                group_topk: int, group_values: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(probs, indices, scores): each token's k experts chosen by score (+ expert_bias) within its best groups,
+    their scores (normalized for sigmoid, k > 1), and every expert's score."""
+    _check_topk_gating(logits, k, expert_bias, score_function, num_groups, group_topk, group_values)
+    scores = _gating_scores(logits, score_function)
+    choice = scores + expert_bias if expert_bias is not None else scores
+    tokens, experts = logits.shape
+    if num_groups:
+        group_scores = choice.view(tokens, num_groups, -1).topk(group_values, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, groups, True)
+        keep = keep.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    indices = torch.topk(choice, k=k, dim=-1)[1]
+    probs = torch.gather(scores, 1, indices)
+    if score_function == "sigmoid" and k > 1:
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    return probs, indices, scores.clone()
+
+
+@topk_gating.register_fake
+def _(logits, k, expert_bias, score_function, num_groups, group_topk, group_values):
+    _check_topk_gating(logits, k, expert_bias, score_function, num_groups, group_topk, group_values)
+    tokens = logits.shape[0]
+    return (logits.new_empty((tokens, k)), logits.new_empty((tokens, k), dtype=torch.int64),
+            logits.new_empty(logits.shape))
+
+
+def _topk_gating_setup(ctx, inputs, output):
+    probs, indices, scores = output
+    ctx.save_for_backward(indices, scores)
+    ctx.score_function, ctx.k = inputs[3], inputs[1]
+
+
+def _topk_gating_backward(ctx, grad_probs, grad_indices, grad_scores):
+    indices, scores = ctx.saved_tensors
+    acc = torch.promote_types(scores.dtype, torch.float32)
+    s = scores.to(acc)
+    grad = grad_scores.to(acc) if grad_scores is not None else torch.zeros_like(s)
+    if grad_probs is not None:
+        g, chosen = grad_probs.to(acc), torch.gather(s, 1, indices)
+        if ctx.score_function == "sigmoid" and ctx.k > 1:  # p = c / (Σc + eps)
+            total = chosen.sum(dim=-1, keepdim=True) + 1e-20
+            g = (g - (g * chosen / total).sum(dim=-1, keepdim=True)) / total
+        grad = grad.scatter_add(1, indices, g)
+    if ctx.score_function == "sigmoid":
+        grad = grad * s * (1 - s)
+    else:
+        grad = s * (grad - (grad * s).sum(dim=-1, keepdim=True))
+    return grad.to(scores.dtype), None, None, None, None, None, None
+
+
+topk_gating.register_autograd(_topk_gating_backward, setup_context=_topk_gating_setup)
 
 
 # -- permute_tokens -----------------------------------------------------------------------------------------------

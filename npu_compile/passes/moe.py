@@ -32,6 +32,7 @@ import operator
 from collections import defaultdict
 
 import torch
+from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
 import npu_compile.ops  # noqa: F401  (registers torch.ops.npu_compile.*)
@@ -508,6 +509,216 @@ def _unbacked_rows(val) -> bool:
 
 
 register_graph_rule(GraphRule(TOKEN_HINTS, apply_token_hints))
+
+
+# -- topk_gating --------------------------------------------------------------------------------------------------
+#
+# Fusion rule ``topk_gating``: megatron-core's router with the score function before the top-k
+# (``topk_routing_with_score_function``, 0.16.1 moe_utils.py:709-725; 0.12.1 ``topk_softmax_with_capacity``,
+# moe_utils.py:536-551) becomes one ``npu_compile.topk_gating`` (npu: ``npu_moe_gating_top_k``):
+#
+#     --moe-router-score-function sigmoid      scores = sigmoid(logits); [choice = scores + expert_bias]
+#                                              indices = topk(choice, k); probs = scores at indices / (Σ + 1e-20)
+#     --moe-router-pre-softmax (softmax)       scores = softmax(logits); probs, indices = topk(scores, k)
+#     either, with --moe-router-num-groups / --moe-router-group-topk: the top-k over ``masked_fill(choice,
+#     ~group_mask, -inf)``, the mask from the groups' sums of their topk // group_topk best (``group_limited_topk``)
+#
+# In the joint graph (float32 logits): ``topk`` over ``sigmoid(logits)`` / ``sigmoid(logits) + bias`` /
+# ``_softmax(logits)``, or over ``masked_fill`` of one by the group mask (``bitwise_not`` of the ``scatter`` of the
+# groups' ``topk`` indices, expanded over each group's experts); probs are the top-k values (softmax), or the
+# scores' ``gather`` at the indices (with a bias) or the values (without) divided by ``sum + 1e-20`` (sigmoid,
+# k > 1). The op's three outputs replace the probs, the indices and the scores (what the backward reads: the
+# gradient stays megatron-core's aten, through the chosen experts' scores); --moe-router-topk-scaling-factor's
+# multiplication stays after it. Declined with the reason: 16-bit logits (megatron-core rounds the scores to the
+# logits' dtype before choosing, ``type_as``; the device op chooses on float32 scores), float64 logits, the
+# softmax after a group-limited top-k (torch_npu's gating op normalizes before the top-k only: renorm 0).
+
+TOPK_GATING = "topk_gating"
+_MASK_VIEWS = (aten._to_copy.default, aten._unsafe_view.default, aten.view.default, aten.reshape.default,
+               aten.clone.default, aten.expand.default, aten.unsqueeze.default)
+
+
+def _group_mask(masked: Node):
+    """(num_groups, group_topk, group_values) of megatron-core's group-limited ``masked_fill(choice, ~mask,
+    -inf)``, else None."""
+    choice, mask, fill = masked.args[:3]
+    if fill != float("-inf") or not _is(mask, aten.bitwise_not.default):
+        return None
+    node, seen = mask.args[0], set()
+    while _is(node, *_MASK_VIEWS):
+        seen.add(node.target)
+        if node.target is aten.expand.default:
+            expand_shape = list(node.args[1])
+        node = node.args[0]
+    if aten.expand.default not in seen or aten.unsqueeze.default not in seen or not _is(node, aten.scatter.value) \
+            or node.args[1] != 1 or node.args[3] != 1 or not _is(node.args[0], aten.zeros_like.default):
+        return None
+    group_scores, index = node.args[0].args[0], node.args[2]
+    if not (_is(index, operator.getitem) and index.args[1] == 1 and _is(index.args[0], aten.topk.default)
+            and index.args[0].args[0] is group_scores):
+        return None
+    group_topk = index.args[0].args[1]
+    if not (_is(group_scores, aten.sum.dim_IntList) and list(group_scores.args[1]) in ([-1], [2])):
+        return None
+    values = group_scores.args[0]
+    if not (_is(values, operator.getitem) and values.args[1] == 0 and _is(values.args[0], aten.topk.default)):
+        return None
+    inner = values.args[0]
+    view = inner.args[0]
+    if not (_is(view, aten.view.default, aten.reshape.default) and view.args[0] is choice):
+        return None
+    tokens, experts = _val(choice).shape
+    grouped = _val(view).shape
+    if len(grouped) != 3 or grouped[0] != tokens or expand_shape[:2] != [tokens, grouped[1]]:
+        return None
+    return grouped[1], group_topk, inner.args[1]
+
+
+def _normalized(g: Node) -> Node | None:
+    """megatron-core's sigmoid probs ``g / (g.sum(-1, keepdim=True) + 1e-20)``, the div node, else None."""
+    for user in g.users:
+        if _is(user, aten.div.Tensor) and user.args[0] is g:
+            total = user.args[1]
+            if _is(total, aten.add.Tensor) and total.args[1] == 1e-20 and _is(total.args[0], aten.sum.dim_IntList) \
+                    and total.args[0].args[0] is g and list(total.args[0].args[1]) in ([-1], [1]) \
+                    and total.args[0].args[2:3] == (True,):
+                return user
+    return None
+
+
+def _score_function(scores: Node) -> str | None:
+    if _is(scores, aten.sigmoid.default):
+        return "sigmoid"
+    if _is(scores, aten._softmax.default) and scores.args[1] in (-1, 1) and not scores.args[2]:
+        return "softmax"
+    return None
+
+
+def _topk_gating_site(node: Node):
+    """(logits, k, bias, score function, groups, probs node, scores node) of a site, (None, why) for a router
+    form this rule declines, or None for any other top-k."""
+    x, k = node.args[0], node.args[1]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
+    xval = _val(x)
+    if not (isinstance(xval, torch.Tensor) and xval.dim() == 2 and xval.is_floating_point()) \
+            or dim not in (-1, 1) or not largest:
+        return None
+    groups, choice = (0, 0, 0), x
+    if _is(x, aten.masked_fill.Scalar):
+        groups = _group_mask(x)
+        if groups is None:
+            return None
+        choice = x.args[0]
+    bias, scores = None, choice
+    if _is(choice, aten.add.Tensor) and isinstance(choice.args[1], Node):
+        b = _val(choice.args[1])
+        if isinstance(b, torch.Tensor) and b.dim() == 1 and b.is_floating_point() and b.shape[0] == xval.shape[1]:
+            scores, bias = choice.args[0], choice.args[1]
+    function = _score_function(scores)
+    if function is None:
+        if _is(scores, aten._to_copy.default) and _score_function(scores.args[0]):
+            return None, (f"{_val(scores).dtype} logits: megatron-core rounds its float32 scores to the logits' "
+                          "dtype before the top-k (type_as); npu_moe_gating_top_k chooses on float32 scores")
+        if groups[0] and bias is None:
+            return None, ("group-limited routing with the softmax after the top-k: npu_moe_gating_top_k normalizes "
+                          "before the top-k only (renorm 0, torch_npu/_op_plugin_docs.py)")
+        return None
+    logits = scores.args[0]
+    if function == "softmax" and bias is not None:
+        return None
+    if _val(logits).dtype != torch.float32:
+        return None, (f"{_val(logits).dtype} logits (megatron-core scores in float32 there; the fused op's "
+                      "scores in the logits' dtype)")
+    items = _getitems(node)
+    values = [v for v in items.get(0, []) if v.users]
+    if function == "softmax" or bias is None:
+        if len(values) != 1:
+            return None  # only the indices read: the aux loss's routing map (topk_softmax reports it)
+        probs = values[0]
+    else:
+        gathers = [u for i in items.get(1, []) for u in i.users
+                   if _is(u, aten.gather.default) and u.args[0] is scores and u.args[1] in (1, -1)]
+        if len(gathers) != 1 or values:
+            return None, "the biased sigmoid scores' top-k is not followed by one gather of the scores"
+        probs = gathers[0]
+    if function == "sigmoid" and k > 1:
+        probs = _normalized(probs)
+        if probs is None:
+            return None, "the chosen sigmoid scores are not divided by their sum + 1e-20 (megatron-core's probs)"
+    return logits, k, bias, function, groups, probs, scores
+
+
+def _drop_mask_gradient(mask: Node, indices: Node) -> None:
+    """The group mask's backward, ``masked_fill(g, ~group_mask, 0)`` of a gradient ``g`` scattered into zeros at
+    the chosen experts, is ``g`` itself where the k chosen experts lie in the kept groups (k <= group_topk x experts
+    per group): the fill writes zeros over zeros. Without it the group choice is computed for the backward alone."""
+    for user in list(mask.users):
+        if not (_is(user, aten.masked_fill.Scalar) and user.args[1] is mask and user.args[2] == 0):
+            continue
+        src = user.args[0]
+        if _is(src, aten.scatter.src, aten.scatter_add.default) and src.args[1] in (1, -1) \
+                and src.args[2] is indices and _is(src.args[0], *_ZEROS) \
+                and src.args[0].target not in (aten.full.default, aten.new_full.default):
+            user.replace_all_uses_with(src)
+            user.graph.erase_node(user)
+
+
+def apply_topk_gating(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]]]:
+    count, declined = 0, []
+    for node in list(graph.find_nodes(op="call_function", target=aten.topk.default)):
+        if node._erased:  # a group-limited site's own top-k, gone with its site
+            continue
+        site = _topk_gating_site(node)
+        if site is None:
+            continue
+        if site[0] is None:
+            declined.append({"op": str(node.target), "node": node.name, "reason": (
+                f"not megatron-core's router with the score before the top-k: {site[1]}")})
+            continue
+        logits, k, bias, function, (groups, group_topk, group_values), probs, scores = site
+        masked = node.args[0] if groups else None
+        if groups and group_topk == groups:  # every group kept (MindSpeed-LLM's --moe-router-num-groups 1
+            groups = group_topk = group_values = 0  # --moe-router-group-topk 1): the mask fills nothing
+        indices = _getitems(node).get(1, [])
+        with graph.inserting_before(node):
+            call = graph.call_function(torch.ops.npu_compile.topk_gating.default,
+                                       (logits, k, bias, function, groups, group_topk, group_values))
+            outs = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]
+        vals = (_val(probs), _val(node)[1], _val(scores))
+        call.meta = {**node.meta, "val": vals}
+        for out, val in zip(outs, vals):
+            out.meta = {"val": val}
+        probs.replace_all_uses_with(outs[0])
+        for i in indices:
+            i.replace_all_uses_with(outs[1])
+        scores.replace_all_uses_with(outs[2])
+        values = [v for v in _getitems(node).get(0, []) if v.users]
+        if values:  # the top-k values the backward reads (sigmoid without a bias): the chosen scores
+            with graph.inserting_before(node):
+                chosen = graph.call_function(aten.gather.default, (outs[2], 1, outs[1]))
+            chosen.meta = {"val": _val(values[0])}
+            for v in values:
+                v.replace_all_uses_with(chosen)
+        experts = _val(logits).shape[1]
+        if masked is not None and k <= (group_topk * (experts // groups) if groups else experts):
+            _drop_mask_gradient(masked.args[1], outs[1])  # the chosen experts all lie in kept groups
+        dead, erased = [probs, scores, *indices, *values], set()  # the old chain back to the scores
+        while dead:
+            n = dead.pop()
+            if n in erased or n.users or n.op != "call_function":
+                continue
+            inputs = list(n.all_input_nodes)
+            graph.erase_node(n)
+            erased.add(n)
+            dead += inputs
+        count += 1
+    if count:
+        stable_topological_sort(graph)  # the scores' readers (the backward's detach) may precede the op
+    return count, declined
+
+
+register_graph_rule(GraphRule(TOPK_GATING, apply_topk_gating))
 
 
 # -- topk_softmax -------------------------------------------------------------------------------------------------

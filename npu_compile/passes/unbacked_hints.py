@@ -65,7 +65,7 @@ def _is_zeros(node) -> bool:
     return node.target in (aten.full.default, aten.full_like.default) and node.args[1] == 0
 
 
-_TOPKS = (aten.topk.default, torch.ops.npu_compile.topk_softmax.default)
+_TOPKS = (aten.topk.default, torch.ops.npu_compile.topk_softmax.default, torch.ops.npu_compile.topk_gating.default)
 
 
 def topk_mask_count(node) -> int | None:
@@ -84,7 +84,8 @@ def topk_mask_count(node) -> int | None:
     if which != 1 or not isinstance(topk, torch.fx.Node) or topk.target not in _TOPKS:
         return None
     ndim = index.meta["val"].dim()
-    # npu_compile.topk_softmax (rule topk_softmax, passes/moe.py): the router's top-k along the last dim
+    # npu_compile.topk_softmax / topk_gating (rules topk_softmax, topk_gating, passes/moe.py): the router's top-k
+    # along the last dim
     topk_dim = -1 if topk.target is not aten.topk.default else \
         topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
     if topk_dim % ndim != dim % ndim:

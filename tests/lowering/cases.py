@@ -134,6 +134,7 @@ def _experts(rows: tuple[int, ...], transpose: bool, dtype: torch.dtype = torch.
 GROUPED_MATMUL = ("npu.npu_grouped_matmul",)
 UNPERMUTE = ("npu.npu_moe_token_unpermute_with_routing_map",)
 TOPK_SOFTMAX = ("npu.npu_moe_gating_top_k_softmax_v2",)
+TOPK_GATING = ("npu.npu_moe_gating_top_k",)
 
 
 def _routed(tokens: int, topk: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -176,6 +177,12 @@ CASES: dict[str, Case] = {
     "topk_softmax": Case(lambda x: F.topk_softmax(x, 2)[0], lambda: [_t(8, 6)], TOPK_SOFTMAX),
     "topk_softmax_bf16": Case(lambda x: F.topk_softmax(x, 3)[0], lambda: [_t(7, 8, dtype=torch.bfloat16)],
                               TOPK_SOFTMAX, tolerance=2e-2),
+    # probs and every expert's score (what megatron-core's backward reads): DeepSeek-V3's router scaled down
+    "topk_gating_sigmoid_bias_groups": Case(
+        lambda x, b: torch.cat(F.topk_gating(x, 4, b, "sigmoid", 4, 2, 2)[0::2], 1),
+        lambda: [_t(8, 16), _t(16, grad=False)], TOPK_GATING),
+    "topk_gating_pre_softmax": Case(lambda x: torch.cat(F.topk_gating(x, 3, None, "softmax", 0, 0, 0)[0::2], 1),
+                                    lambda: [_t(9, 6)], TOPK_GATING),
     "varlen_attention_sbnd_gqa": Case(_varlen("sbnd"), lambda: [*_qkv("sbnd"), _documents()], V3),
     "varlen_attention_bsnd_eager": Case(_varlen("bsnd"), lambda: [*_qkv("bsnd", dv=8), _documents()], V3, EAGER),
     "attention_sbnd_causal_gqa": Case(_attention("sbnd", causal=True), lambda: _qkv("sbnd"), ATTENTION),

@@ -486,3 +486,58 @@ def test_mindspeed_llm_moe_scripts_refuse_only_what_the_bench_drops(name, dispat
     args = parse_args(_drop(argv, MOE_DROPPED + MOE_DROPPED_COMBINED)[0], world_size=2, refusals=(refusal,))
     assert args.moe_layer_freq == [1, 1, 1, 1] and args.norm_topk_prob and args.num_experts == 4
     assert args.moe_token_dispatcher_type == (dispatcher if not megatron_core_in(">=0.13") else "alltoall")
+
+
+# -- MindSpeed-LLM's router switches --------------------------------------------------------------------------------
+
+def test_router_gating_in_fp32_is_megatron_cores_fp32_router_dtype(moe_group):
+    """MindSpeed-LLM's --router-gating-in-fp32 (mindspeed_llm/core/transformer/moe/router.py:497-515: the router's
+    linear on float32 copies of its input and weight) is megatron-core's moe_router_dtype fp32: the job's
+    TransformerConfig gets the field, and megatron-core's router gives MindSpeed-LLM's logits and gradients, bit for
+    bit, for bf16 input and weight."""
+    from megatron_glue.training.training import moe_fields
+
+    assert moe_fields(_args("--router-gating-in-fp32"))["moe_router_dtype"] == "fp32"
+    assert moe_fields(_args())["moe_router_dtype"] is None
+    assert "--router-gating-in-fp32 with --moe-router-dtype fp64: one says float32 logits, the other float64" in \
+        _error("--router-gating-in-fp32", "--moe-router-dtype", "fp64")
+    assert not parse_args([*TINY, "--train-iters", "2", "--router-gating-in-fp32"]).moe_router_dtype  # no experts
+
+    router = _moe_layer(None).mlp.router.to(torch.bfloat16)
+    router.config.moe_router_dtype = "fp32"
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+    logits = router.gating(x)
+    seed = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    logits.backward(seed)
+    # MindSpeed-LLM's: F.linear(input.float(), weight.float()), the casts differentiated back to bfloat16
+    x_ms = x.detach().clone().requires_grad_()
+    w_ms = router.weight.detach().clone().requires_grad_()
+    want = torch.nn.functional.linear(x_ms.float(), w_ms.float())
+    want.backward(seed)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, x_ms.grad, rtol=0, atol=0)
+    torch.testing.assert_close(router.weight.grad, w_ms.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--seq-aux",), "--seq-aux: MindSpeed-LLM's sequence-wise balance loss (--seq-aux: apply_seq_aux_loss after the "
+                     "routing"),
+    (("--topk-softmax-in-fp32",), "--topk-softmax-in-fp32: MindSpeed-LLM's --topk-softmax-in-fp32 (with "
+                                  "--moe-router-pre-softmax the softmax scores are kept in float32"),
+    (("--moe-router-load-balancing-type", "softmax_topk"),
+     "--moe-router-load-balancing-type softmax_topk: MindSpeed-LLM's softmax_topk routing"),
+    (("--moe-router-load-balancing-type", "pai_megatron_aux_loss"),
+     "--moe-router-load-balancing-type pai_megatron_aux_loss: MindSpeed-LLM's pai_megatron_aux_loss routing"),
+    (("--moe-router-load-balancing-type", "sparsemixer_topk"),
+     "--moe-router-load-balancing-type sparsemixer_topk: MindSpeed-LLM's sparsemixer_topk routing"),
+    (("--moe-router-load-balancing-type", "group_limited_greedy"),
+     "--moe-router-load-balancing-type group_limited_greedy: MindSpeed-LLM's group_limited_greedy routing"),
+    (("--moe-router-score-function", "sqrtsoftplus"),
+     "--moe-router-score-function sqrtsoftplus: MindSpeed-LLM's sqrtsoftplus scores (sqrt(softplus(logits))"),
+])
+def test_mindspeed_llm_router_switches_megatron_core_lacks_are_refused(flags, message):
+    """Refused with what differs from megatron-core (not argparse's "invalid choice"); without --num-experts they
+    configure nothing and are accepted, as MindSpeed-LLM reads them only for experts."""
+    assert message in _error(*flags)
+    assert parse_args([*TINY, "--train-iters", "2", *flags])

@@ -29,7 +29,7 @@ def moe_adapted(megatron_cpu, fresh_dynamo):
     registry.revert(*[n for n in registry.applied() if n not in before])
 
 
-def _layer(dispatcher: str, glu: bool):
+def _layer(dispatcher: str, glu: bool, experts: int = EXPERTS, **router):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
@@ -38,13 +38,13 @@ def _layer(dispatcher: str, glu: bool):
 
     with quiet_megatron():
         config = TransformerConfig(
-            num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=EXPERTS,
+            num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=experts,
             moe_router_topk=2, moe_ffn_hidden_size=48, add_bias_linear=False, gated_linear_unit=glu,
             activation_func=F.silu if glu else F.gelu, bias_activation_fusion=False, masked_softmax_fusion=False,
             bias_dropout_fusion=False, apply_rope_fusion=False, use_cpu_initialization=True, hidden_dropout=0.0,
-            attention_dropout=0.0, moe_aux_loss_coeff=1.0, moe_token_dispatcher_type=dispatcher)
+            attention_dropout=0.0, moe_aux_loss_coeff=1.0, moe_token_dispatcher_type=dispatcher, **router)
         torch.manual_seed(0)
-        return build_module(get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm"), config=config,
+        return build_module(get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm"), config=config,
                             layer_number=1)
 
 
@@ -134,6 +134,37 @@ def test_moe_layer_fusion_counts_and_equality_with_eager(moe_adapted, monkeypatc
     assert [u["reason"] for u in report.unfused if u.get("rule") == "topk_softmax"] == [] if not AUX_TOPK else [
         "not megatron-core's softmax-after-top-k router: only the top-k's indices are read (the aux loss's routing "
         "map, or softmax before the top-k (--moe-router-pre-softmax, or the aux loss's scores))"]
+
+
+def test_moe_layer_sigmoid_router_with_expert_bias_and_groups(moe_adapted):
+    """DeepSeek-V3's router scaled down in megatron-core's MoE layer (sigmoid scores, expert bias, 8 experts in 2
+    groups of which 1 is kept by its top-2 sum, top-2, scaling 2.5): one topk_gating, lowered to
+    npu_moe_gating_top_k on npu-sim; output and every gradient equal to eager."""
+    from npu_compile.debug.report import collect
+
+    from megatron_glue.training.training import moe_dynamo_config
+
+    layer = _layer("alltoall", True, experts=8, moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+                   moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="seq_aux_loss")
+    with torch.no_grad():
+        layer.mlp.router.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(3)) / 4)
+    want, want_grads = _run(layer, layer)
+    moe_dynamo_config()
+    compiled = torch.compile(layer, backend="ascend", options={
+        "target": "npu-sim", "fusions": [*MOE_RULES, "topk_gating"], "cache": False})
+    with collect() as reports:
+        got, got_grads = _run(layer, compiled)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    (report,) = reports
+    assert report.graph_breaks == 0
+    assert report.fusions["topk_gating"] == 1
+    assert report.lowered_ops["npu.npu_moe_gating_top_k"] == 1
+    assert "npu_compile.topk_gating" not in report.lowered_ops
+    assert [u for u in report.unfused if u.get("rule") == "topk_gating"] == []
+    assert report.fusions["permute"] == 1  # the routing map is the gating op's top-k scatter: topK known
 
 
 # -- the flags: Megatron-LM's --moe-grouped-gemm names the grouped_matmul rule -------------------------------------

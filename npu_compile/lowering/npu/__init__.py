@@ -12,7 +12,8 @@
     moe          grouped_matmul → npu_grouped_matmul (lists: one matmul per expert);
                  permute_tokens → npu_moe_token_permute_with_routing_map;
                  unpermute_tokens → npu_moe_token_unpermute_with_routing_map;
-                 topk_softmax → npu_moe_gating_top_k_softmax_v2 (renorm 1)
+                 topk_softmax → npu_moe_gating_top_k_softmax_v2 (renorm 1);
+                 topk_gating → npu_moe_gating_top_k (sigmoid / softmax, expert bias, groups)
     mc2          the aten stage fusing a matmul with its collective (npu_all_gather_base_mm & co.)
     graph_modes  how the lowered graph runs: torchair GE, aclgraph, or op by op
     ge_converters  the GE converters this target registers with torchair (npu_fusion_attention_grad's dsink)

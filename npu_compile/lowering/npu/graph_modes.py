@@ -38,6 +38,7 @@ GE_CONVERTERS = frozenset({
     "npu_swiglu", "npu_swiglu_backward", "npu_rotary_mul", "npu_rotary_mul_backward",
     "npu_grouped_matmul",  # custom/grouped_matmul.py
     "npu_moe_gating_top_k_softmax_v2",  # custom/npu_moe_gating_top_k_softmax_v2.py (GE MoeGatingTopKSoftmax)
+    "npu_moe_gating_top_k",  # custom/npu_moe_gating_top_k.py (GE MoeGatingTopK)
     # MC2: torchair 2.13 registers GE converters for all three (ge_converter/custom/all_gather_matmul.py,
     # matmul_reduce_scatter.py, matmul_all_reduce.py).
     "npu_all_gather_base_mm", "npu_mm_reduce_scatter_base", "npu_mm_all_reduce_base",

@@ -38,6 +38,16 @@ torch_npu/op_plugin/meta/_meta_registrations.py:1759-1783)). DOCS say "该接口
 the op has no backward of its own, and none is asked of it: the gradient stays aten (the softmax's backward on the
 probs, scattered by the indices). Not known for the device: the order of the k experts in a row (taken as
 torch.topk's, descending), the softmax's internal precision for 16-bit x (taken as fp32, as megatron-core's).
+
+topk_gating → npu_moe_gating_top_k(logits, k, bias=expert_bias, k_group, group_count, group_select_mode, renorm=0,
+norm_type=1 sigmoid / 0 softmax, out_flag=True, routed_scaling_factor=1.0, eps=1e-20) (DOCS, npu_moe_gating_top_k;
+the computation: Ascend/op-plugin docs/context/torch_npu-npu_moe_gating_top_k.md, 等价计算逻辑): norm of x, + bias
+for the choice only, groups scored by their max (mode 0) or top-2 sum (mode 1) and the k_group best kept, the top
+k, y the chosen norms (over their sum + eps for sigmoid) x routed_scaling_factor, normOut the float32 norm (the
+meta function's third output, [tokens, experts] float32: _meta_registrations.py:1786-1830). Limits checked (DOCS):
+x float16 / bfloat16 / float32 (here float32: see check_topk_gating), experts <= 2048, experts / group_count > 2
+and its 32-aligned size x group_count <= 2048, 1 <= k <= k_group x experts / group_count; renorm 0 only. Inference
+per DOCS, no backward asked of it (megatron-core's aten backward reads normOut).
 """
 
 from __future__ import annotations
@@ -230,6 +240,53 @@ def emit_topk_softmax(em: Emitter, c: Call, opts: Options) -> Outputs:
     return (y, em.cast(expert_idx, torch.int64))
 
 
+MAX_GATING_EXPERTS = 2048  # DOCS: x's last dim (the experts) at most 2048
+# megatron-core's group score sums the group's topk // group_topk best; the device's group_select_mode sums the top
+# 2 (mode 1) or takes the max (mode 0, the top 1): DOCS
+GROUP_SELECT_MODE = {1: 0, 2: 1}
+
+
+def check_topk_gating(c: Call) -> str | None:
+    val, k, function = c.val("logits"), c["k"], c["score_function"]
+    name = "npu_moe_gating_top_k"
+    if val.dtype != torch.float32:
+        return (f"{name} chooses on float32 scores; the op's {val.dtype} reference rounds them to the logits' dtype "
+                "first (megatron-core's type_as)")
+    experts = val.shape[1]
+    groups = c["num_groups"] or 1
+    k_group = c["group_topk"] if c["num_groups"] else 1
+    if type(experts) is not int or experts > MAX_GATING_EXPERTS:
+        return f"{name} takes at most {MAX_GATING_EXPERTS} experts (x's last dim), got {experts}"
+    per_group = experts // groups
+    if per_group <= 2 or -(-per_group // 32) * 32 * groups > MAX_GATING_EXPERTS:
+        return (f"{name} needs experts / group_count > 2 and that quotient, rounded up to 32, times group_count "
+                f"<= {MAX_GATING_EXPERTS}: {experts} experts in {groups} groups")
+    if k > k_group * per_group:
+        return f"{name} takes k <= k_group x experts per group ({k_group} x {per_group}), got {k}"
+    if c["num_groups"] and c["group_values"] not in GROUP_SELECT_MODE:
+        return (f"{name} scores a group by its best expert or the sum of its best 2 (group_select_mode 0 / 1); "
+                f"megatron-core sums its topk // group_topk = {c['group_values']} best")
+    if function == "sigmoid" and k == 1:
+        return (f"{name} divides the chosen sigmoid scores by their sum + eps for every k (norm_type 1); "
+                "megatron-core leaves a single expert's score as it is (k = 1)")
+    return None
+
+
+def emit_topk_gating(em: Emitter, c: Call, opts: Options) -> Outputs:
+    """norm_type 1 (sigmoid) or 0 (softmax), the bias added for the choice only, groups by group_select_mode,
+    renorm 0 (the score before the top-k), out_flag so normOut (every expert's float32 score: what the backward
+    reads) comes back; routed_scaling_factor 1 (megatron-core's scaling stays a multiplication after the op), eps
+    1e-20 (megatron-core's); expertIdxOut int32, widened to int64."""
+    grouped = bool(c["num_groups"])
+    call = em(npu_op("npu_moe_gating_top_k"), c["logits"], c["k"], bias=c["expert_bias"],
+              k_group=c["group_topk"] if grouped else 1, group_count=c["num_groups"] if grouped else 1,
+              group_select_mode=GROUP_SELECT_MODE[c["group_values"]] if grouped else 0, renorm=0,
+              norm_type=1 if c["score_function"] == "sigmoid" else 0, out_flag=True, routed_scaling_factor=1.0,
+              eps=1e-20)
+    y, expert_idx, norm = em.outputs(call, 3)
+    return (y, em.cast(expert_idx, torch.int64), norm)
+
+
 ROWS = {
     fused.grouped_matmul.default: Mapping(("npu_grouped_matmul",), check_grouped_matmul, emit_grouped_matmul),
     fused.grouped_matmul_weight_grad.default: Mapping(
@@ -246,4 +303,7 @@ ROWS = {
         ("npu_moe_gating_top_k_softmax_v2",), check_topk_softmax, emit_topk_softmax,
         note=lambda c: "topk_softmax: expert indices widened from int32 (npu_moe_gating_top_k_softmax_v2's) to "
                        "int64"),
+    fused.topk_gating.default: Mapping(
+        ("npu_moe_gating_top_k",), check_topk_gating, emit_topk_gating,
+        note=lambda c: "topk_gating: expert indices widened from int32 (npu_moe_gating_top_k's) to int64"),
 }

@@ -114,6 +114,12 @@ EMULATED: dict[str, str] = {
         "npu_moe_gating_top_k_softmax_v2(Tensor x, *, int k=1, Tensor? finished=None, int? renorm=0, "
         "bool? output_softmax=False) -> (Tensor, Tensor, Tensor)"
     ),
+    # The router's score function, expert bias, group choice and top-k (lowering/npu/moe.py).
+    "npu_moe_gating_top_k": (
+        "npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, Tensor? tid2eid=None, "
+        "int k_group=1, int group_count=1, int group_select_mode=0, int renorm=0, int norm_type=0, "
+        "bool out_flag=False, float routed_scaling_factor=1.0, float eps=1e-20) -> (Tensor, Tensor, Tensor)"
+    ),
 }
 
 # MC2 (matmul fused with a collective): npu-sim runs them over the c10d process group their `hcom` names.

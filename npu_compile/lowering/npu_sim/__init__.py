@@ -15,7 +15,7 @@ compilation of it.
     cross_entropy  npu_cross_entropy_loss (+ backward)
     moe          npu_grouped_matmul (list form), npu_moe_token_permute_with_routing_map,
                  npu_moe_token_unpermute_with_routing_map,
-                 npu_moe_gating_top_k_softmax_v2
+                 npu_moe_gating_top_k_softmax_v2, npu_moe_gating_top_k
     mc2          npu_all_gather_base_mm, npu_mm_reduce_scatter_base, npu_mm_all_reduce_base
 
 The kernels are written from the documented semantics (docs/npu_ops.md), densely and in fp32, and share no

@@ -1,5 +1,6 @@
-"""npu_grouped_matmul, npu_moe_token_permute_with_routing_map, npu_moe_token_unpermute_with_routing_map and
-npu_moe_gating_top_k_softmax_v2 on the CPU, in the forms the lowering emits (no quantization, no group_list).
+"""npu_grouped_matmul, npu_moe_token_permute_with_routing_map, npu_moe_token_unpermute_with_routing_map,
+npu_moe_gating_top_k_softmax_v2 and npu_moe_gating_top_k on the CPU, in the forms the lowering emits (no
+quantization, no group_list).
 
 y_i = x_i × weight_i (+ bias_i), in fp32, rounded once to x's dtype (torch_npu/_op_plugin_docs.py,
 npu_grouped_matmul: "非量化" y dtype = x dtype, output_dtype None). split_item 0/1 gives one output per group;
@@ -150,7 +151,54 @@ def _fake_gating(x, *, k=1, renorm=0, output_softmax=False, **kwargs):
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.int32), third
 
 
+def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+                         group_select_mode=0, renorm=0, norm_type=0, out_flag=False, routed_scaling_factor=1.0,
+                         eps=1e-20):
+    """The equivalent computation of the op's documentation (Ascend/op-plugin docs/context/
+    torch_npu-npu_moe_gating_top_k.md, 等价计算逻辑), in fp32: norm = softmax (norm_type 0) or sigmoid (1) of x;
+    choice = norm + bias; with group_count > 1 the experts in group_count groups, each scored by its max (mode 0)
+    or its top-2 sum (mode 1), the k_group best kept, the rest -inf; expertIdxOut = the top k of choice (int32);
+    yOut = norm at those experts, divided by their sum + eps for sigmoid, times routed_scaling_factor, in x's
+    dtype; normOut = norm (float32; of x's shape whatever out_flag, as the wheel's meta function: what it holds
+    without out_flag is not documented, and the lowering sets it). Hash routing (input_ids / tid2eid) is not
+    emulated."""
+    unsupported(input_ids is None and tid2eid is None, "npu_moe_gating_top_k hash routing (input_ids, tid2eid)")
+    check_float(x=x)
+    check(x.dim() == 2 and x.shape[-1] <= 2048, f"x must be 2-D with at most 2048 experts, got {tuple(x.shape)}")
+    experts = x.shape[-1]
+    check(bias is None or (bias.dim() == 1 and bias.shape[0] == experts and bias.dtype == x.dtype),
+          f"bias must be 1-D [{experts}] of x's dtype, got {None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    check(group_count > 0 and experts % group_count == 0 and experts // group_count > 2,
+          f"group_count must divide the experts ({experts}) into groups of more than 2, got {group_count}")
+    check(1 <= k_group <= group_count and 1 <= k <= experts // group_count * k_group,
+          f"need 1 <= k_group <= group_count and 1 <= k <= experts / group_count x k_group, got k={k}, "
+          f"k_group={k_group}, group_count={group_count}")
+    check(group_select_mode in (0, 1) and renorm == 0 and norm_type in (0, 1),
+          f"group_select_mode 0/1, renorm 0, norm_type 0/1, got {group_select_mode}, {renorm}, {norm_type}")
+    norm = torch.softmax(x.to(ACC), dim=-1) if norm_type == 0 else torch.sigmoid(x.to(ACC))
+    choice = norm + bias.to(ACC) if bias is not None else norm
+    if group_count > 1:
+        grouped = choice.view(x.shape[0], group_count, -1)
+        group_score = grouped.amax(-1) if group_select_mode == 0 else grouped.topk(2, dim=-1).values.sum(-1)
+        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, group_score.topk(k_group, dim=-1)[1], True)
+        choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(x.shape[0], experts)
+    idx = torch.topk(choice, k, dim=-1)[1]
+    y = torch.gather(norm, 1, idx)
+    if norm_type == 1:
+        y = y / (y.sum(-1, keepdim=True) + eps)
+    y = y * routed_scaling_factor
+    return y.to(x.dtype), idx.to(torch.int32), norm.to(torch.float32)
+
+
+def _fake_gating_top_k(x, k, *, out_flag=False, **kwargs):
+    """The wheel's meta function (torch_npu/op_plugin/meta/_meta_registrations.py:1786-1830): normOut [tokens,
+    experts] float32 whatever out_flag."""
+    return (x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.int32),
+            x.new_empty(tuple(x.shape), dtype=torch.float32))
+
+
 KERNELS = {"npu_grouped_matmul": (npu_grouped_matmul, _fake),
            "npu_moe_token_unpermute_with_routing_map": (npu_moe_token_unpermute_with_routing_map, _fake_unpermute),
            "npu_moe_gating_top_k_softmax_v2": (npu_moe_gating_top_k_softmax_v2, _fake_gating),
-           "npu_moe_token_permute_with_routing_map": (npu_moe_token_permute_with_routing_map, _fake_permute)}
+           "npu_moe_token_permute_with_routing_map": (npu_moe_token_permute_with_routing_map, _fake_permute),
+           "npu_moe_gating_top_k": (npu_moe_gating_top_k, _fake_gating_top_k)}
