@@ -13,10 +13,15 @@ expert i: a data-dependent size under Dynamo), every weight_i of one shape ([k, 
 group_type -1: torch_npu/_op_plugin_docs.py, npu_grouped_matmul), so a graph's per-expert matmuls become one call
 with no concatenation and no copies.
 
-Reference kernel: torch's grouped matmul (``torch._grouped_mm``, what ``F.grouped_mm`` calls) over the experts'
-rows laid end to end, with the cumulative row counts as offsets. On a CPU it takes float32, bfloat16 and float16,
-and only strides that are multiples of 16 bytes (``strides should be multiple of 16 bytes`` otherwise: k and n
-multiples of 4 in fp32, of 8 in 16-bit types); other shapes and float64 (gradcheck) take one ``mm`` per expert.
+Reference kernel: one ``torch.mm`` per expert, each into an output of its own. That is what torch's grouped
+matmul runs on a CPU (``torch._grouped_mm``, what ``F.grouped_mm`` calls: torch 2.13
+include/ATen/native/GroupedMMUtils.h:124-170, ``_grouped_mm_fallback``, one ``mm_out`` per group into a slice of
+one output), so the values are its values; calling it would take the experts' weights stacked into one [E, k, n]
+tensor, their rows concatenated, and each output copied apart (a custom op's outputs may not share storage:
+torch/_library/utils.py:442, ``_c_check_aliasing_constraint``): three copies a call, which made the reference
+slower than eager's per-expert matmuls (docs/moe.md, "Where the time goes at seq 128"). On the NPU the op is one
+``npu_grouped_matmul`` over the weight list (npu_compile/lowering/npu/moe.py), no copies either.
+
 The backward ops are the same matmuls, grads flowing back: grad_x = grouped_matmul(grad_y, weight, not transpose),
 grad_weight = grouped_matmul_weight_grad. ``transpose_weight`` is keyword-only: torch 2.13's autograd wrapper for
 ops taking tensor lists mis-counts a trailing positional non-tensor argument (torch/_library/autograd.py, the
@@ -27,8 +32,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check(x: list[Tensor], weight: list[Tensor], transpose_weight: bool) -> None:
@@ -47,26 +50,10 @@ def _check(x: list[Tensor], weight: list[Tensor], transpose_weight: bool) -> Non
                              f"(weight {shape}, transpose_weight={transpose_weight})")
 
 
-def _aligned(*tensors: Tensor) -> bool:
-    """Whether torch._grouped_mm takes these on this device: every non-unit stride a multiple of 16 bytes."""
-    return all(t.dtype in _GROUPED_MM_DTYPES and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride())
-               for t in tensors)
-
-
-def _offsets(rows: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(rows, dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
-
-
 def _grouped(x: list[Tensor], weight: list[Tensor], transpose_weight: bool) -> list[Tensor]:
-    w = torch.stack(weight)  # [E, k, n] (or [E, n, k])
-    if transpose_weight:
-        w = w.transpose(1, 2)
-    rows = [a.shape[0] for a in x]
-    xs = torch.cat(x) if len(x) > 1 else x[0].contiguous()
-    if xs.shape[0] == 0 or not _aligned(xs, w):
-        return [a @ (b.t() if transpose_weight else b) for a, b in zip(x, weight)]
-    y = torch._grouped_mm(xs, w, offs=_offsets(rows, xs.device))
-    return [part.clone() for part in y.split(rows)]  # outputs of their own (no two alias one buffer)
+    """One mm per expert, each into an output of its own: the matmuls torch's CPU grouped matmul runs per group
+    (module docstring), without stacking the weights, concatenating the rows or copying the outputs apart."""
+    return [torch.mm(a, b.t() if transpose_weight else b) for a, b in zip(x, weight)]
 
 
 @torch.library.custom_op("npu_compile::grouped_matmul", mutates_args=())
@@ -91,13 +78,7 @@ def grouped_matmul_weight_grad(x: list[Tensor], grad_y: list[Tensor], *,
     if len(x) != len(grad_y) or not x:
         raise ValueError(f"grouped_matmul_weight_grad: {len(x)} inputs, {len(grad_y)} gradients")
     a, b = (grad_y, x) if transpose_weight else (x, grad_y)
-    rows = [t.shape[0] for t in a]
-    lhs = torch.cat(a).t() if len(a) > 1 else a[0].t()  # [k, Σm]: grouped along the reduced dim
-    rhs = torch.cat(b) if len(b) > 1 else b[0].contiguous()
-    if lhs.shape[1] > 0 and _aligned(lhs, rhs) and lhs.dtype == rhs.dtype:
-        out = torch._grouped_mm(lhs, rhs, offs=_offsets(rows, lhs.device))  # [E, k, n]
-        return [g.clone() for g in out.unbind(0)]  # outputs of their own
-    return [p.t() @ q for p, q in zip(a, b)]
+    return [torch.mm(p.t(), q) for p, q in zip(a, b)]
 
 
 @grouped_matmul_weight_grad.register_fake

@@ -18,7 +18,7 @@ def expert_cases(draw):
     experts = draw(st.integers(1, 5))
     return dict(
         rows=draw(st.lists(st.integers(0, 9), min_size=experts, max_size=experts)),  # an expert may get no token
-        k=draw(st.sampled_from([3, 8, 16])),  # 3: strides torch._grouped_mm refuses (one mm per expert then)
+        k=draw(st.sampled_from([3, 8, 16])),  # 3: rows of an odd width (12 bytes in fp32)
         n=draw(st.sampled_from([5, 8, 24])),
         transpose=draw(st.booleans()),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
@@ -85,26 +85,43 @@ def test_grouped_matmul_gradcheck_and_opcheck(transpose):
             {"transpose_weight": transpose})
 
 
-def test_grouped_matmul_runs_on_torchs_grouped_mm_where_it_can():
-    """Aligned fp32 / bf16 shapes take torch._grouped_mm (one call for every expert); the values are the
-    per-expert mm's."""
-    calls = []
-    real = torch._grouped_mm
+def _aten_calls(fn):
+    """fn's result and the aten ops it ran, by name (the profiler sees inside the custom op's kernel)."""
+    from collections import Counter
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
+    from torch.profiler import ProfilerActivity, profile
 
-    x = [torch.randn(r, 8) for r in (3, 5)]
-    w = [torch.randn(8, 16) for _ in range(2)]
-    torch._grouped_mm = counting
-    try:
-        ys = ops.grouped_matmul(x, w)
-    finally:
-        torch._grouped_mm = real
-    assert calls == [torch.Size([8, 8])]
-    for y, a, b in zip(ys, x, w):
-        torch.testing.assert_close(y, a @ b)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+_COPIES = ("aten::cat", "aten::stack", "aten::clone", "aten::copy_", "aten::_grouped_mm", "aten::contiguous")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_grouped_matmul_reference_is_torchs_grouped_mm_without_copies(dtype, transpose):
+    """The CPU reference kernel gives torch._grouped_mm's values bit for bit (its CPU path is one mm per group) in
+    one mm per expert and nothing else: no weight stack, no row concatenation, no output copies (they made the
+    compiled MoE step slower than eager, docs/moe.md)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, k, n = (3, 0, 5), 8, 16
+    x = [torch.randn(r, k, generator=gen).to(dtype) for r in rows]
+    w = [torch.randn(*((n, k) if transpose else (k, n)), generator=gen).to(dtype) for _ in rows]
+    offs = torch.tensor(rows).cumsum(0).to(torch.int32)
+    stacked = torch.stack(w).transpose(1, 2) if transpose else torch.stack(w)
+    ys, calls = _aten_calls(lambda: ops.grouped_matmul(x, w, transpose_weight=transpose))
+    assert calls["aten::mm"] == len(rows) and not [c for c in _COPIES if calls[c]], calls
+    assert [tuple(y.shape) for y in ys] == [(r, n) for r in rows]
+    assert torch.equal(torch.cat(ys), torch._grouped_mm(torch.cat(x), stacked, offs=offs))
+    # the weights' gradients: g_i = x_iᵀ @ grad_y_i (grad_y_iᵀ @ x_i with transpose), grouped along the rows
+    grad_y = [torch.randn(r, n, generator=gen).to(dtype) for r in rows]
+    gs, calls = _aten_calls(lambda: ops.grouped_matmul_weight_grad(x, grad_y, transpose_weight=transpose))
+    assert calls["aten::mm"] == len(rows) and not [c for c in _COPIES if calls[c]], calls
+    a, b = (grad_y, x) if transpose else (x, grad_y)
+    want = torch._grouped_mm(torch.cat(a).t(), torch.cat(b), offs=offs)
+    assert torch.equal(torch.stack(gs), want) and not gs[1].any()  # the expert without tokens: zeros
 
 
 def test_bad_inputs_name_what_is_wrong():
