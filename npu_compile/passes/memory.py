@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
+from torch.utils._ordered_set import OrderedSet
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npu_compile import regions
@@ -94,13 +95,31 @@ def in_host_memory(node: torch.fx.Node) -> bool:
         and all(_copy(u, "npu_compile::prefetch") for u in node.users)
 
 
+_STORAGES: "weakref.WeakKeyDictionary[torch.fx.Node, tuple[object, OrderedSet]]" = weakref.WeakKeyDictionary()
+
+
+class AliasTracker(GraphAliasTracker):
+    """torch's ``GraphAliasTracker`` with each node's output storages memoised per value (``meta["val"]``, the same
+    object). The passes build one several times over the same graph (ordering, the liveness before and after it,
+    the report's), and reading the storages of every FakeTensor (torch/_inductor/fx_passes/memory_estimator.py
+    ``_get_output_storages``) is most of the cost, which grows with the graph."""
+
+    @staticmethod
+    def _get_output_storages(node: torch.fx.Node) -> OrderedSet:
+        val = node.meta.get("val")
+        memo = _STORAGES.get(node)
+        if memo is None or memo[0] is not val:
+            memo = _STORAGES[node] = (val, GraphAliasTracker._get_output_storages(node))
+        return OrderedSet(memo[1])
+
+
 def graph_buffers(
     graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool] = lambda n: False
 ) -> GraphBuffers:
     """The buffers of ``graph`` in its current order; ``dies_inside(placeholder)`` says which inputs count."""
     realias_views(graph)
     nodes = list(graph.nodes)
-    alias = GraphAliasTracker(nodes)
+    alias = AliasTracker(nodes)
     steps = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
     index = {n: i for i, n in enumerate(steps)}
     last = len(steps) - 1

@@ -16,10 +16,9 @@ import heapq
 from collections.abc import Callable
 
 import torch
-from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from npu_compile.passes.memory import graph_liveness, in_host_memory
+from npu_compile.passes.memory import AliasTracker, graph_liveness, in_host_memory
 
 
 def is_pinned(node: torch.fx.Node) -> bool:
@@ -45,7 +44,7 @@ def lpmf_order(graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], boo
     fixed; ``frees`` changes only when a storage drops to one reader left, and then for that reader alone. The ready
     nodes sit in a min-segment tree over the nodes sorted by ``alloc``: the ones that fit are a prefix of it."""
     nodes = list(graph.nodes)
-    alias = GraphAliasTracker(nodes)
+    alias = AliasTracker(nodes)
     steps = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
     index = {n: i for i, n in enumerate(steps)}
     (output,) = graph.find_nodes(op="output")
