@@ -101,8 +101,9 @@ _STORAGES: "weakref.WeakKeyDictionary[torch.fx.Node, tuple[object, OrderedSet]]"
 class AliasTracker(GraphAliasTracker):
     """torch's ``GraphAliasTracker`` with each node's output storages memoised per value (``meta["val"]``, the same
     object). The passes build one several times over the same graph (ordering, the liveness before and after it,
-    the report's), and reading the storages of every FakeTensor (torch/_inductor/fx_passes/memory_estimator.py
-    ``_get_output_storages``) is most of the cost, which grows with the graph."""
+    the report's), and reading the storages of every FakeTensor is most of the cost, which grows with the graph:
+    torch 2.13's tracker reads them through ``self._get_output_storages(node)``, a static method
+    (torch/_inductor/fx_passes/memory_estimator.py:71, 96-115), which this overrides."""
 
     @staticmethod
     def _get_output_storages(node: torch.fx.Node) -> OrderedSet:
