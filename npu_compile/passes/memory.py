@@ -314,7 +314,9 @@ def unshare_region_outputs(graph: torch.fx.Graph) -> int:
     """Give every region call's fresh outputs values of their own; returns how many were remade.
 
     In the graphs aot_autograd partitions, every call of one region carries the same output FakeTensors in
-    ``meta["val"]`` (the objects of its first call; torch 2.13), so by storage the later calls' outputs read as
+    ``meta["val"]``: the partitioned subgraph's own output values, one subgraph for all the calls (torch 2.13
+    torch/_functorch/_aot_autograd/graph_compile.py:1090-1109 ``propagate_meta_info``, and 1176-1181 for the saved
+    tensors' ``getitem`` nodes), so by storage the later calls' outputs read as
     aliases of the first call's: their bytes (a layer's saved activations) never counted and the ordering saw
     them as free. An output the subgraph makes itself (not an input returned or viewed) that an earlier node
     already holds gets a FakeTensor of its own, same shape, stride and dtype, and the ``getitem`` nodes reading
