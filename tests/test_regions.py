@@ -143,3 +143,33 @@ def test_a_cache_key_covers_the_regions_a_graph_calls():
     assert doubled.code == squared.code
     assert backend._graph_key("forward", doubled, opts) != backend._graph_key("forward", squared, opts)
     assert backend._graph_key("forward", doubled, opts) == backend._graph_key("forward", _caller_of(_sub(lambda x: x * 2)), opts)
+
+
+def test_each_region_calls_saved_activations_count_in_the_outer_forward(fresh, monkeypatch):
+    """aot_autograd gives every call of a region the first call's output FakeTensors; the estimate gives each call's
+    own outputs storages of their own, so the outer forward holds every layer's saved activations to its end."""
+    from npu_compile.passes.memory import _returned_inputs, graph_liveness
+
+    graphs = []
+    ordering = backend.reorder_for_peak
+
+    def keep(gm, dies_inside):
+        graphs.append(gm)
+        return ordering(gm, dies_inside)
+
+    monkeypatch.setattr(backend, "reorder_for_peak", keep)
+    model = _model(RegionLayer)
+    _step(torch.compile(model, backend="ascend", options={"cache": False}), model)
+    (outer_fw,) = [gm for gm in graphs if len(regions.calls(gm)) and not any(
+        n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)]
+    calls = [n for n in outer_fw.graph.nodes if regions.subgraph(n) is not None]
+    assert len(calls) == LAYERS
+    (output,) = outer_fw.graph.find_nodes(op="output")
+    weights = _returned_inputs(regions.subgraph(calls[0]))  # the inputs a call hands the backward as they are
+    assert weights
+    saved = [[u for u in call.users if u in output.all_input_nodes and u.args[1] not in weights]
+             for call in calls]  # the activations each call makes and hands the backward
+    storages = [{u.meta["val"].untyped_storage()._cdata for u in us} for us in saved]
+    assert all(storages) and not set.intersection(*storages)  # no call's activations read as another's
+    held = sum(u.meta["val"].untyped_storage().nbytes() for us in saved for u in us)
+    assert graph_liveness(outer_fw.graph).peak >= held

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import weakref
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
+from torch.utils._ordered_set import OrderedSet
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npu_compile import regions
@@ -94,13 +96,33 @@ def in_host_memory(node: torch.fx.Node) -> bool:
         and all(_copy(u, "npu_compile::prefetch") for u in node.users)
 
 
+_STORAGES: "weakref.WeakKeyDictionary[torch.fx.Node, tuple[object, OrderedSet]]" = weakref.WeakKeyDictionary()
+
+
+class AliasTracker(GraphAliasTracker):
+    """torch's ``GraphAliasTracker`` with each node's output storages memoised per value (``meta["val"]``, the same
+    object). The passes build one several times over the same graph (ordering, the liveness before and after it,
+    the report's), and reading the storages of every FakeTensor is most of the cost, which grows with the graph:
+    torch 2.13's tracker reads them through ``self._get_output_storages(node)``, a static method
+    (torch/_inductor/fx_passes/memory_estimator.py:71, 96-115), which this overrides."""
+
+    @staticmethod
+    def _get_output_storages(node: torch.fx.Node) -> OrderedSet:
+        val = node.meta.get("val")
+        memo = _STORAGES.get(node)
+        if memo is None or memo[0] is not val:
+            memo = _STORAGES[node] = (val, GraphAliasTracker._get_output_storages(node))
+        return OrderedSet(memo[1])
+
+
 def graph_buffers(
     graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool] = lambda n: False
 ) -> GraphBuffers:
     """The buffers of ``graph`` in its current order; ``dies_inside(placeholder)`` says which inputs count."""
+    unshare_region_outputs(graph)
     realias_views(graph)
     nodes = list(graph.nodes)
-    alias = GraphAliasTracker(nodes)
+    alias = AliasTracker(nodes)
     steps = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
     index = {n: i for i, n in enumerate(steps)}
     last = len(steps) - 1
@@ -275,6 +297,53 @@ _ALIAS_OPS = (torch.ops.aten._unsafe_view.default,)
 
 def _storage(val: object):
     return val.untyped_storage()._cdata if isinstance(val, torch.Tensor) else None
+
+
+def _returned_inputs(sub: torch.fx.GraphModule) -> set[int]:
+    """The outputs of a region's subgraph that are one of its inputs or a view of one (by position)."""
+    nodes = list(sub.graph.nodes)
+    alias = AliasTracker(nodes)
+    inputs = {k for n in nodes if n.op == "placeholder" for k in alias.get_fresh_allocations(n)}
+    (output,) = sub.graph.find_nodes(op="output")
+    outs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    return {i for i, o in enumerate(outs)
+            if isinstance(o, torch.fx.Node) and alias.node_to_output_storages.get(o, OrderedSet()) & inputs}
+
+
+def unshare_region_outputs(graph: torch.fx.Graph) -> int:
+    """Give every region call's fresh outputs values of their own; returns how many were remade.
+
+    In the graphs aot_autograd partitions, every call of one region carries the same output FakeTensors in
+    ``meta["val"]``: the partitioned subgraph's own output values, one subgraph for all the calls (torch 2.13
+    torch/_functorch/_aot_autograd/graph_compile.py:1090-1109 ``propagate_meta_info``, and 1176-1181 for the saved
+    tensors' ``getitem`` nodes), so by storage the later calls' outputs read as
+    aliases of the first call's: their bytes (a layer's saved activations) never counted and the ordering saw
+    them as free. An output the subgraph makes itself (not an input returned or viewed) that an earlier node
+    already holds gets a FakeTensor of its own, same shape, stride and dtype, and the ``getitem`` nodes reading
+    it take that value (``realias_views`` then remakes the views of them)."""
+    seen: set = set()
+    returned: dict[int, set[int]] = {}
+    remade = 0
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        sub = regions.subgraph(node)
+        if sub is not None and isinstance(val, (tuple, list)):
+            keep = returned.setdefault(id(sub), _returned_inputs(sub))
+            new = {i: t for i, t in enumerate(val) if i not in keep and isinstance(t, torch.Tensor)
+                   and getattr(t, "fake_mode", None) is not None and _storage(t) in seen}
+            for i, t in new.items():
+                with t.fake_mode:
+                    new[i] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            if new:
+                node.meta["val"] = type(val)(new.get(i, t) for i, t in enumerate(val))
+                for user in node.users:
+                    if user.target is operator.getitem and user.args[1] in new:
+                        user.meta["val"] = new[user.args[1]]
+                remade += len(new)
+        for t in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(t, torch.Tensor):
+                seen.add(_storage(t))
+    return remade
 
 
 def realias_views(graph: torch.fx.Graph) -> int:

@@ -11,13 +11,14 @@ random ops (the RNG stream), and ops that mutate. The new order is applied only 
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Callable
 
 import torch
-from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from npu_compile.passes.memory import graph_liveness, in_host_memory
+from npu_compile.passes.memory import AliasTracker, graph_liveness, in_host_memory
 
 
 def is_pinned(node: torch.fx.Node) -> bool:
@@ -36,9 +37,14 @@ def is_pinned(node: torch.fx.Node) -> bool:
 
 
 def lpmf_order(graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool]) -> list[torch.fx.Node]:
-    """The compute nodes of ``graph`` in least-peak-memory-first order."""
+    """The compute nodes of ``graph`` in least-peak-memory-first order.
+
+    Incremental, O((nodes + uses) log nodes): the live bytes shift every candidate's score alike, so a node is
+    ranked by ``alloc - frees`` (among those that fit under the peak) or by ``alloc`` (when none does). ``alloc`` is
+    fixed; ``frees`` changes only when a storage drops to one reader left, and then for that reader alone. The ready
+    nodes sit in a min-segment tree over the nodes sorted by ``alloc``: the ones that fit are a prefix of it."""
     nodes = list(graph.nodes)
-    alias = GraphAliasTracker(nodes)
+    alias = AliasTracker(nodes)
     steps = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
     index = {n: i for i, n in enumerate(steps)}
     (output,) = graph.find_nodes(op="output")
@@ -60,42 +66,88 @@ def lpmf_order(graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], boo
             size[key] = 0 if in_host_memory(n) else optimization_hint(key.storage.nbytes(), fallback=0)
             if (n in index or (n.op == "placeholder" and dies_inside(n))) and key not in outputs:
                 releasable.add(key)
-    remaining = {key: len([u for u in alias.storage_to_uses[key] if u in index]) for key in size}
+    readers = {key: [u for u in alias.storage_to_uses[key] if u in index] for key in size}
+    remaining = {key: len(us) for key, us in readers.items()}
     live = sum(size[k] for n in nodes if n.op == "placeholder" and dies_inside(n) for k in alias.get_fresh_allocations(n))
     peak = live
 
-    def alloc(n: torch.fx.Node) -> int:
-        return sum(size[k] for k in alias.get_fresh_allocations(n))
+    alloc = {n: sum(size[k] for k in alias.get_fresh_allocations(n)) for n in steps}
+    uses = {n: alias.get_storage_uses(n) for n in steps}
+    # what a node frees when it runs: its fresh storages nobody reads (fixed), and the storages it reads last
+    # (kept current for the ready nodes as readers run)
+    freed = {n: sum(size[k] for k in alias.get_fresh_allocations(n)
+                    if k in releasable and remaining[k] == 0 and k not in uses[n]) for n in steps}
 
-    def frees(n: torch.fx.Node) -> list:
-        uses = alias.get_storage_uses(n)
-        out = [k for k in uses if k in releasable and remaining[k] == 1]
-        out += [k for k in alias.get_fresh_allocations(n) if k in releasable and remaining[k] == 0 and k not in uses]
-        return out
+    by_alloc = sorted(steps, key=lambda n: (alloc[n], index[n]))
+    position = {n: i for i, n in enumerate(by_alloc)}
+    alloc_sorted = [alloc[n] for n in by_alloc]
+    width = 1
+    while width < len(steps):
+        width *= 2
+    none = (float("inf"), len(steps))
+    tree = [none] * (2 * width)  # leaf: (alloc - frees, index) of a ready node, else none; inner: min of children
+
+    def put(n: torch.fx.Node, value: tuple) -> None:
+        i = position[n] + width
+        tree[i] = value
+        i //= 2
+        while i:
+            tree[i] = min(tree[2 * i], tree[2 * i + 1])
+            i //= 2
+
+    def best_below(end: int) -> tuple:  # min over leaves [0, end)
+        lo, hi, best = width, end + width, none
+        while lo < hi:
+            if lo & 1:
+                best = min(best, tree[lo])
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                best = min(best, tree[hi])
+            lo //= 2
+            hi //= 2
+        return best
+
+    ready: set[torch.fx.Node] = set()
+    done: set[torch.fx.Node] = set()
+    by_position: list[int] = []  # heap of the ready nodes' positions (stale ones skipped): the least alloc first
+
+    def make_ready(n: torch.fx.Node) -> None:
+        freed[n] += sum(size[k] for k in uses[n] if k in releasable and remaining[k] == 1)
+        ready.add(n)
+        heapq.heappush(by_position, position[n])
+        put(n, (alloc[n] - freed[n], index[n]))
 
     indegree = {n: len(preds[n]) for n in steps}
-    ready = [n for n in steps if indegree[n] == 0]
+    for n in steps:
+        if indegree[n] == 0:
+            make_ready(n)
     order: list[torch.fx.Node] = []
     while ready:
-        scored = []
-        for n in ready:
-            during = live + alloc(n)
-            after = during - sum(size[k] for k in frees(n))
-            scored.append((n, during, after))
-        fits = [s for s in scored if s[1] <= peak]
-        n, during, after = (
-            min(fits, key=lambda s: (s[2], index[s[0]])) if fits else min(scored, key=lambda s: (s[1], index[s[0]]))
-        )
-        freed = frees(n)
-        for k in alias.get_storage_uses(n):
-            remaining[k] -= 1
-        live, peak = during - sum(size[k] for k in freed), max(peak, during)
-        order.append(n)
+        fit = best_below(bisect.bisect_right(alloc_sorted, peak - live))
+        if fit != none:
+            n = steps[fit[1]]
+        else:  # none fits under the peak: the one that raises it least
+            while by_alloc[by_position[0]] not in ready:
+                heapq.heappop(by_position)
+            n = by_alloc[by_position[0]]
+        during = live + alloc[n]
+        live, peak = during - freed[n], max(peak, during)
         ready.remove(n)
+        done.add(n)
+        put(n, none)
+        order.append(n)
+        for k in uses[n]:
+            remaining[k] -= 1
+            if remaining[k] == 1 and k in releasable:  # its last reader now frees it (counted when it gets ready)
+                (last,) = [u for u in readers[k] if u not in done]
+                if last in ready:
+                    freed[last] += size[k]
+                    put(last, (alloc[last] - freed[last], index[last]))
         for s in succs[n]:
             indegree[s] -= 1
             if indegree[s] == 0:
-                ready.append(s)
+                make_ready(s)
     assert len(order) == len(steps), "ordering constraints form a cycle"
     return order
 

@@ -264,3 +264,23 @@ def test_a_view_of_a_rewritten_node_is_no_allocation():
     assert realias_views(gm.graph) == 0
     live = graph_liveness(gm.graph)
     assert live.peak == B + 4 and [t.name for t in live.at_peak] == ["mul", "sum_1"]
+
+
+def test_alias_tracker_memo_follows_a_new_value():
+    """AliasTracker memoises a node's output storages per value: a rewrite that gives the node a new value (a new
+    storage) is seen by the next tracker, as torch's own GraphAliasTracker sees it."""
+    from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
+
+    from npu_compile.passes.memory import AliasTracker
+
+    gm = trace(lambda a: (a * 2).view(32, 32) + 1, torch.randn(N))
+    nodes = list(gm.graph.nodes)
+    mul = next(n for n in nodes if n.target is torch.ops.aten.mul.Tensor)
+    assert AliasTracker(nodes).node_to_output_storages == GraphAliasTracker(nodes).node_to_output_storages
+    old = mul.meta["val"]
+    with old.fake_mode:
+        mul.meta["val"] = torch.empty_like(old)
+    ours, torchs = AliasTracker(nodes), GraphAliasTracker(nodes)
+    assert ours.node_to_output_storages == torchs.node_to_output_storages
+    (key,) = ours.node_to_output_storages[mul]
+    assert key.storage._cdata == mul.meta["val"].untyped_storage()._cdata != old.untyped_storage()._cdata
