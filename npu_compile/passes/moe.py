@@ -703,15 +703,7 @@ def apply_topk_gating(graph: Graph, mode: str) -> tuple[int, list[dict[str, str]
         experts = _val(logits).shape[1]
         if masked is not None and k <= (group_topk * (experts // groups) if groups else experts):
             _drop_mask_gradient(masked.args[1], outs[1])  # the chosen experts all lie in kept groups
-        dead, erased = [probs, scores, *indices, *values], set()  # the old chain back to the scores
-        while dead:
-            n = dead.pop()
-            if n in erased or n.users or n.op != "call_function":
-                continue
-            inputs = list(n.all_input_nodes)
-            graph.erase_node(n)
-            erased.add(n)
-            dead += inputs
+        _erase_dead_chain(graph, [probs, scores, *indices, *values])  # the old chain back to the scores
         count += 1
     if count:
         stable_topological_sort(graph)  # the scores' readers (the backward's detach) may precede the op
@@ -743,6 +735,19 @@ TOPK_SOFTMAX = "topk_softmax"
 
 def _is(node, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _erase_dead_chain(graph: Graph, nodes: list[Node]) -> None:
+    """Erase ``nodes`` and, transitively, the inputs left without users: a replaced chain back to its sources."""
+    dead, erased = list(nodes), set()
+    while dead:
+        n = dead.pop()
+        if n in erased or n.users or n.op != "call_function":
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        erased.add(n)
+        dead += inputs
 
 
 def _getitems(node: Node) -> dict[int, list[Node]]:
@@ -825,15 +830,7 @@ def apply_topk_softmax(graph: Graph, mode: str) -> tuple[int, list[dict[str, str
         # the old chain (probs back to the top-k) is dead now
         for i in indices:
             graph.erase_node(i)
-        dead, erased = [probs], set()
-        while dead:
-            n = dead.pop()
-            if n in erased or n.users or n.op != "call_function":
-                continue
-            inputs = list(n.all_input_nodes)
-            graph.erase_node(n)
-            erased.add(n)
-            dead += inputs
+        _erase_dead_chain(graph, [probs])
         count += 1
     return count, declined
 
