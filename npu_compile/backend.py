@@ -291,14 +291,15 @@ def ascend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: 
     target = lowering.target(opts.target)
     target.prepare()  # the target's ops exist before its stages emit them
     c = _Compilation(gm, opts, target)
-    compiled = aot_autograd(
-        fw_compiler=c.compiler("forward"),
-        bw_compiler=c.compiler("backward"),
-        inference_compiler=c.compiler("inference"),
-        partition_fn=c.partition,
-        decompositions=passes.decompositions(),
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+    with regions.schema_once_per_region():
+        compiled = aot_autograd(
+            fw_compiler=c.compiler("forward"),
+            bw_compiler=c.compiler("backward"),
+            inference_compiler=c.compiler("inference"),
+            partition_fn=c.partition,
+            decompositions=passes.decompositions(),
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
     compiled = verified(compiled, gm, c.report, c.dump) if opts.verify else compiled
     return _count_users(compiled, gm, example_inputs, c)
 

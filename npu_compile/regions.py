@@ -10,7 +10,9 @@ step whose cost is the subgraph's; the executor runs the lowered subgraph at eac
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 
 import torch
 
@@ -78,3 +80,48 @@ def run_compiled(gm: torch.fx.GraphModule) -> None:
             changed = True
     if changed:
         gm.recompile()
+
+
+@contextlib.contextmanager
+def schema_once_per_region() -> Iterator[None]:
+    """Within it, invoke_subgraph's schema is worked out once per region and operand kind, not once per call.
+
+    When a region's operands require grad, ``HigherOrderOperator``'s autograd step asks the HOP for its schema
+    before anything else, to refuse a subgraph that writes into its inputs (torch/_ops.py, ``py_autograd_impl``:
+    ``maybe_run_autograd``), and invoke_subgraph's ``gen_schema`` answers by tracing the subgraph again with
+    ``materialize_as_graph`` (torch/_higher_order_ops/invoke_subgraph.py) — at every call, before invoke_subgraph's
+    own cache of the traced region is looked at: N calls of one layer trace it N more times in each of aot_autograd's
+    two passes. A schema depends on the subgraph and on its operands' kinds (tensor class, shape, stride, dtype,
+    device, requires_grad; other operands by type and value), so a call whose subgraph and operands match an earlier
+    call's gets that call's schema: torch's check runs, as torch runs it, on each distinct call. The HOP is a
+    process-wide object: the memo is an attribute of that one object for the duration of this compile only, the
+    class and every other HOP untouched, and removed on the way out."""
+    hop = torch.ops.higher_order.invoke_subgraph
+    if "gen_schema" in vars(hop):  # a compile inside a compile: the outer one's memo serves both
+        yield
+        return
+    generate = hop.gen_schema
+    memo: dict[tuple, tuple[object, object]] = {}
+
+    def gen_schema(subgraph, identifier, *operands):
+        graph = getattr(subgraph, "subgraph", subgraph)  # FunctionalizeCtxWrapper carries the traced graph
+        key = (id(graph), identifier, tuple(_operand_kind(o) for o in operands))
+        hit = memo.get(key)
+        if hit is not None and hit[0] is graph:
+            return hit[1]
+        schema = generate(subgraph, identifier, *operands)
+        memo[key] = (graph, schema)  # the graph kept alive with its entry: its id is not reused meanwhile
+        return schema
+
+    hop.gen_schema = gen_schema
+    try:
+        yield
+    finally:
+        del hop.gen_schema
+
+
+def _operand_kind(operand: object) -> tuple:
+    if isinstance(operand, torch.Tensor):
+        return (type(operand), tuple(operand.shape), tuple(operand.stride()), operand.dtype, operand.device,
+                operand.requires_grad)
+    return (type(operand), operand if isinstance(operand, (int, float, bool, str, type(None))) else id(operand))

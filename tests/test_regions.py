@@ -173,3 +173,65 @@ def test_each_region_calls_saved_activations_count_in_the_outer_forward(fresh, m
     assert all(storages) and not set.intersection(*storages)  # no call's activations read as another's
     held = sum(u.meta["val"].untyped_storage().nbytes() for us in saved for u in us)
     assert graph_liveness(outer_fw.graph).peak >= held
+
+
+def _schema_calls(monkeypatch) -> list[str]:
+    """The identifiers invoke_subgraph's own gen_schema (the class's: what traces the region again) is called for."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    seen, generate = [], InvokeSubgraphHOP.gen_schema
+
+    def counted(self, subgraph, identifier, *operands):
+        seen.append(identifier)
+        return generate(self, subgraph, identifier, *operands)
+
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counted)
+    return seen
+
+
+def test_a_region_schema_is_worked_out_once_not_per_call(fresh, monkeypatch):
+    """torch's autograd step asks invoke_subgraph for its schema at every call, tracing the region again each
+    time (torch/_ops.py, maybe_run_autograd): within the backend's compile it is worked out once per region and
+    operand kind, so the count does not grow with the calls; the memo leaves the HOP as it found it."""
+    seen = _schema_calls(monkeypatch)
+    counts = {}
+    for layers in (2, 6):
+        torch._dynamo.reset()
+        seen.clear()
+        model, eager = _model(RegionLayer), _model(RegionLayer)
+        model.layers = nn.ModuleList(RegionLayer() for _ in range(layers))
+        eager.layers = nn.ModuleList(RegionLayer() for _ in range(layers))
+        eager.load_state_dict(model.state_dict())
+        expected = _step(eager, eager)
+        got = _step(torch.compile(model, backend="ascend", options={"cache": False}), model)
+
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+        for n, g in expected[1].items():
+            torch.testing.assert_close(got[1][n], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {n}: {m}")
+        counts[layers] = sorted(seen)
+        assert "gen_schema" not in vars(torch.ops.higher_order.invoke_subgraph)
+    # the captured region, then its forward and backward after the partition: each once, at 2 calls as at 6
+    assert counts[2] == counts[6] and len(counts[6]) == len(set(counts[6])) == 3, counts
+
+
+class MutatingLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(HIDDEN))
+        self.register_buffer("steps", torch.zeros(()))
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        self.steps.add_(1)  # writes into a region input (the buffer): torch refuses it in training
+        return x * self.scale
+
+
+def test_a_region_writing_its_inputs_is_still_refused_with_torchs_error(fresh):
+    """The memo keeps torch's check: the first call of each kind runs it, so a training region that writes into
+    an input fails as torch makes it fail, and the HOP is left as it was after the failure."""
+    model = nn.Sequential(MutatingLayer(), MutatingLayer())
+    x = torch.randn(2, HIDDEN, requires_grad=True)
+    with pytest.raises(Exception, match="invoke_subgraph HigherOrderOperator does not currently support training "
+                                        "with in-place input or buffer mutations"):
+        torch.compile(model, backend="ascend", options={"cache": False})(x).sum().backward()
+    assert "gen_schema" not in vars(torch.ops.higher_order.invoke_subgraph)

@@ -285,6 +285,7 @@ class Rule:
 
 
 RULES: dict[str, list[Rule]] = {}
+_registered_patterns: dict[str, set[int]] = {}  # rule name -> id() of each pattern registered under it (a hint: RULES decides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +325,12 @@ TRACING = Tracing()
 
 def register_rule(rule: Rule) -> Rule:
     """Add ``rule`` to the registry; cheap (tracing waits for the first graph that needs it)."""
-    if rule.name in RULES and any(r.pattern is rule.pattern for r in RULES[rule.name]):
-        return rule  # the same module imported twice
+    seen = _registered_patterns.setdefault(rule.name, set())
+    # the same module imported twice; the set first: a family's thousands of spellings register under one name, and
+    # scanning the list at each would make importing them quadratic
+    if id(rule.pattern) in seen and any(r.pattern is rule.pattern for r in RULES.get(rule.name, ())):
+        return rule
+    seen.add(id(rule.pattern))
     RULES.setdefault(rule.name, []).append(rule)
     for mode in rule.modes:
         _groups.pop((rule.name, mode), None)  # rebuilt with the new variant on next use
@@ -335,6 +340,7 @@ def register_rule(rule: Rule) -> Rule:
 def unregister_rule(name: str) -> None:
     """Remove every registration under ``name`` (for rules added by tests or notebooks)."""
     RULES.pop(name, None)
+    _registered_patterns.pop(name, None)
     for mode in (TRAINING, INFERENCE):
         _groups.pop((name, mode), None)
 

@@ -191,3 +191,23 @@ def test_full_slice_backward_is_folded_and_a_partial_one_kept():
     assert kept == [([4, 8], 0, 1, 3, 1), ([4, 8], 1, 0, 8, 1)]
     for got, want in zip(gm(g, h), f(g, h)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_rule_registered_twice_is_kept_once_and_comes_back_after_unregister():
+    """Importing a rules module twice registers nothing new; after unregister_rule the same rule registers again
+    (the set of registered patterns is a hint the rule list decides)."""
+    from npu_compile.passes.engine import RULES
+
+    try:
+        passes.register_rule(SILU)
+        passes.register_rule(SILU)
+        assert RULES[SILU.name] == [SILU]
+        passes.unregister_rule(SILU.name)
+        assert SILU.name not in RULES
+        passes.register_rule(SILU)
+        assert RULES[SILU.name] == [SILU]
+        RULES[SILU.name].clear()  # a list emptied by hand: the hint alone does not keep the rule out
+        passes.register_rule(SILU)
+        assert RULES[SILU.name] == [SILU]
+    finally:
+        passes.unregister_rule(SILU.name)
