@@ -340,7 +340,7 @@ def _dump_graph(gm: torch.fx.GraphModule) -> bytes:
     (their base holds live state): they go as a plain FakeTensor of the same shape, strides and dtype (the loaded
     graph's memory figures then count such a view as its own buffer). A region call the executor took over
     (``regions.call_region``, a function of this package, which GraphPickler does not pickle: it takes torch's,
-    builtins', math's and operator's functions by name, torch/fx/_graph_pickler.py ``_OpPickleData.pickle``) goes as
+    builtins', math's and operator's functions by name, torch 2.13 torch/fx/_graph_pickler.py:746 and :840) goes as
     the ``invoke_subgraph`` it was; the executor takes it over again when the graph is loaded
     (``regions.run_compiled``). ``gm`` is left as it was, its code too."""
     from npu_compile import regions
