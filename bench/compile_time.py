@@ -104,11 +104,12 @@ print(json.dumps({"first_step_s": first, "second_step_s": second, "unique_graphs
 def run_whole(layers: int, mode: str, cache_dir: str | None = None) -> dict:
     """First step of the whole model in a fresh process, ``mode`` "regions" or "inlined" (torch.compile, every cache
     empty or off) or "precompiled" (regions through npu_compile.precompile.compile on ``cache_dir``: cold when it is
-    empty, warm when a "precompiled" run filled it; torch's caches off)."""
+    empty, warm when a "precompiled" run filled it; torch's caches empty, the FX graph cache off)."""
     with tempfile.TemporaryDirectory() as fresh, tempfile.TemporaryDirectory() as inductor:
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", NPU_COMPILE_CACHE_DIR=cache_dir or fresh,
-                   TORCHINDUCTOR_CACHE_DIR=inductor, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
-                   TORCHINDUCTOR_AUTOGRAD_CACHE="0", PYTHONWARNINGS="ignore")
+                   TORCHINDUCTOR_CACHE_DIR=inductor, TORCHINDUCTOR_FX_GRAPH_CACHE="0", PYTHONWARNINGS="ignore")
+        if mode != "precompiled":  # precompile stores only with it on, and answers no lookup from it
+            env["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
         done = subprocess.run([sys.executable, "-c", _WHOLE_CHILD, str(layers), mode],
                               env=env, capture_output=True, text=True, timeout=3600, cwd=Path(__file__).parent.parent)
     if done.returncode:
