@@ -3,11 +3,13 @@ as the training job does (megatron_glue.training.training.compile_model): backen
 process on the persistent cache: npu_compile.precompile loads each compile, Dynamo and aot_autograd trace nothing),
 and Inductor cold, each in a fresh subprocess with its own empty caches; and compiled whole as the README's usage
 does (`megatron_glue.adapt()` then `torch.compile(gpt_model)`), cold: with the layers as one nested compile region
-(adapt()'s "regions" group) and with them inlined (the group taken off).
+(adapt()'s "regions" group) and with them inlined (the group taken off); and the regions model through the README's
+warm-start entry (`npu_compile.precompile.compile(gpt_model)`), cold and then warm in a second process on the first's
+cache.
 
     python -m bench.compile_time                # writes bench/results/compile_time.md and .png
-    python -m bench.compile_time --whole-model  # only the whole-model table (with the job's cold run beside it),
-                                                # replacing that section of compile_time.md
+    python -m bench.compile_time --whole-model  # only the whole-model table (with the job's cold and warm runs
+                                                # beside it), replacing that section of compile_time.md
     python -m bench.compile_time --phases       # where the whole-model first step goes, at 2 and 32 layers
                                                 # (bench/results/compile_time_phases.md)
     python -m bench.compile_time --ordering     # the memory ordering on the whole model's graphs at 2 to 64 layers:
@@ -60,7 +62,8 @@ print(json.dumps({"first_step_s": first, "second_step_s": second, "parts": parts
 
 
 # The whole model under torch.compile, as the README's usage: adapt() (with or without its "regions" group), then
-# torch.compile(gpt_model, backend="ascend"); the backend's cache off, torch's caches off.
+# torch.compile(gpt_model, backend="ascend"), the backend's cache off, torch's caches off; or ("precompiled") with
+# regions through the README's warm-start entry, npu_compile.precompile.compile(gpt_model), the backend's cache on.
 _WHOLE_CHILD = r"""
 import json, sys, time
 import torch
@@ -68,11 +71,16 @@ import megatron_glue
 from megatron_glue.capture import models
 from megatron_glue.capture.adaptations import groups_for
 from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
+from npu_compile import precompile
 from npu_compile.debug.report import collect
-layers, regions = int(sys.argv[1]), sys.argv[2] == "regions"
-megatron_glue.adapt(tuple(g for g in groups_for() if regions or g != "regions")); models.init_single_process()
+layers, mode = int(sys.argv[1]), sys.argv[2]
+megatron_glue.adapt(tuple(g for g in groups_for() if mode != "inlined" or g != "regions"))
+models.init_single_process()
 model = build_gpt_model(gpt_config(hidden_size=128, num_attention_heads=4, num_layers=layers), 128, 128)
-compiled = torch.compile(model, backend="ascend", options={"cache": False})
+if mode == "precompiled":
+    compiled = precompile.compile(model, {"cache": True})
+else:
+    compiled = torch.compile(model, backend="ascend", options={"cache": False})
 batch = synthetic_batch(2, 128, 128)
 t = time.perf_counter()
 with collect() as reports:
@@ -85,62 +93,98 @@ parts = {}
 for r in reports:
     for k, v in r.compile_s.items():
         parts[k] = parts.get(k, 0.0) + v
-print(json.dumps({"first_step_s": first, "second_step_s": second, "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+counters = torch._dynamo.utils.counters
+print(json.dumps({"first_step_s": first, "second_step_s": second, "unique_graphs": counters["stats"]["unique_graphs"],
+                  "aot_autograd": counters["aot_autograd"]["total"], "precompile": dict(precompile.counts),
                   "parts": parts, "regions": {k: v for r in reports for k, v in r.regions.items()},
                   "attention": sum(r.fusions.get("attention", 0) for r in reports)}))
 """
 
 
-def run_whole(layers: int, regions: bool) -> dict:
-    """First step of the whole model compiled cold in a fresh process: every cache empty or off."""
-    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as inductor:
-        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", NPU_COMPILE_CACHE_DIR=cache,
-                   TORCHINDUCTOR_CACHE_DIR=inductor, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
-                   TORCHINDUCTOR_AUTOGRAD_CACHE="0", PYTHONWARNINGS="ignore")
-        done = subprocess.run([sys.executable, "-c", _WHOLE_CHILD, str(layers), "regions" if regions else "inlined"],
+def run_whole(layers: int, mode: str, cache_dir: str | None = None) -> dict:
+    """First step of the whole model in a fresh process, ``mode`` "regions" or "inlined" (torch.compile, every cache
+    empty or off) or "precompiled" (regions through npu_compile.precompile.compile on ``cache_dir``: cold when it is
+    empty, warm when a "precompiled" run filled it; torch's caches empty, the FX graph cache off)."""
+    with tempfile.TemporaryDirectory() as fresh, tempfile.TemporaryDirectory() as inductor:
+        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", NPU_COMPILE_CACHE_DIR=cache_dir or fresh,
+                   TORCHINDUCTOR_CACHE_DIR=inductor, TORCHINDUCTOR_FX_GRAPH_CACHE="0", PYTHONWARNINGS="ignore")
+        if mode != "precompiled":  # precompile stores only with it on, and answers no lookup from it
+            env["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
+        done = subprocess.run([sys.executable, "-c", _WHOLE_CHILD, str(layers), mode],
                               env=env, capture_output=True, text=True, timeout=3600, cwd=Path(__file__).parent.parent)
     if done.returncode:
-        raise RuntimeError(f"whole model ({'regions' if regions else 'inlined'}) at {layers} layers failed:\n"
-                           f"{done.stderr[-3000:]}")
+        raise RuntimeError(f"whole model ({mode}) at {layers} layers failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def whole_model_lines(rows: list[tuple[int, dict, dict, dict]]) -> list[str]:
-    """The whole-model table: (layers, regions, inlined, the job's cold run) per row."""
+def run_whole_warm(layers: int) -> tuple[dict, dict]:
+    """The regions model through npu_compile.precompile.compile: cold on an empty cache, then warm, a second process
+    on the first's cache; the warm one must have traced nothing (no Dynamo graph, no aot_autograd trace)."""
+    with tempfile.TemporaryDirectory() as cache:
+        cold = run_whole(layers, "precompiled", cache)
+        warm = run_whole(layers, "precompiled", cache)
+    if cold["precompile"].get("stored") != 1:
+        raise RuntimeError(f"the whole model at {layers} layers stored no artifact: {cold['precompile']}")
+    if warm["unique_graphs"] or warm["aot_autograd"] or warm["precompile"].get("compiled"):
+        raise RuntimeError(f"the whole model's warm run at {layers} layers traced again: {warm}")
+    return cold, warm
+
+
+def run_job(layers: int) -> tuple[dict, dict]:
+    """The job's per-layer compile, cold and then warm (a second process on the first's cache)."""
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as ind:
+        cold = run(layers, "ascend", cache, ind)
+        warm = run(layers, "ascend", cache, ind)
+    if warm["unique_graphs"] or warm["precompile"].get("compiled"):
+        raise RuntimeError(f"the job's warm run at {layers} layers traced again: {warm}")
+    return cold, warm
+
+
+def whole_model_lines(rows: list[tuple[int, dict, dict, dict, dict, dict, dict]]) -> list[str]:
+    """The whole-model table: (layers, regions, inlined, the job's cold run, the job's warm run, the regions model
+    through precompile cold, and warm) per row."""
     base_r, base_i = rows[0][1]["first_step_s"], rows[0][2]["first_step_s"]
     lines = ["", WHOLE_HEADING, "",
              "Layers as one nested compile region (adapt()'s \"regions\" group: traced once, compiled once, called N "
              "times) beside the same model with its layers inlined (the group taken off: every layer traced and "
              "compiled again), and the job's per-layer compile from the table above; each a fresh process with the "
              "backend's and torch's caches off. The first step runs the step too: \"2nd step\" is the regions "
-             "model's next step in the same process, and \"first - 2nd\" what is left of the first step without it.",
+             "model's next step in the same process, and \"first - 2nd\" what is left of the first step without it. "
+             "\"precompile cold\" is the regions model through the warm-start entry, "
+             "`npu_compile.precompile.compile(gpt_model)`, on an empty cache (it stores one artifact: the outer "
+             "frame's guards and code, aot_autograd's entry with the region's lowered forward and backward); \"warm\" "
+             "a second process on that cache, which traces nothing (no Dynamo graph, no aot_autograd trace; checked); "
+             "\"job warm\" the same for the job's per-layer compile.",
              "",
              "| layers | regions (s) | vs 2 layers | 2nd step (s) | first - 2nd (s) | vs 2 layers | inlined (s) "
-             "| vs 2 layers | job cold (s) | region calls | attention fused |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs 2 layers | job cold (s) | precompile cold (s) | warm (s) | warm / cold | job warm (s) "
+             "| job warm / cold | region calls | attention fused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base_c = base_r - rows[0][1]["second_step_s"]
-    for layers, reg, inl, job in rows:
+    for layers, reg, inl, job, job_warm, pc, pw in rows:
         r, i, s = reg["first_step_s"], inl["first_step_s"], reg["second_step_s"]
+        j, jw, c, w = (x["first_step_s"] for x in (job, job_warm, pc, pw))
         calls = sum(v["calls"] for v in reg["regions"].values())
         lines.append(f"| {layers} | {r:.2f} | {r / base_r:.2f}x | {s:.2f} | {r - s:.2f} | {(r - s) / base_c:.2f}x "
-                     f"| {i:.2f} | {i / base_i:.2f}x | "
-                     f"{job['first_step_s']:.2f} | {calls} | {reg['attention']} |")
+                     f"| {i:.2f} | {i / base_i:.2f}x | {j:.2f} | {c:.2f} | {w:.2f} | {w / c:.2f} | {jw:.2f} "
+                     f"| {jw / j:.2f} | {calls} | {reg['attention']} |")
     return lines
 
 
-WHOLE_HEADING = "## `adapt()` + `torch.compile(gpt_model)`: the whole model, cold"
+WHOLE_PREFIX = "## `adapt()` + `torch.compile(gpt_model)`: the whole model"
+WHOLE_HEADING = f"{WHOLE_PREFIX}, cold and warm"
 
 
-def whole_model_main() -> None:
-    """The whole-model rows alone, each beside the job's cold run of the same size in the same run."""
+def whole_model_main(layer_counts: tuple[int, ...] = LAYERS) -> None:
+    """The whole-model rows alone, each beside the job's cold and warm runs of the same size in the same run."""
     rows = []
-    for layers in LAYERS:
-        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as ind:
-            job = run(layers, "ascend", cache, ind)
-        rows.append((layers, run_whole(layers, regions=True), run_whole(layers, regions=False), job))
+    for layers in layer_counts:
+        job = run_job(layers)
+        rows.append((layers, run_whole(layers, "regions"), run_whole(layers, "inlined"), *job,
+                     *run_whole_warm(layers)))
         print(layers, rows[-1][1:], flush=True)
     path = RESULTS / "compile_time.md"
-    kept = path.read_text().split("\n" + WHOLE_HEADING)[0].rstrip("\n").split("\n") if path.exists() else []
+    kept = path.read_text().split("\n" + WHOLE_PREFIX)[0].rstrip("\n").split("\n") if path.exists() else []
     path.write_text("\n".join(kept + whole_model_lines(rows)) + "\n")
     print(path.read_text())
 
@@ -317,8 +361,9 @@ def main() -> None:
             inductor = run(layers, "inductor", cache, ind2)
         rows.append((layers, cold, warm, inductor))
         print(layers, cold, warm, inductor, flush=True)
-        whole_rows.append((layers, run_whole(layers, regions=True), run_whole(layers, regions=False), cold))
-        print(layers, "whole", whole_rows[-1][1:3], flush=True)
+        whole_rows.append((layers, run_whole(layers, "regions"), run_whole(layers, "inlined"), cold, warm,
+                           *run_whole_warm(layers)))
+        print(layers, "whole", whole_rows[-1][1:3], whole_rows[-1][5:], flush=True)
     base = rows[0][1]["first_step_s"]
     parts = ("rule_tracing", "rule_matching", "partition", "aten_stages", "lowering", "cache")
     lines = ["# First-step time of a per-layer compiled GPT (hidden 128, seq 128, batch 2, CPU)", "",
@@ -354,7 +399,7 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, i in (("ascend cold", 1), ("ascend warm", 2), ("inductor cold", 3)):
             ax.plot(xs, [r[i]["first_step_s"] for r in rows], marker="o", label=label)
-        for label, i in (("whole model, regions", 1), ("whole model, inlined", 2)):
+        for label, i in (("whole model, regions", 1), ("whole model, inlined", 2), ("whole model, warm", 6)):
             ax.plot(xs, [r[i]["first_step_s"] for r in whole_rows], marker="s", linestyle="--", label=label)
         ax.set(xlabel="transformer layers", ylabel="first step (s)", xscale="log", title="first-step compile time")
         ax.set_xticks(xs, [str(x) for x in xs])

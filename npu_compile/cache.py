@@ -336,25 +336,41 @@ _PICKLE_GRAPHS = PicklerOptions(ops_filter=None, node_metadata_key_filter=lambda
 
 
 def _dump_graph(gm: torch.fx.GraphModule) -> bytes:
-    """GraphPickler's bytes of ``gm``. Some views' FakeTensors do not pickle (their base holds live state): they go
-    as a plain FakeTensor of the same shape, strides and dtype (the loaded graph's memory figures then count such
-    a view as its own buffer)."""
-    swapped = []
+    """GraphPickler's bytes of ``gm`` and of the region subgraphs it holds. Some views' FakeTensors do not pickle
+    (their base holds live state): they go as a plain FakeTensor of the same shape, strides and dtype (the loaded
+    graph's memory figures then count such a view as its own buffer). A region call the executor took over
+    (``regions.call_region``, a function of this package, which GraphPickler does not pickle: it takes torch's,
+    builtins', math's and operator's functions by name, torch 2.13 torch/fx/_graph_pickler.py:746 and :840) goes as
+    the ``invoke_subgraph`` it was; the executor takes it over again when the graph is loaded
+    (``regions.run_compiled``). ``gm`` is left as it was, its code too."""
+    from npu_compile import regions
+
+    swapped, calls = [], []
     try:
-        for node in gm.graph.nodes:
-            val = node.meta.get("val")
-            if isinstance(val, FakeTensor) and val._is_view():
-                try:
-                    GraphPickler.dumps(val, _PICKLE_GRAPHS)
-                except Exception:
-                    with val.fake_mode:
-                        plain = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-                    swapped.append((node, val))
-                    node.meta["val"] = plain
+        for module in gm.modules():
+            if not isinstance(module, torch.fx.GraphModule):
+                continue
+            for node in module.graph.nodes:
+                if node.op == "call_function" and node.target is regions.call_region:
+                    calls.append(node)
+                    node.target = torch.ops.higher_order.invoke_subgraph
+                val = node.meta.get("val")
+                if isinstance(val, FakeTensor) and val._is_view():
+                    try:
+                        GraphPickler.dumps(val, _PICKLE_GRAPHS)
+                    except Exception:
+                        with val.fake_mode:
+                            plain = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+                        swapped.append((node, val))
+                        node.meta["val"] = plain
         return GraphPickler.dumps(gm, _PICKLE_GRAPHS)
     finally:
         for node, val in swapped:
             node.meta["val"] = val
+        for node in calls:
+            node.target = regions.call_region
+        for module in {id(n.graph.owning_module): n.graph.owning_module for n in calls}.values():
+            module.recompile()  # GraphPickler recompiled it with the swapped targets
 
 
 def _encode(value: dict[str, Any]) -> bytes:

@@ -523,6 +523,22 @@ def _grads_set_aside(values: Any) -> Any:
             t.grad = grad
 
 
+def _torchs_autograd_cache_off() -> str | None:
+    """Why aot_compile cannot make a storable compile in this process, or None. aot_autograd makes the bundled
+    entry aot_compile serializes only where its local cache is on (torch/_functorch/aot_autograd.py:1204-1216,
+    ``should_use_local_autograd_cache``); else every compile fails to store with "RuntimeError: Compiled function
+    type <class 'function'> ... does not implement SerializableCallable." (torch/_dynamo/aot_compile.py:416-425).
+    ``TORCHINDUCTOR_AUTOGRAD_CACHE`` is read over any ``config.patch`` (``env_name_force``,
+    torch/_functorch/config.py:71-75), so it is a setting of the process, not of the function: no fallback marker is
+    written, and a process without it stores and loads again."""
+    if torch.compiler.config.force_disable_caches:
+        return "torch.compiler.config.force_disable_caches is set (TORCHINDUCTOR_FORCE_DISABLE_CACHES)"
+    if not torch._functorch.config.enable_autograd_cache:
+        return ("torch's AOTAutograd cache is off (TORCHINDUCTOR_AUTOGRAD_CACHE=0), and aot_compile stores only what "
+                "it bundles; unset it to start warm")
+    return None
+
+
 def _unpickled_wrapper() -> None:
     return None
 
@@ -554,6 +570,12 @@ class Precompiled:
         if self._artifacts is None:
             opts = self._resolved = config.resolve(self._options)
             if not opts.cache or opts.verify:  # verify runs the graph beside eager: nothing to keep
+                return self._plain_compile()(*args, **kwargs)
+            off = _torchs_autograd_cache_off()
+            if off:
+                counts["fallback"] += 1
+                log.warning("npu_compile precompile: %s runs under plain torch.compile, nothing stored: %s",
+                            self._traced.__qualname__, off)
                 return self._plain_compile()(*args, **kwargs)
             key = precompile_key(self._fn, opts)
             if key not in _artifacts:

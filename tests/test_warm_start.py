@@ -429,3 +429,22 @@ def test_nested_collect_blocks_end_cleanly():
         report_module.publish(later)  # after the inner block: the outer one only
     assert (inner, outer) == ([r], [r, later])
     assert not report_module._collectors
+
+
+@pytest.mark.parametrize("setting", ["autograd cache off", "caches force-disabled"])
+def test_torchs_caches_off_run_plain_torch_compile_and_mark_nothing(cache_dir, setting, caplog):
+    """aot_compile makes a storable compile only with torch's AOTAutograd cache on: with it off (or every cache
+    force-disabled) the function runs under plain torch.compile, says why, and leaves no fallback marker, so a
+    process without the setting stores and loads as usual."""
+    model, x = Block(), torch.randn(4, 16)
+    patch = (torch._functorch.config.patch(enable_autograd_cache=False) if setting == "autograd cache off"
+             else torch.compiler.config.patch(force_disable_caches=True))
+    with patch, caplog.at_level(logging.WARNING, logger="npu_compile"):
+        assert_same(run(model, x), eager(model, x))
+    assert precompile.counts == {"fallback": 1}
+    assert ("TORCHINDUCTOR_AUTOGRAD_CACHE=0" if setting == "autograd cache off"
+            else "force_disable_caches is set") in caplog.text
+    assert not list((cache_dir / "precompiled").rglob("*"))
+    restart()
+    run(model, x)
+    assert precompile.counts == {"compiled": 1, "stored": 1}
