@@ -98,6 +98,10 @@ def in_host_memory(node: torch.fx.Node) -> bool:
 
 
 _STORAGES: "weakref.WeakKeyDictionary[torch.fx.Node, tuple[object, OrderedSet]]" = weakref.WeakKeyDictionary()
+# One StorageKey per (storage, device): equal keys are then the same object, and the tracker's dict and set lookups
+# stop at identity instead of calling StorageKey.__eq__ (a region call's outputs and their getitems, a view and its
+# base: keys of one storage from different nodes). A key holds its storage, so its address is not reused meanwhile.
+_KEYS: "weakref.WeakValueDictionary[tuple[int, torch.device], object]" = weakref.WeakValueDictionary()
 
 
 class AliasTracker(GraphAliasTracker):
@@ -112,7 +116,9 @@ class AliasTracker(GraphAliasTracker):
         val = node.meta.get("val")
         memo = _STORAGES.get(node)
         if memo is None or memo[0] is not val:
-            memo = _STORAGES[node] = (val, GraphAliasTracker._get_output_storages(node))
+            keys = OrderedSet(_KEYS.setdefault((k.storage._cdata, k.device), k)
+                              for k in GraphAliasTracker._get_output_storages(node))
+            memo = _STORAGES[node] = (val, keys)
         return OrderedSet(memo[1])
 
 
