@@ -235,3 +235,82 @@ def test_a_region_writing_its_inputs_is_still_refused_with_torchs_error(fresh):
                                         "with in-place input or buffer mutations"):
         torch.compile(model, backend="ascend", options={"cache": False})(x).sum().backward()
     assert "gen_schema" not in vars(torch.ops.higher_order.invoke_subgraph)
+
+
+def _count_ops_per_call(*graphs):
+    """count_ops as first written: every call site walks its region again; the reference for the per-region walk."""
+    from collections import Counter
+
+    from npu_compile.debug.report import op_name
+
+    counts = Counter()
+
+    def walk(gm):
+        for n in gm.graph.nodes:
+            sub = regions.subgraph(n)
+            if sub is not None:
+                counts["higher_order.invoke_subgraph"] += 1
+                walk(sub)
+            elif (name := op_name(n)) is not None:
+                counts[name] += 1
+
+    for gm in graphs:
+        walk(gm)
+    return dict(counts.most_common())
+
+
+def test_a_region_is_analysed_once_not_once_per_call(fresh, monkeypatch):
+    """The outer graphs call one lowered subgraph LAYERS times: the memory estimate, the cost model and the op count
+    look at it once per pass and give each call the same figures as walking it at every call would."""
+    from npu_compile.comm import simulate
+    from npu_compile.debug import report as report_mod
+    from npu_compile.device import cost
+    from npu_compile.passes import memory, recompute
+
+    graphs = {}
+    done = report_mod.Recorder.graph_done
+
+    def keep(self, kind, gm):
+        graphs[kind] = gm
+        return done(self, kind, gm)
+
+    monkeypatch.setattr(report_mod.Recorder, "graph_done", keep)
+    model = _model(RegionLayer)
+    _step(torch.compile(model, backend="ascend", options={"cache": False}), model)
+    fw, bw = graphs["forward"], graphs["backward"]
+    assert [len(regions.calls(g)) for g in (fw, bw)] == [1, 1]
+    assert [sum(regions.calls(g).values()) for g in (fw, bw)] == [LAYERS, LAYERS]
+
+    # op counts: equal to walking every call, key order (most common first, ties as met) included
+    assert list(report_mod.count_ops(fw, bw).items()) == list(_count_ops_per_call(fw, bw).items())
+
+    # the cost model: a region's time and FLOPs once per pass, equal to summing its nodes at every call
+    summed = []
+    node_us = cost.node_us
+    monkeypatch.setattr(cost, "node_us", lambda n, *a, **k: summed.append(n) or node_us(n, *a, **k))
+    for g in (fw, bw):
+        summed.clear()
+        got = simulate(g)
+        inner = [n for n in summed if n.graph is not g.graph]
+        assert inner and len(inner) == len(set(inner))  # each node of the region costed once, not LAYERS times
+        assert got == simulate(g, cost_us=lambda n: node_us(n))  # no memo: every call summed again
+        assert recompute.matrix_flops(g.graph) == sum(cost.flops(n) for n in g.graph.nodes if n.op == "call_function")
+
+    # the memory estimate: a region's returned inputs and scratch once per graph, the same buffers as per call
+    returned, scratch = [], []
+    returned_inputs, region_scratch = memory._returned_inputs, memory._region_scratch
+    monkeypatch.setattr(memory, "_returned_inputs", lambda sub: returned.append(sub) or returned_inputs(sub))
+    monkeypatch.setattr(memory, "_region_scratch", lambda sub: scratch.append(sub) or region_scratch(sub))
+    for g, dies in ((fw, lambda n: False), (bw, memory.is_saved_activation)):
+        returned.clear(), scratch.clear()
+        gb = memory.graph_buffers(g.graph, dies)
+        assert len(returned) == len(scratch) == 1
+        per_call = [(f"{n.name}:workspace", memory.workspace_bytes(n)) for n in gb.steps]  # each call asks again
+        assert [(b.name, b.bytes) for b in gb.buffers if b.dtype == "scratch"] == [x for x in per_call if x[1]]
+        calls = {f"{n.name}:workspace" for n in gb.steps if regions.subgraph(n) is not None}
+        assert len(calls) == LAYERS and calls <= {b.name for b in gb.buffers}  # every call holds its scratch
+
+    # the backward analysed once for the plan and the saved bytes: the same figures as analysing it twice
+    t = memory.training_memory(fw.graph, bw.graph)
+    assert (t.buffers, t.steps) == memory.training_buffers(fw.graph, bw.graph)
+    assert t.saved_bytes == memory.saved_activation_bytes(bw.graph) > 0

@@ -85,7 +85,8 @@ def simulate(
     """Run a graph (or a node order) on the two streams; ``cost_us`` overrides the profile's cost model for plain
     nodes, ``mc2_cost`` (a node → :class:`~npu_compile.device.cost.MC2Cost`) for MC2 nodes."""
     profile = load(profile)
-    cost_us = cost_us or (lambda n: cost.node_us(n, profile))
+    per_region: dict[int, float] = {}  # each region's time once, not once per call
+    cost_us = cost_us or (lambda n: cost.node_us(n, profile, per_region))
     mc2_cost = mc2_cost or (lambda n: cost.mc2_cost(n, profile))
     events: list[Event] = []
     clock = comm_free = compute = comm = exposed = 0.0
@@ -142,7 +143,8 @@ def exposed_comm_lower_bound(
     take its fused time, while compute counts only its matmul (as in :func:`simulate`): a graph of MC2 nodes
     alone has Σ (fused − matmul) exposed in any order."""
     profile = load(profile)
-    cost_us = cost_us or (lambda n: cost.node_us(n, profile))
+    per_region: dict[int, float] = {}  # each region's time once, not once per call
+    cost_us = cost_us or (lambda n: cost.node_us(n, profile, per_region))
     mc2_cost = mc2_cost or (lambda n: cost.mc2_cost(n, profile))
     path: dict[torch.fx.Node, float] = {}
     compute = busy = link = 0.0  # compute counted; compute stream busy; link busy

@@ -25,7 +25,7 @@ from npu_compile.config import Options
 from npu_compile.debug.dump import GraphDump
 from npu_compile.debug.plots import memory_png
 from npu_compile.passes import offload, recompute
-from npu_compile.passes.memory import arena, graph_buffers, liveness, saved_activation_bytes, training_buffers
+from npu_compile.passes.memory import arena, graph_buffers, liveness, training_buffers, training_memory
 
 log = logging.getLogger("npu_compile")
 
@@ -102,18 +102,22 @@ def count_ops(*graphs: torch.fx.GraphModule) -> dict[str, int]:
     """Operator counts over ``graphs`` as they run, most frequent first: a region call counts as
     ``higher_order.invoke_subgraph`` and as the ops of its subgraph, once per call."""
     counts: Counter[str] = Counter()
+    per_region: dict[int, Counter[str]] = {}  # id(subgraph) -> the ops of one call: each region walked once
 
-    def walk(gm: torch.fx.GraphModule) -> None:
+    def walk(gm: torch.fx.GraphModule, into: Counter[str]) -> None:
         for n in gm.graph.nodes:
             sub = regions.subgraph(n)
             if sub is not None:
-                counts["higher_order.invoke_subgraph"] += 1
-                walk(sub)
+                into["higher_order.invoke_subgraph"] += 1
+                if id(sub) not in per_region:
+                    per_region[id(sub)] = Counter()
+                    walk(sub, per_region[id(sub)])
+                into.update(per_region[id(sub)])
             elif (name := op_name(n)) is not None:
-                counts[name] += 1
+                into[name] += 1
 
     for gm in graphs:
-        walk(gm)
+        walk(gm, counts)
     return dict(counts.most_common())
 
 
@@ -301,8 +305,9 @@ class Recorder:
             r.memory["saved_activation_bytes"] = 0
         else:
             bw = self.final.get("backward", self.partitioned_bw)
-            buffers, steps = training_buffers(self.final["forward"].graph, bw.graph)
-            r.memory["saved_activation_bytes"] = saved_activation_bytes(bw.graph)
+            t = training_memory(self.final["forward"].graph, bw.graph)
+            buffers, steps = t.buffers, t.steps
+            r.memory["saved_activation_bytes"] = t.saved_bytes
         live = liveness(buffers, steps)
         # the step's planned peak: what the job holds besides (resident_memory), the other copies' saved
         # activations, and this schedule's live bytes

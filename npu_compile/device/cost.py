@@ -76,12 +76,18 @@ def _attention_flops(node: torch.fx.Node, backward: bool) -> int:
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
 
 
-def flops(node: torch.fx.Node) -> int:
+def flops(node: torch.fx.Node, per_region: dict[int, int] | None = None) -> int:
     """Matrix FLOPs of a node (0 for ops that do not use the cube, and for nodes without shapes); a region call's
-    are its subgraph's."""
+    are its subgraph's. ``per_region`` (id(subgraph) -> FLOPs, filled as met): a pass over a graph whose regions
+    do not change meanwhile counts each region once, not once per call."""
     sub = regions.subgraph(node)
     if sub is not None:
-        return sum(flops(n) for n in sub.graph.nodes if n.op == "call_function")
+        if per_region is None or id(sub) not in per_region:
+            total = sum(flops(n, per_region) for n in sub.graph.nodes if n.op == "call_function")
+            if per_region is None:
+                return total
+            per_region[id(sub)] = total
+        return per_region[id(sub)]
     target = node.target
     if target in _MATMULS:
         a, b = (_shape(node.args[i]) for i in _MATMULS[target])
@@ -174,13 +180,19 @@ def _dtype(node: torch.fx.Node) -> torch.dtype:
     return ins[0].dtype if ins else torch.float32
 
 
-def compute_us(node: torch.fx.Node, profile: DeviceProfile) -> float:
-    """Roofline time of a compute node: max(FLOPs / rate, bytes / HBM bandwidth); an MC2 node's fused time."""
+def compute_us(node: torch.fx.Node, profile: DeviceProfile, per_region: dict[int, float] | None = None) -> float:
+    """Roofline time of a compute node: max(FLOPs / rate, bytes / HBM bandwidth); an MC2 node's fused time.
+    ``per_region`` as for :func:`flops`: each region's time computed once in a pass, not once per call."""
     if is_free(node) or nodes.is_collective(node) or is_host_copy(node):  # host copies: the link's time
         return 0.0
     sub = regions.subgraph(node)
     if sub is not None:  # its nodes one after another (a collective inside, too: the call holds the stream)
-        return sum(node_us(n, profile) for n in sub.graph.nodes if n.op == "call_function")
+        if per_region is None or id(sub) not in per_region:
+            total = sum(node_us(n, profile, per_region) for n in sub.graph.nodes if n.op == "call_function")
+            if per_region is None:
+                return total
+            per_region[id(sub)] = total
+        return per_region[id(sub)]
     if nodes.fused_collective(node) is not None:
         return mc2_cost(node, profile).fused_us
     dtype = _dtype(node)
@@ -278,14 +290,16 @@ def comm_us(node: torch.fx.Node, profile: DeviceProfile, nbytes: int | None = No
     return collective_us(nodes.kind(node), size, ranks, profile)
 
 
-def node_us(node: torch.fx.Node, profile: DeviceProfile | None = None) -> float:
+def node_us(node: torch.fx.Node, profile: DeviceProfile | None = None,
+            per_region: dict[int, float] | None = None) -> float:
     """Cost of any node: its collective time for collectives, its compute time otherwise (for an MC2 node its
-    fused time, the time it holds the compute stream)."""
+    fused time, the time it holds the compute stream). ``per_region`` as for :func:`compute_us`."""
     profile = load(profile)
-    return comm_us(node, profile) if nodes.is_collective(node) else compute_us(node, profile)
+    return comm_us(node, profile) if nodes.is_collective(node) else compute_us(node, profile, per_region)
 
 
 def costs(graph: torch.fx.Graph, profile: DeviceProfile | None = None) -> dict[torch.fx.Node, float]:
     profile = load(profile)
-    return {n: node_us(n, profile) for n in graph.nodes}
+    per_region: dict[int, float] = {}
+    return {n: node_us(n, profile, per_region) for n in graph.nodes}
 

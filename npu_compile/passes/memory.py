@@ -13,6 +13,7 @@ and its size beside that bound is the fragmentation.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import operator
@@ -97,6 +98,10 @@ def in_host_memory(node: torch.fx.Node) -> bool:
 
 
 _STORAGES: "weakref.WeakKeyDictionary[torch.fx.Node, tuple[object, OrderedSet]]" = weakref.WeakKeyDictionary()
+# One StorageKey per (storage, device): equal keys are then the same object, and the tracker's dict and set lookups
+# stop at identity instead of calling StorageKey.__eq__ (a region call's outputs and their getitems, a view and its
+# base: keys of one storage from different nodes). A key holds its storage, so its address is not reused meanwhile.
+_KEYS: "weakref.WeakValueDictionary[tuple[int, torch.device], object]" = weakref.WeakValueDictionary()
 
 
 class AliasTracker(GraphAliasTracker):
@@ -111,7 +116,9 @@ class AliasTracker(GraphAliasTracker):
         val = node.meta.get("val")
         memo = _STORAGES.get(node)
         if memo is None or memo[0] is not val:
-            memo = _STORAGES[node] = (val, GraphAliasTracker._get_output_storages(node))
+            keys = OrderedSet(_KEYS.setdefault((k.storage._cdata, k.device), k)
+                              for k in GraphAliasTracker._get_output_storages(node))
+            memo = _STORAGES[node] = (val, keys)
         return OrderedSet(memo[1])
 
 
@@ -150,8 +157,12 @@ def graph_buffers(
     by_output_node = {
         n.name: by_key[k] for n in output.all_input_nodes for k in alias.node_to_output_storages.get(n, ()) if k in by_key
     }
+    region_scratch: dict[int, int] = {}  # id(region subgraph) -> its scratch: once per region, not once per call
     for node, step in index.items():
-        if scratch := workspace_bytes(node):
+        sub = regions.subgraph(node)
+        if sub is not None and id(sub) not in region_scratch:
+            region_scratch[id(sub)] = _region_scratch(sub)
+        if scratch := (region_scratch[id(sub)] if sub is not None else workspace_bytes(node)):
             buffers.append(Buffer(f"{node.name}:workspace", str(node.target), (), "scratch", scratch, step, step))
     return GraphBuffers(steps, buffers, by_output_node)
 
@@ -328,7 +339,9 @@ def unshare_region_outputs(graph: torch.fx.Graph) -> int:
         val = node.meta.get("val")
         sub = regions.subgraph(node)
         if sub is not None and isinstance(val, (tuple, list)):
-            keep = returned.setdefault(id(sub), _returned_inputs(sub))
+            if id(sub) not in returned:  # once per region, not once per call
+                returned[id(sub)] = _returned_inputs(sub)
+            keep = returned[id(sub)]
             new = {i: t for i, t in enumerate(val) if i not in keep and isinstance(t, torch.Tensor)
                    and getattr(t, "fake_mode", None) is not None and _storage(t) in seen}
             for i, t in new.items():
@@ -404,13 +417,24 @@ def is_saved_activation(placeholder: torch.fx.Node) -> bool:
     return not placeholder.name.startswith(("primals", "tangents"))
 
 
+def _saved_bytes(bw: GraphBuffers) -> int:
+    return sum(b.bytes for b in bw.buffers if b.op == "input")
+
+
 def saved_activation_bytes(bw: torch.fx.Graph) -> int:
     """Bytes of the distinct storages the forward saves for this backward."""
-    return sum(b.bytes for b in graph_buffers(bw, is_saved_activation).buffers if b.op == "input")
+    return _saved_bytes(graph_buffers(bw, is_saved_activation))
 
 
-def training_buffers(fw: torch.fx.Graph, bw: torch.fx.Graph) -> tuple[list[Buffer], int]:
-    """Buffers over the forward then the backward schedule, one per saved activation across the boundary."""
+@dataclasses.dataclass
+class TrainingMemory:
+    buffers: list[Buffer]  # over the forward then the backward schedule
+    steps: int
+    saved_bytes: int  # :func:`saved_activation_bytes` of the backward, from the same analysis
+
+
+def training_memory(fw: torch.fx.Graph, bw: torch.fx.Graph) -> TrainingMemory:
+    """:func:`training_buffers` and the saved activations' bytes, each graph analysed once."""
     f = graph_buffers(fw)
     b = graph_buffers(bw, is_saved_activation)
     n_f = len(f.steps)
@@ -423,7 +447,13 @@ def training_buffers(fw: torch.fx.Graph, bw: torch.fx.Graph) -> tuple[list[Buffe
         else:
             bw_buffers.append(dataclasses.replace(buf, start=n_f + buf.start, end=n_f + buf.end))
     fw_buffers = [dataclasses.replace(x, end=saved_end[x.name]) if x.name in saved_end else x for x in f.buffers]
-    return fw_buffers + bw_buffers, n_f + len(b.steps)
+    return TrainingMemory(fw_buffers + bw_buffers, n_f + len(b.steps), _saved_bytes(b))
+
+
+def training_buffers(fw: torch.fx.Graph, bw: torch.fx.Graph) -> tuple[list[Buffer], int]:
+    """Buffers over the forward then the backward schedule, one per saved activation across the boundary."""
+    t = training_memory(fw, bw)
+    return t.buffers, t.steps
 
 
 def training_liveness(fw: torch.fx.Graph, bw: torch.fx.Graph) -> Liveness:
@@ -436,25 +466,25 @@ def arena(buffers: list[Buffer]) -> tuple[dict[int, int], int]:
 
     Buffers are placed largest first; each takes the lowest gap, among the buffers already placed that overlap it
     in time, where it fits. The result is never below the live-bytes peak; the gap to it is fragmentation.
+    The placed buffers are kept sorted by offset, so that each placement is one pass over them (no sort per
+    buffer): quadratic in buffers, with a small constant.
     """
     order = sorted(range(len(buffers)), key=lambda i: (-buffers[i].bytes, buffers[i].start))
-    placed: list[int] = []
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end offset, start step, end step), sorted
     offsets: dict[int, int] = {}
     size = 0
     for i in order:
         b = buffers[i]
-        busy = sorted(
-            (offsets[j], offsets[j] + buffers[j].bytes)
-            for j in placed
-            if buffers[j].start <= b.end and b.start <= buffers[j].end
-        )
+        start, end, need = b.start, b.end, b.bytes
         best, best_gap, cursor = None, None, 0
-        for lo, hi in busy:
-            gap = lo - cursor
-            if gap >= b.bytes and (best_gap is None or gap < best_gap):
-                best, best_gap = cursor, gap
-            cursor = max(cursor, hi)
+        for lo, hi, first, last in placed:
+            if first <= end and start <= last:  # overlaps in time: its bytes are taken
+                gap = lo - cursor
+                if gap >= need and (best_gap is None or gap < best_gap):
+                    best, best_gap = cursor, gap
+                if hi > cursor:
+                    cursor = hi
         offsets[i] = best if best is not None else cursor
-        placed.append(i)
-        size = max(size, offsets[i] + b.bytes)
+        bisect.insort(placed, (offsets[i], offsets[i] + need, start, end))
+        size = max(size, offsets[i] + need)
     return offsets, size

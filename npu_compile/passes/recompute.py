@@ -65,10 +65,11 @@ class CostModelRuntime(CustomRuntimeEstimator):
     def __init__(self, profile: DeviceProfile | None = None):
         self.profile = load(profile)
         self._us: dict[torch.fx.Node, float] = {}  # the partitioner and SavingKnapsack both ask, per node
+        self._regions: dict[int, float] = {}  # a region's time, the same at each of its calls
 
     def __call__(self, node: torch.fx.Node) -> float:
         if node not in self._us:
-            self._us[node] = max(cost.node_us(node, self.profile), 1e-3)
+            self._us[node] = max(cost.node_us(node, self.profile, self._regions), 1e-3)
         return self._us[node]
 
     def uuid(self) -> str:
@@ -175,13 +176,17 @@ def recompute_cost(fw: torch.fx.Graph, bw: torch.fx.Graph, profile: DeviceProfil
     for n in again:
         key = str(getattr(n.target, "overloadpacket", n.target))
         ops[key] = ops.get(key, 0) + 1
-    return RecomputeCost(len(again), sum(cost.flops(n) for n in again),
-                         round(sum(cost.node_us(n, profile) for n in again), 3), ops)
+    region_flops: dict[int, int] = {}
+    region_us: dict[int, float] = {}
+    return RecomputeCost(len(again), sum(cost.flops(n, region_flops) for n in again),
+                         round(sum(cost.node_us(n, profile, region_us) for n in again), 3), ops)
 
 
 def matrix_flops(graph: torch.fx.Graph) -> int:
-    """Matrix FLOPs of a graph on the cost model's count (matmuls, attention)."""
-    return sum(cost.flops(n) for n in graph.nodes if n.op == "call_function")
+    """Matrix FLOPs of a graph on the cost model's count (matmuls, attention); a region's once, not once per
+    call."""
+    per_region: dict[int, int] = {}
+    return sum(cost.flops(n, per_region) for n in graph.nodes if n.op == "call_function")
 
 
 # -- memory_budget="auto": the least recompute whose planned peak fits the device --------------------------------
@@ -223,9 +228,10 @@ class Plan:
 
 def plan(fw: torch.fx.Graph, bw: torch.fx.Graph, budget: float, resident: int, copies: int) -> Plan:
     """The planned peak of a partition (the graphs' live-bytes peak over their fw+bw schedule, passes/memory)."""
-    from npu_compile.passes.memory import saved_activation_bytes, training_liveness
+    from npu_compile.passes.memory import liveness, training_memory
 
-    return Plan(budget, resident, copies, saved_activation_bytes(bw), training_liveness(fw, bw).peak)
+    t = training_memory(fw, bw)
+    return Plan(budget, resident, copies, t.saved_bytes, liveness(t.buffers, t.steps).peak)
 
 
 def partition_to_fit(joint: torch.fx.GraphModule, joint_inputs, partition, *, device_memory: int, resident: int,

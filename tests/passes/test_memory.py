@@ -115,6 +115,44 @@ def test_arena_reaches_the_bound_on_disjoint_lifetimes_and_never_goes_below():
     assert size == peak  # the two 100-byte buffers share one slot, the rest fits beside them
 
 
+
+def _arena_rescanning(buffers):
+    """The arena as first written: every placement collects the buffers placed so far that overlap it in time and
+    sorts them by offset (quadratic with a large constant); the reference the sorted-placement arena must equal."""
+    order = sorted(range(len(buffers)), key=lambda i: (-buffers[i].bytes, buffers[i].start))
+    placed, offsets, size = [], {}, 0
+    for i in order:
+        b = buffers[i]
+        busy = sorted((offsets[j], offsets[j] + buffers[j].bytes) for j in placed
+                      if buffers[j].start <= b.end and b.start <= buffers[j].end)
+        best, best_gap, cursor = None, None, 0
+        for lo, hi in busy:
+            gap = lo - cursor
+            if gap >= b.bytes and (best_gap is None or gap < best_gap):
+                best, best_gap = cursor, gap
+            cursor = max(cursor, hi)
+        offsets[i] = best if best is not None else cursor
+        placed.append(i)
+        size = max(size, offsets[i] + b.bytes)
+    return offsets, size
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_arena_places_every_buffer_where_the_rescanning_arena_does(seed):
+    # few distinct sizes and steps: ties in size, start and offset, touching gaps, zero-byte buffers
+    g = torch.Generator().manual_seed(seed)
+    n, steps = 150 + 50 * seed, 40
+
+    def draw(high: int) -> int:
+        return int(torch.randint(0, high, (), generator=g))
+
+    bufs = []
+    for i in range(n):
+        start = draw(steps)
+        end = min(steps - 1, start + (draw(steps) if draw(4) == 0 else draw(4)))  # a few long-lived ones
+        bufs.append(Buffer(f"b{i}", "op", (), "float32", 64 * draw(6), start, end))
+    assert arena(bufs) == _arena_rescanning(bufs)
+
 # ==== aliasing: views, in-place updates of inputs, outputs that alias inputs ==================================
 
 def test_in_place_update_of_an_input_allocates_nothing():
