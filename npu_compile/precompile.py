@@ -184,11 +184,6 @@ def _config_digest(module: Any) -> str:
 _rules_digest: list = [None, ""]  # (the registry's rule objects when last digested, that digest)
 
 
-# The rules this package registers on import: their content is fixed by its source (``versions()``' digest). Rules
-# are frozen dataclasses, so one of these objects still registered is still that rule.
-_BUILTIN = {id(rule): rule for rules in passes.RULES.values() for rule in rules}
-
-
 def rules_digest() -> str:
     """A digest of every registered fusion rule, in registration order: this package's own by name and position,
     any other (a user's) by its data and its functions' bytecode and closed-over values. Computed again only when
@@ -202,8 +197,9 @@ def rules_digest() -> str:
     h = hashlib.sha256()
     for name, rules in RULES.items():
         for rule in rules:
-            if _BUILTIN.get(id(rule)) is rule:
-                h.update(f"{name}\0builtin\0".encode())
+            builtin = passes.BUILTIN_RULES.get(id(rule))
+            if builtin is not None and builtin[0] is rule:  # this package's own: its source digest is in the key
+                h.update(f"{name}\0builtin {builtin[1]}\0".encode())
                 continue
             h.update(f"{name}\0{rule.scalars!r}\0{rule.modes!r}\0{rule.anchors!r}\0{rule.shared_inputs!r}\0"
                      f"{rule.grad_optional!r}\0".encode())

@@ -323,3 +323,33 @@ def test_the_backend_keys_with_the_targets_communicator(cache_dir, monkeypatch):
     monkeypatch.setattr(cache, "graph_key", lambda *args: given.append(args[3:]) or key(*args))
     torch.compile(lambda x: x * 2, backend="ascend", options={"cache": True, "target": "npu-sim"})(torch.ones(2))
     assert given == [(npu_sim.c10d_group_name,)]
+
+
+def test_this_packages_rules_are_keyed_by_their_place_in_the_registry():
+    """The package's own rules enter the keys by their place (their content is in the package's source digest):
+    the same objects back in the same places give the same key; fewer of them, or the same in another order, give
+    another — in the backend cache's key and in precompile's folder key alike."""
+    from npu_compile import precompile
+
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    saved = {n: rules[:] for n, rules in passes.RULES.items()}
+    family = "bias_gelu"
+    tail = list(saved)[list(saved).index(family):]  # the family and those after it: re-registered in their order
+
+    def registry(rules_of_family):
+        for n in tail:
+            passes.unregister_rule(n)
+        for n in tail:
+            for rule in (rules_of_family if n == family else saved[n]):
+                passes.register_rule(rule)
+        return cache.graph_key("partition", gm, BASE), precompile.rules_digest()
+
+    first = (cache.graph_key("partition", gm, BASE), precompile.rules_digest())
+    try:
+        assert registry(saved[family]) == first
+        reordered = registry(saved[family][::-1])
+        fewer = registry(saved[family][1:])
+        assert reordered[0] != first[0] and reordered[1] != first[1]
+        assert fewer[0] != first[0] and fewer[1] != first[1]
+    finally:
+        assert registry(saved[family]) == first

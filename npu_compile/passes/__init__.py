@@ -28,3 +28,10 @@ from npu_compile.passes import cross_entropy  # noqa: E402,F401
 from npu_compile.passes import varlen_attention  # noqa: E402,F401  (after attention: it takes what attention fused)
 from npu_compile.passes import moe  # noqa: E402,F401  (a graph rule: runs after every pattern rule)
 from npu_compile.passes import causal_mask  # noqa: E402,F401  (a graph rule: after attention and varlen_attention)
+
+# The rules registered above, each with its place in the registry: their content is fixed by this package's source
+# (whose digest every cache key holds), so a key names them by place instead of reading each (thousands of attention
+# spellings). Rules are frozen dataclasses: the same object still registered is the same rule.
+BUILTIN_RULES: dict[int, tuple[Rule, int]] = {
+    id(rule): (rule, place) for place, rule in enumerate(r for rules in RULES.values() for r in rules)}
+
