@@ -90,6 +90,9 @@ def test_a_marked_layer_compiles_once_and_trains_as_eager(fresh, target, tmp_pat
     assert report.lowered_ops[fused] == LAYERS
     assert report.lowered_ops["higher_order.invoke_subgraph"] == 2 * LAYERS
     assert "npu_compile.fused_attention" not in report.lowered_ops or target == "reference"
+    # what holds the peak is named alike in every process: a region call by its region, never by an address
+    peak_ops = {t["op"] for r in reports for t in r.memory.get("peak_tensors", [])}
+    assert f"region {name}" in peak_ops and not any(" at 0x" in op for op in peak_ops), peak_ops
     lowered = sorted((tmp_path / "0_0" / "regions").glob("*_lowered_*"))
     assert [p.name.split("_", 1)[1] for p in lowered] == [
         f"{name}_forward_lowered_{target}.py", f"{name}_backward_lowered_{target}.py"]

@@ -64,11 +64,23 @@ def _first_tensor(val: object) -> torch.Tensor | None:
     return None
 
 
+def op_name(node: torch.fx.Node) -> str:
+    """What a node runs, as report.json and memory.png name it, the same in every process: an op by its name, a
+    region call by its region, a Python function by its module and name (never its address)."""
+    sub = regions.subgraph(node)
+    if sub is not None:
+        return f"region {regions.name(str(node.args[0].target))}"
+    target = node.target
+    if isinstance(target, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(target).__qualname__)}"
+
+
 def _buffer(node: torch.fx.Node, storage: torch.UntypedStorage, start: int, end: int) -> Buffer:
     val = _first_tensor(node.meta.get("val"))
     shape = tuple(optimization_hint(s, fallback=0) for s in val.shape) if val is not None else ()
     dtype = str(val.dtype).removeprefix("torch.") if val is not None else "?"
-    op = "input" if node.op == "placeholder" else str(node.target)
+    op = "input" if node.op == "placeholder" else op_name(node)
     return Buffer(node.name, op, shape, dtype, optimization_hint(storage.nbytes(), fallback=0), start, end)
 
 
@@ -163,7 +175,7 @@ def graph_buffers(
         if sub is not None and id(sub) not in region_scratch:
             region_scratch[id(sub)] = _region_scratch(sub)
         if scratch := (region_scratch[id(sub)] if sub is not None else workspace_bytes(node)):
-            buffers.append(Buffer(f"{node.name}:workspace", str(node.target), (), "scratch", scratch, step, step))
+            buffers.append(Buffer(f"{node.name}:workspace", op_name(node), (), "scratch", scratch, step, step))
     return GraphBuffers(steps, buffers, by_output_node)
 
 
