@@ -10,10 +10,11 @@ median of ``--repeats``. Peak memory: profiler CPU memory events over one forwar
 Writes bench/results/step_time.md and step_time.png.
 
     python -m bench.step_time [--seqs 128,1024,2048] [--layers 2,8,32] [--repeats 5] [--threads 1]
-                              [--skip inductor:32] [--skip inductor:32:2048 ...]
+                              [--skip inductor:32] [--skip inductor:32:2048 ...] [--update]
 
 ``--skip COLUMN:LAYERS[:SEQ]`` leaves a column out of the cells it names (Inductor takes minutes to compile 32
-layers); a skipped figure shows as "–".
+layers); a skipped figure shows as "–". ``--update`` measures the rows asked for and keeps the table's others (each
+row one process, its columns side by side); the table names the run of each row.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 COLUMNS = ("eager", "inductor", "ascend", "job")
@@ -148,7 +150,11 @@ def plot(cells: list[tuple[int, int, dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def write(cells: list[tuple[int, int, dict]], args: argparse.Namespace, torch_version: str) -> Path:
+def write(rows: list[tuple[int, int, dict, str]], args: argparse.Namespace, torch_version: str) -> Path:
+    cells = [(seq, layers, r) for seq, layers, r, _ in rows]
+    runs = sorted({run for *_, run in rows})
+    origin = "" if len(runs) == 1 else " Rows from more than one run (`--update`): " + "; ".join(
+        f"{run}: " + ", ".join(f"seq {s} × {n} layers" for s, n, _, r in rows if r == run) for run in runs) + "."
     text = (
         f"# CPU training-step time: eager vs Inductor vs ascend (whole model and per layer)\n\n"
         f"megatron-core GPTModel, hidden {HIDDEN}, {HEADS} heads, LayerNorm + GeLU, causal, batch {BATCH}, vocab "
@@ -157,12 +163,12 @@ def write(cells: list[tuple[int, int, dict]], args: argparse.Namespace, torch_ve
         f"four columns timed in turn in one process per row. ascend = `torch.compile(gpt_model, backend=\"ascend\")` after "
         f"`megatron_glue.adapt()`; job = the training job's per-layer compile (`compile_model`). Peak: profiler CPU "
         f"memory events over one forward+backward. `python -m bench.step_time`"
-        + (f" (skipped: {', '.join(args.skip)})" if args.skip else "") + ".\n\n" + table(cells) + "\n"
+        + (f" (skipped: {', '.join(args.skip)})" if args.skip else "") + "." + origin + "\n\n" + table(cells) + "\n"
     )
     from bench.harness import write_result
 
     out = write_result("step_time", text.rstrip("\n"))
-    (out.parent / "step_time.json").write_text(json.dumps([[s, n, r] for s, n, r in cells], indent=1))
+    (out.parent / "step_time.json").write_text(json.dumps([[s, n, r, run] for s, n, r, run in rows], indent=1))
     plot(cells, out.with_suffix(".png"))
     return out
 
@@ -176,18 +182,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (default 1: on a shared machine OpenMP's barriers measure the load)")
     p.add_argument("--skip", action="append", default=[], metavar="COLUMN:LAYERS[:SEQ]")
+    p.add_argument("--update", action="store_true",
+                   help="measure only the rows asked for and keep the other rows of results/step_time.json (each "
+                        "row is its own process: its columns stay side by side); the table says which run each "
+                        "row is from")
     args = p.parse_args(argv)
     import torch
 
     cells = []
+    kept: list[tuple[int, int, dict, str]] = []
+    if args.update:
+        stored = json.loads((Path(__file__).parent / "results" / "step_time.json").read_text())
+        wanted = {(int(s), int(n)) for n in args.layers.split(",") for s in args.seqs.split(",")}
+        kept = [(c[0], c[1], c[2], c[3] if len(c) > 3 else "an earlier run") for c in stored
+                if (c[0], c[1]) not in wanted]
+    run = time.strftime("%Y-%m-%d", time.gmtime())
     for layers in (int(n) for n in args.layers.split(",")):
         for seq in (int(s) for s in args.seqs.split(",")):
             columns = [c for c in COLUMNS if not skipped(args.skip, c, layers, seq)]
             print(f"seq {seq}, {layers} layers: {', '.join(columns)} ...", flush=True)
             r = measure(seq, layers, args.repeats, columns, args.threads)
-            cells.append((seq, layers, r))
+            cells.append((seq, layers, r, run))
             print("  " + ", ".join(f"{c} {v['step_s'] * 1e3:.0f} ms" for c, v in r.items()), flush=True)
-            out = write(cells, args, torch.__version__)  # after each row: a long run leaves what it measured
+            rows = sorted(kept + cells, key=lambda c: (c[1], c[0]))
+            out = write(rows, args, torch.__version__)  # after each row: a long run leaves what it measured
     print("\n" + out.read_text() + f"\nwritten to {out} and {out.with_suffix('.png')}")
     return 0
 
