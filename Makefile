@@ -62,11 +62,10 @@ test-training: $(STAMP)
 # tests (less what is marked any_megatron_line: the converter's own checks, the same on every line), of the
 # multi-process training tests those marked megatron_lines (the code paths megatron_glue/training/versions.py switches:
 # interleaved pipeline stages, the distributed optimizer's checkpoint), and of tests/passes those that build on
-# megatron-core (megatron_glue.capture.testing's --megatron-only).
+# megatron-core (megatron_glue.capture.testing's --megatron-only); one session, so the workers start once.
 test-mcore012: $(STAMP012)
 	$(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not any_megatron_line and (not training or megatron_lines)" \
-		tests/megatron_glue tests/lowering/test_megatron.py
-	$(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz" -p megatron_glue.capture.testing --megatron-only tests/passes
+		-p megatron_glue.capture.testing --megatron-only=tests/passes tests/megatron_glue tests/lowering/test_megatron.py tests/passes
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz
