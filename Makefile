@@ -45,13 +45,16 @@ demo: $(STAMP)
 	$(PY) -m megatron_glue.demo
 
 # Two pytest-xdist workers (this machine's two cores), each test module kept on one worker (its module-scoped
-# fixtures, e.g. a TP=2 gloo run, are made once).
+# fixtures, e.g. a TP=2 gloo run, are made once); the longest modules first (tests/xdist_order.py).
 XDIST := -n 2 --dist loadscope
+# One torch thread a worker for the in-process targets: two workers of two threads each on two cores preempt each other
+# (the job's ranks already run with one, tests/megatron_glue/pretrain_runs.py).
+ONE_THREAD := OMP_NUM_THREADS=1
 
 # Everything in one process (or a second process that is not a gloo group): ops, passes, lowering, the compiled
 # Megatron models, conversion, the job's argument checks.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not training and not gloo"
+	$(ONE_THREAD) $(PY) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not training and not gloo"
 
 # The multi-process tests over gloo: the training job at every parallel layout, checkpoints, mixed precision, the
 # seed script; and the other gloo groups (TP=2 capture, the TP=2 loss, overlap and MC2 over gloo, rank failures).
@@ -62,11 +65,10 @@ test-training: $(STAMP)
 # tests (less what is marked any_megatron_line: the converter's own checks, the same on every line), of the
 # multi-process training tests those marked megatron_lines (the code paths megatron_glue/training/versions.py switches:
 # interleaved pipeline stages, the distributed optimizer's checkpoint), and of tests/passes those that build on
-# megatron-core (megatron_glue.capture.testing's --megatron-only).
+# megatron-core (megatron_glue.capture.testing's --megatron-only); one session, so the workers start once.
 test-mcore012: $(STAMP012)
-	$(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not any_megatron_line and (not training or megatron_lines)" \
-		tests/megatron_glue tests/lowering/test_megatron.py
-	$(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz" -p megatron_glue.capture.testing --megatron-only tests/passes
+	$(ONE_THREAD) $(PY012) -m pytest -q --durations=25 $(XDIST) -m "not fuzz and not any_megatron_line and (not training or megatron_lines)" \
+		-p megatron_glue.capture.testing --megatron-only=tests/passes tests/megatron_glue tests/lowering/test_megatron.py tests/passes
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz

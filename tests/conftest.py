@@ -22,11 +22,29 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+import xdist_order  # noqa: E402  (tests/, on sys.path as this conftest's folder)
+
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("default", deadline=None, suppress_health_check=_SLOW_OK, derandomize=True, database=None,
                           print_blob=True)
 settings.register_profile("fuzz", deadline=None, suppress_health_check=_SLOW_OK, max_examples=2000, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help="merge each test's seconds into tests/durations.json (the xdist order: tests/xdist_order.py)")
+
+
+def pytest_configure(config):
+    if config.getoption("store_durations"):
+        config.pluginmanager.register(xdist_order.DurationRecorder(), "store-durations")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope`, longest modules first (tests/xdist_order.py)."""
+    return xdist_order.make_scheduler(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,14 +4,16 @@ Import the ones you need into that folder's conftest.py:
 
     from megatron_glue.capture.testing import megatron_cpu, fresh_dynamo  # noqa: F401
 
-As a pytest plugin (`-p megatron_glue.capture.testing`) it adds `--megatron-only`: of the tests collected, run only
-those that use megatron-core (they ask for `megatron_cpu`, or their name says Megatron). `make test-mcore012` uses
-it on tests/passes, where Megatron tests sit beside others, to run just those on megatron-core 0.12.1.
+As a pytest plugin (`-p megatron_glue.capture.testing`) it adds `--megatron-only DIR`: of the tests collected under
+DIR, run only those that use megatron-core (they ask for `megatron_cpu`, or their name says Megatron); tests
+elsewhere run as collected. `make test-mcore012` gives it tests/passes, where Megatron tests sit beside others, to
+run just those on megatron-core 0.12.1 in the same session as the Megatron folders' tests.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,9 +102,9 @@ def adaptations_reverted(*names: str):
 # -- as a pytest plugin ------------------------------------------------------------------------------------
 
 def pytest_addoption(parser):
-    parser.addoption("--megatron-only", action="store_true", default=False,
-                     help="run only the tests that use megatron-core: those that ask for the megatron_cpu fixture "
-                     "or whose name says megatron (megatron_glue.capture.testing)")
+    parser.addoption("--megatron-only", action="append", default=[], metavar="DIR",
+                     help="under DIR (a folder; repeatable) run only the tests that use megatron-core: those that ask "
+                     "for the megatron_cpu fixture or whose name says megatron (megatron_glue.capture.testing)")
 
 
 def uses_megatron(item) -> bool:
@@ -112,9 +114,16 @@ def uses_megatron(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--megatron-only"):
+    folders = [Path(config.invocation_params.dir, folder).resolve() for folder in config.getoption("--megatron-only")]
+    for folder in folders:
+        if not folder.is_dir():
+            raise pytest.UsageError(f"--megatron-only {folder}: not a folder (give the folder whose tests it limits "
+                                    "to those using megatron-core, e.g. tests/passes)")
+    if not folders:
         return
-    deselected = [item for item in items if not uses_megatron(item)]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if uses_megatron(item)]
+    kept = [item for item in items
+            if uses_megatron(item) or not any(item.path.is_relative_to(folder) for folder in folders)]
+    if len(kept) < len(items):
+        kept_ids = set(map(id, kept))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
+        items[:] = kept
