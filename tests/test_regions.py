@@ -317,3 +317,19 @@ def test_a_region_is_analysed_once_not_once_per_call(fresh, monkeypatch):
     t = memory.training_memory(fw.graph, bw.graph)
     assert (t.buffers, t.steps) == memory.training_buffers(fw.graph, bw.graph)
     assert t.saved_bytes == memory.saved_activation_bytes(bw.graph) > 0
+
+
+def test_the_backward_reads_each_calls_saved_activations_as_its_own(fresh, monkeypatch):
+    """The partitioner copies a saved node's FakeTensor into the backward before the forward is analysed, so every
+    call's saved inputs read as the first call's; the training analysis gives them the forward's values, and the
+    saved bytes grow by one layer's with each layer (report.json ``saved_activation_bytes``)."""
+    saved = {}
+    for layers in (2, 3, 4):
+        torch._dynamo.reset()
+        model = _model(RegionLayer)
+        model.layers = nn.ModuleList(RegionLayer() for _ in range(layers))
+        with collect() as reports:
+            _step(torch.compile(model, backend="ascend", options={"cache": False}), model)
+        (report,) = reports
+        saved[layers] = report.memory["saved_activation_bytes"]
+    assert saved[3] - saved[2] == saved[4] - saved[3] > 0, saved

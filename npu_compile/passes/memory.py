@@ -438,6 +438,26 @@ def saved_activation_bytes(bw: torch.fx.Graph) -> int:
     return _saved_bytes(graph_buffers(bw, is_saved_activation))
 
 
+def _saved_values_from_forward(fw: torch.fx.Graph, bw: torch.fx.Graph) -> int:
+    """Give the backward's saved-activation inputs the forward's values of the same nodes; returns how many changed.
+
+    The partitioner names a saved input after the forward node it holds and copies that node's ``meta["val"]``
+    before the forward is analysed, so behind region calls every call's saved tensors are the first call's
+    FakeTensors (see :func:`unshare_region_outputs`) and by storage the backward reads one layer's activations at
+    any depth. Once the forward's analysis gave each call's outputs values of their own, the backward takes them."""
+    by_name = {n.name: n for n in fw.nodes}
+    changed = 0
+    for node in bw.find_nodes(op="placeholder"):
+        source = by_name.get(node.name)
+        new, old = (source.meta.get("val") if source is not None else None), node.meta.get("val")
+        if (is_saved_activation(node) and isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)
+                and new is not old and getattr(new, "fake_mode", None) is getattr(old, "fake_mode", False)
+                and (new.shape, new.stride(), new.dtype) == (old.shape, old.stride(), old.dtype)):
+            node.meta["val"] = new
+            changed += 1
+    return changed
+
+
 @dataclasses.dataclass
 class TrainingMemory:
     buffers: list[Buffer]  # over the forward then the backward schedule
@@ -448,6 +468,7 @@ class TrainingMemory:
 def training_memory(fw: torch.fx.Graph, bw: torch.fx.Graph) -> TrainingMemory:
     """:func:`training_buffers` and the saved activations' bytes, each graph analysed once."""
     f = graph_buffers(fw)
+    _saved_values_from_forward(fw, bw)
     b = graph_buffers(bw, is_saved_activation)
     n_f = len(f.steps)
     saved_end: dict[str, int] = {}  # forward buffer name -> last backward step that reads it
