@@ -172,16 +172,16 @@ def groups(gm: torch.fx.GraphModule, communicator: Callable[[Any], str] | None =
 
 def rules_digest() -> str:
     """A digest of the fusion rules registered now, in the order they apply: names and what defines each (this
-    package's own by their place in the registry, ``passes.BUILTIN_RULES``)."""
-    from npu_compile.passes import BUILTIN_RULES, GRAPH_RULES, RULES
+    package's own by their place in the registry, ``passes.builtin_place``)."""
+    from npu_compile.passes import GRAPH_RULES, RULES, builtin_place
 
     h = hashlib.sha256()
     for name, rules in RULES.items():
         h.update(f"{name}\0{len(rules)}\0".encode())
         for rule in rules:
-            builtin = BUILTIN_RULES.get(id(rule))
-            if builtin is not None and builtin[0] is rule:  # this package's own: its source digest is in the key
-                h.update(f"builtin {builtin[1]}\0".encode())
+            place = builtin_place(rule)
+            if place is not None:  # this package's own: its source digest is in the key
+                h.update(f"builtin {place}\0".encode())
             else:
                 h.update(rule_digest(rule).encode())
     for name, graph_rule in GRAPH_RULES.items():  # after the pattern rules, as they apply

@@ -197,9 +197,9 @@ def rules_digest() -> str:
     h = hashlib.sha256()
     for name, rules in RULES.items():
         for rule in rules:
-            builtin = passes.BUILTIN_RULES.get(id(rule))
-            if builtin is not None and builtin[0] is rule:  # this package's own: its source digest is in the key
-                h.update(f"{name}\0builtin {builtin[1]}\0".encode())
+            place = passes.builtin_place(rule)
+            if place is not None:  # this package's own: its source digest is in the key
+                h.update(f"{name}\0builtin {place}\0".encode())
                 continue
             h.update(f"{name}\0{rule.scalars!r}\0{rule.modes!r}\0{rule.anchors!r}\0{rule.shared_inputs!r}\0"
                      f"{rule.grad_optional!r}\0".encode())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from collections.abc import Callable
 
 import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -76,18 +77,24 @@ def _attention_flops(node: torch.fx.Node, backward: bool) -> int:
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
 
 
+def _region_total(sub: torch.fx.GraphModule, per_region: dict | None, part: Callable[[torch.fx.Node], float]) -> float:
+    """A region call's figure, the sum of ``part`` over its subgraph's calls: once per pass where ``per_region``
+    (id(subgraph) -> figure) is given."""
+    if per_region is not None and id(sub) in per_region:
+        return per_region[id(sub)]
+    total = sum(part(n) for n in sub.graph.nodes if n.op == "call_function")
+    if per_region is not None:
+        per_region[id(sub)] = total
+    return total
+
+
 def flops(node: torch.fx.Node, per_region: dict[int, int] | None = None) -> int:
     """Matrix FLOPs of a node (0 for ops that do not use the cube, and for nodes without shapes); a region call's
     are its subgraph's. ``per_region`` (id(subgraph) -> FLOPs, filled as met): a pass over a graph whose regions
     do not change meanwhile counts each region once, not once per call."""
     sub = regions.subgraph(node)
     if sub is not None:
-        if per_region is None or id(sub) not in per_region:
-            total = sum(flops(n, per_region) for n in sub.graph.nodes if n.op == "call_function")
-            if per_region is None:
-                return total
-            per_region[id(sub)] = total
-        return per_region[id(sub)]
+        return _region_total(sub, per_region, lambda n: flops(n, per_region))
     target = node.target
     if target in _MATMULS:
         a, b = (_shape(node.args[i]) for i in _MATMULS[target])
@@ -187,12 +194,7 @@ def compute_us(node: torch.fx.Node, profile: DeviceProfile, per_region: dict[int
         return 0.0
     sub = regions.subgraph(node)
     if sub is not None:  # its nodes one after another (a collective inside, too: the call holds the stream)
-        if per_region is None or id(sub) not in per_region:
-            total = sum(node_us(n, profile, per_region) for n in sub.graph.nodes if n.op == "call_function")
-            if per_region is None:
-                return total
-            per_region[id(sub)] = total
-        return per_region[id(sub)]
+        return _region_total(sub, per_region, lambda n: node_us(n, profile, per_region))
     if nodes.fused_collective(node) is not None:
         return mc2_cost(node, profile).fused_us
     dtype = _dtype(node)

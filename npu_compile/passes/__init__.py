@@ -35,3 +35,8 @@ from npu_compile.passes import causal_mask  # noqa: E402,F401  (a graph rule: af
 BUILTIN_RULES: dict[int, tuple[Rule, int]] = {
     id(rule): (rule, place) for place, rule in enumerate(r for rules in RULES.values() for r in rules)}
 
+
+def builtin_place(rule: Rule) -> int | None:
+    """The place of one of this package's own rules in the registry (:data:`BUILTIN_RULES`), else None."""
+    known = BUILTIN_RULES.get(id(rule))
+    return known[1] if known is not None and known[0] is rule else None
