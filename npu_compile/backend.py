@@ -21,7 +21,6 @@ cache (``cache.py``): on a hit their result is loaded instead of computed.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -71,18 +70,6 @@ def _graph_id(gm: torch.fx.GraphModule) -> str:
 
 
 
-def _graph_key(step: str, gm: torch.fx.GraphModule, opts: config.Options, communicator: Callable | None = None) -> str:
-    """``cache.graph_key`` of ``gm``, and of every region it calls: the graph's own code names a region only by
-    its attribute, so two graphs calling different regions would share a key."""
-    subs = regions.regions(gm)
-    if not subs:
-        return cache.graph_key(step, gm, opts, communicator)
-    h = hashlib.sha256(cache.graph_key(step, gm, opts, communicator).encode())
-    for name, sub in subs:
-        h.update(f"{name}:{cache.graph_key(step, sub, opts, communicator)};".encode())
-    return h.hexdigest()
-
-
 class _Compilation:
     """The state shared by the compilers of one Dynamo graph: options, target, dump and report."""
 
@@ -101,7 +88,7 @@ class _Compilation:
             return None, None
         try:
             with self.record.timed("cache"):
-                key = _graph_key(step, gm, self.opts, self.target.communicator)
+                key = cache.graph_key(step, gm, self.opts, self.target.communicator)
         except Exception as e:  # a graph the key cannot describe: compile it, uncached
             log.info("npu_compile cache: no key for %s of graph %s (%s)", step, self.report.graph_id, e)
             self.report.cache[step] = "off"

@@ -7,7 +7,8 @@ backward / inference graph (the lowered graph, with its report figures). Each en
 shapes it (:func:`graph_key`):
 
 - the graph it starts from, as aot_autograd hands it over: its code (which names each collective's c10d group),
-  the metadata of its inputs and constants;
+  the metadata of its inputs and constants, and each subgraph it calls (a region's forward or backward) the same
+  way, whatever class it has (a subgraph loaded from this cache is a ``GraphModuleImpl``);
 - every option but those ``config.UNKEYED`` lists (where the dumps go, whether to verify, whether to cache);
 - the fusion rules registered now, in order, each by name and a digest of what defines it (its pattern,
   replacement, checks and example inputs: their source, defaults and closures), a user's rules included;
@@ -86,11 +87,33 @@ def versions() -> tuple[str, ...]:
             f"npu_compile {installed('npu_compile')} {digest.hexdigest()}")
 
 
-def _meta(value: Any) -> str:
+def _meta(value: Any, subgraphs: dict[int, str] | None = None) -> str:
     if isinstance(value, torch.Tensor):
         return (f"T({tuple(value.shape)},{value.stride()},{value.storage_offset()},{value.dtype},{value.device.type},"
                 f"{value.requires_grad},{type(value).__name__ == 'Parameter'})")
+    if isinstance(value, torch.fx.GraphModule):
+        # a higher-order op's subgraph (a region's forward or backward, a cond branch): what it computes, not its
+        # class, which differs for the same graph once reloaded (an unpickled GraphModule is a GraphModuleImpl)
+        subgraphs = {} if subgraphs is None else subgraphs
+        if id(value) not in subgraphs:  # a region called N times is N get_attr nodes of one module
+            subgraphs[id(value)] = _graph_digest(value, subgraphs)
+        return f"GraphModule({subgraphs[id(value)]})"
     return repr(value)
+
+
+def _graph_digest(gm: torch.fx.GraphModule, subgraphs: dict[int, str]) -> str:
+    """A digest of ``gm``'s code, its inputs' metadata and its attributes (a subgraph by its own digest, worked out
+    once per module in ``subgraphs``)."""
+    h = hashlib.sha256(gm.code.encode())
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            h.update(f"{node.name}:{_meta(node.meta.get('val'))};".encode())
+        elif node.op == "get_attr":
+            attr = getattr(gm, str(node.target), None)
+            h.update(f"{node.target}:{_meta(attr, subgraphs)};".encode())
+            if isinstance(attr, torch.Tensor) and not attr.is_meta and type(attr) is torch.Tensor:
+                h.update(_tensor_bytes(attr))
+    return h.hexdigest()
 
 
 def keyed_options(opts: Any) -> dict[str, Any]:
@@ -111,15 +134,7 @@ def graph_key(stage: str, gm: torch.fx.GraphModule, opts: Any,
     profile = json.dumps(dataclasses.asdict(load_profile()), sort_keys=True)
     h.update(repr((FORMAT, stage, versions(), keyed_options(opts), rules_digest(), profile,
                    groups(gm, communicator))).encode())
-    h.update(gm.code.encode())
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            h.update(f"{node.name}:{_meta(node.meta.get('val'))};".encode())
-        elif node.op == "get_attr":
-            attr = getattr(gm, str(node.target), None)
-            h.update(f"{node.target}:{_meta(attr)};".encode())
-            if isinstance(attr, torch.Tensor) and not attr.is_meta and type(attr) is torch.Tensor:
-                h.update(_tensor_bytes(attr))
+    h.update(_graph_digest(gm, {}).encode())
     return h.hexdigest()
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from npu_compile import backend, regions
+from npu_compile import backend, cache, regions
 from npu_compile.config import resolve
 from npu_compile.debug.report import collect
 from npu_compile.executor import boxed_executor
@@ -142,10 +143,34 @@ def test_the_executor_runs_the_region_subgraph_at_each_call():
 def test_a_cache_key_covers_the_regions_a_graph_calls():
     # the same calling graph around two different regions: its own code is the same, its key must not be
     opts = resolve({})
+
+    def key(gm):
+        return cache.graph_key("forward", gm, opts)
+
     doubled, squared = _caller_of(_sub(lambda x: x * 2)), _caller_of(_sub(lambda x: x * x))
     assert doubled.code == squared.code
-    assert backend._graph_key("forward", doubled, opts) != backend._graph_key("forward", squared, opts)
-    assert backend._graph_key("forward", doubled, opts) == backend._graph_key("forward", _caller_of(_sub(lambda x: x * 2)), opts)
+    assert key(doubled) != key(squared)
+    assert key(doubled) == key(_caller_of(_sub(lambda x: x * 2)))
+    # a region loaded back from the cache is of another class (an unpickled GraphModule is a GraphModuleImpl): the
+    # same graph, the same key
+    reloaded = cache._decode(cache._encode({"gm": _sub(lambda x: x * 2)}), FakeTensorMode())["gm"]
+    assert type(reloaded).__name__ == "GraphModuleImpl"
+    assert key(_caller_of(reloaded)) == key(doubled)
+
+
+def test_a_second_compile_in_the_process_hits_the_cache_at_every_step(fresh, tmp_path, monkeypatch):
+    # the region's partition comes back from the cache at the second compile, and the outer graph's key must not
+    # depend on that (its region subgraphs are then GraphModuleImpl): every step a hit, the same numbers
+    monkeypatch.setenv("NPU_COMPILE_CACHE_DIR", str(tmp_path))
+    steps = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = _model(RegionLayer)
+        with collect() as reports:
+            steps.append(_step(torch.compile(model, backend="ascend", options={"cache": True}), model))
+        (r,) = reports
+    assert r.cache == {"region_partition": "hit", "partition": "hit", "forward": "hit", "backward": "hit"}
+    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=0)
 
 
 def test_each_region_calls_saved_activations_count_in_the_outer_forward(fresh, monkeypatch):
