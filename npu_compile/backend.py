@@ -195,14 +195,15 @@ class _Compilation:
             return fw, bw
 
         if o.memory_budget != "auto":
-            with recompute.policy(joint, o.memory_budget, always=o.recompute):
+            saved = self.target.saved_at_full_budget
+            with recompute.policy(joint, o.memory_budget, always=o.recompute, saved=saved):
                 fw, bw = partition(joint, joint_inputs, **kwargs)
         else:
             cap = o.device_memory if o.device_memory is not None else load_profile().memory_bytes
             fw, bw, chosen, tried = recompute.partition_to_fit(
                 joint, joint_inputs, partition, device_memory=cap,
                 resident=o.resident_memory, copies=o.activation_copies, graph_id=self.report.graph_id,
-                always=o.recompute, **kwargs)
+                always=o.recompute, saved=self.target.saved_at_full_budget, **kwargs)
             self.record.budget(chosen, tried, cap)
         if offloaded:
             self.record.offload(offloaded[-1])

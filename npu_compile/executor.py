@@ -6,7 +6,8 @@ the end of the backward; here the generated code itself unpacks and clears the l
 drops every value (inputs included) after its last use.
 
 The code is straight-line Python generated once per graph (FX's code generation), not an interpreter loop:
-each node is one call. What that call is, is decided per node in ``_dispatch``: a target may give a table of
+each node is one call. What that call is, is decided per node in ``_dispatch``, in the graph and in each
+region it calls (a whole model's layers): a target may give a table of
 kernels to call in place of an op (the reference target calls its fused ops' Python kernels directly, without
 the custom-op dispatcher's Python layers around each call), and ``detach``, a no-op in a graph that runs with
 no autograd recording, is dropped where only other nodes read it.
@@ -26,17 +27,15 @@ Kernels = Mapping[object, Callable]
 
 def boxed_executor(gm: torch.fx.GraphModule, kernels: Kernels | None = None) -> Callable[[list], object]:
     """A boxed callable running ``gm`` that releases its arguments as it goes; ``kernels`` maps an op
-    (OpOverload) to the callable to run for it; a region call runs the region's compiled subgraph. ``gm`` is left as
-    it is (it may be cached or dumped), but for its region calls, which call the compiled regions."""
+    (OpOverload) to the callable to run for it, in ``gm`` and in the regions it calls alike; a region call runs the
+    region's compiled subgraph. ``gm`` and its regions are left as they are (they may be cached or dumped), but
+    for ``gm``'s region calls, which call the compiled regions."""
     regions.run_compiled(gm)
-    graph = torch.fx.Graph()
-    out, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
-    graph.output(out, type_expr=old_output.type)
-    for node in list(graph.nodes):
-        if node.op == "call_function":
-            _dispatch(graph, node, kernels or {})
+    kernels = kernels or {}
+    graph = _dispatched(gm.graph, kernels)
     graph.set_codegen(_BoxedCodeGen())
     runner = torch.fx.GraphModule(gm, graph)
+    _dispatch_regions(runner, kernels, {})
 
     def run(args: list) -> object:
         return runner(args)
@@ -44,6 +43,33 @@ def boxed_executor(gm: torch.fx.GraphModule, kernels: Kernels | None = None) -> 
     run._boxed_call = True  # type: ignore[attr-defined]
     run.graph_module = runner  # type: ignore[attr-defined]  # the code that runs, for dumps and tests
     return run
+
+
+def _dispatched(source: torch.fx.Graph, kernels: Kernels) -> torch.fx.Graph:
+    """A copy of ``source`` with the per-node dispatch applied to each of its nodes."""
+    graph = torch.fx.Graph()
+    out, old_output = graph.graph_copy(source, {}, return_output_node=True)
+    graph.output(out, type_expr=old_output.type)
+    for node in list(graph.nodes):
+        if node.op == "call_function":
+            _dispatch(graph, node, kernels)
+    return graph
+
+
+def _dispatch_regions(owner: torch.fx.GraphModule, kernels: Kernels, done: dict[int, torch.fx.GraphModule]) -> None:
+    """Each region ``owner`` calls (regions inside regions too) runs a dispatched copy of its subgraph, one copy
+    per region however many calls: a whole model's layers are region calls, and without this their fused ops
+    would go through the custom-op dispatcher at every call of every layer. The subgraphs themselves are kept."""
+    for node in owner.graph.nodes:
+        sub = regions.subgraph(node)
+        if sub is None:
+            continue
+        if id(sub) not in done:
+            copy = torch.fx.GraphModule(sub, _dispatched(sub.graph, kernels))
+            _dispatch_regions(copy, kernels, done)
+            done[id(sub)] = copy
+        parent, _, attr = str(node.args[0].target).rpartition(".")
+        setattr(owner.get_submodule(parent) if parent else owner, attr, done[id(sub)])
 
 
 def _dispatch(graph: torch.fx.Graph, node: torch.fx.Node, kernels: Kernels) -> None:

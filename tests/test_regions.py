@@ -140,6 +140,48 @@ def test_the_executor_runs_the_region_subgraph_at_each_call():
     torch.testing.assert_close(out, torch.tensor([7.0, 11.0]))
 
 
+def _region_call(graph: torch.fx.Graph, attr: str, *operands: torch.fx.Node) -> torch.fx.Node:
+    call = graph.call_function(torch.ops.higher_order.invoke_subgraph, (graph.get_attr(attr), attr, *operands))
+    return graph.call_function(operator.getitem, (call, 0))
+
+
+def test_the_reference_executor_calls_the_kernels_inside_regions():
+    """A region's fused ops run their Python kernels directly, as the calling graph's do (not through the
+    custom-op dispatcher at every call of every layer), in a region inside a region too; the compiled subgraphs
+    themselves are left as they were (they may be cached or dumped)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from npu_compile.lowering import reference
+
+    gelu = torch.ops.npu_compile.bias_gelu.default
+    inner = torch.fx.symbolic_trace(lambda x, b: (gelu(x, b),))
+    graph = torch.fx.Graph()
+    x, b = graph.placeholder("x"), graph.placeholder("b")
+    graph.output((graph.call_function(gelu, (_region_call(graph, "inner", x, b), b)),))
+    root = nn.Module()
+    root.inner = inner
+    outer = torch.fx.GraphModule(root, graph)  # a layer: a region calling a region, then a fused op of its own
+
+    graph = torch.fx.Graph()
+    x, b = graph.placeholder("x"), graph.placeholder("b")
+    graph.output((_region_call(graph, "outer", _region_call(graph, "outer", x, b), b),))
+    root = nn.Module()
+    root.outer = outer
+    run = reference.TARGET.executor(torch.fx.GraphModule(root, graph), [], None)
+    for sub in (inner, outer):  # as compiled: the op, not its kernel
+        assert len(sub.graph.find_nodes(op="call_function", target=gelu)) == 1
+
+    x, bias = torch.randn(3, 2), torch.randn(2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (out,) = run([x, bias])
+    ran = [e.name for e in prof.events()]
+    assert "npu_compile::bias_gelu" not in ran and ran.count("aten::gelu") == 4, ran
+    want = x
+    for _ in range(4):
+        want = F.gelu(want + bias)
+    torch.testing.assert_close(out, want)
+
+
 def test_a_cache_key_covers_the_regions_a_graph_calls():
     # the same calling graph around two different regions: its own code is the same, its key must not be
     opts = resolve({})

@@ -46,6 +46,12 @@ class Target:
     # -> {"graph_mode": ..., "torchair_check": ..., "reason": ...} for report.json ``graph_modes``, plus
     # "artifacts": {file name: text} for the dump dir (npu's GE graph text). None: the target runs graphs op by op.
     describe: Callable[[torch.fx.GraphModule, Sequence[Any], Options], dict[str, Any]] | None = None
+    # Op kinds (option ``recompute``'s: "activation") whose outputs the partition saves rather than recomputes in
+    # the backward when memory allows (memory_budget 1.0). torch's min-cut counts recomputing an elementwise op
+    # free, true where it is one pass at memory bandwidth beside the matmuls (an NPU's vector unit) but not where
+    # it is compute (a CPU's GeLU tanh / SwiGLU exp). A budget below 1.0 may still recompute them, weighed by the
+    # cost model; option ``recompute`` still forces it.
+    saved_at_full_budget: tuple[str, ...] = ()
 
 
 def _package(name: str) -> str:

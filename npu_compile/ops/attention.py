@@ -44,7 +44,7 @@ either): dropout_p == 0, CPU tensors of fp32/fp64 (bf16/fp16 stay tiled, see _FA
 (backward), and, with `fill`, no row that every key is masked from (checked on the mask; the filled uniform
 row is not what the flash kernel computes, so such calls take the tiles). attn_mask, attn_bias and causal
 become the kernel's additive float mask (0 / −inf) and is_causal, an attn_mask that hides exactly the future
-keys (Megatron's causal mask) becoming is_causal alone: the kernel then skips the blocks above the diagonal,
+keys (Megatron's causal mask; decided once per mask tensor and version) becoming is_causal alone: the kernel then skips the blocks above the diagonal,
 the same result bitwise, about 1.7× faster at sequence 1024 and no Sq×Sk mask built; GQA is the kernel's own.
 Its forward returns the statistics as (lse, 1), which satisfy p = exp(s − max)/sum as the device's (max, Σexp) do, and rows
 with no visible key get out = 0 and (0, 0) as above. Its backward takes either form: lse = max + log(sum)
@@ -59,6 +59,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from npu_compile.ops import rng
 from npu_compile.ops.common import acc_dtype, no_grad_placeholder
@@ -234,12 +235,44 @@ class _FastMask:
 
 def _is_causal_mask(mask4: Tensor, sq: int, sk: int) -> bool:
     """Whether a bool [b?, n?, sq, sk] mask hides exactly what is_causal hides (key j from query i iff j > i,
-    top-left), in every batch and head. The pattern is built per call, never cached: a call under a fake mode
-    (the memory planner runs kernels so) would leave a fake tensor behind."""
+    top-left), in every batch and head. Decided once per distinct mask (:func:`_causal_memo`): Megatron passes one
+    mask tensor to every layer at every step, and building the Sq×Sk pattern to compare it with at each call
+    costs about 2 % of a sequence-128 step. The pattern itself is never kept: a call under a fake mode (the
+    memory planner runs kernels so) would leave a fake tensor behind."""
     if tuple(mask4.shape[2:]) != (sq, sk):
         return False
+    key = _causal_memo_key(mask4)
+    if key is not None:
+        root, state = key
+        hit = _CAUSAL_MEMO.get(root)
+        if hit is not None and hit[0] == state:
+            return hit[1]
     pattern = torch.ones(sq, sk, dtype=torch.bool, device=mask4.device).triu_(1)
-    return torch.equal(mask4, pattern.expand(mask4.shape))
+    causal = torch.equal(mask4, pattern.expand(mask4.shape))
+    if key is not None:
+        _CAUSAL_MEMO[root] = (state, causal)
+    return causal
+
+
+# The storage a mask views (its base tensor, weakly held: an entry dies with the mask) -> (everything that shapes
+# the mask's values as this call reads them, the answer).
+_CAUSAL_MEMO = WeakIdKeyDictionary()
+
+
+def _causal_memo_key(mask4: Tensor):
+    """(the tensor to key the memo by, the state the answer holds for), or None where no answer may be kept.
+
+    The state is the version counter, which every in-place write bumps (views share their base's), and the
+    view's geometry: data_ptr (storage and offset), shape, stride, dtype, device. A mask changed in place is
+    therefore checked again, so is the same storage read through another view. Writes that bypass the version
+    counter (through ``.data``, or by other processes) are not seen, as autograd does not see them either. Only
+    plain tensors with a version counter are kept: fake and meta tensors (the memory planner's) and inference-mode
+    tensors are checked every call."""
+    root = mask4 if mask4._base is None else mask4._base
+    if type(root) is not Tensor or type(mask4) is not Tensor or mask4.is_meta or mask4.is_inference():
+        return None
+    state = (mask4._version, mask4.data_ptr(), tuple(mask4.shape), mask4.stride(), mask4.dtype, mask4.device)
+    return root, state
 
 
 def _fast_mask(pb: "_Problem") -> Optional[_FastMask]:

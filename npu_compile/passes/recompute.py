@@ -124,26 +124,30 @@ def mark_recomputed(graph: torch.fx.Graph, kinds: tuple[str, ...]) -> int:
     return marked
 
 
-def _op_types() -> partitioners.OpTypes:
+def _op_types(saved: tuple[str, ...] = ()) -> partitioners.OpTypes:
+    """torch's op lists with the fused ops added; the ops of the kinds in ``saved`` are left out of the
+    recomputable ones, which torch's min-cut then never recomputes at budget 1.0 (its knapsack below 1.0 may)."""
     base = partitioners.get_default_op_list()
     cheap = _packets(CHEAP_FUSED)
+    kept = _packets(tuple(name for kind in saved for name in ALWAYS_RECOMPUTED[kind]))
     return dataclasses.replace(
         base,
         fusible_ops=base.fusible_ops | cheap,
-        recomputable_ops=base.recomputable_ops | cheap,
+        recomputable_ops=(base.recomputable_ops | cheap) - kept,
         compute_intensive_ops=base.compute_intensive_ops | _packets(SAVED_FUSED) | _packets(MATMUL_FUSED),
     )
 
 
 @contextlib.contextmanager
 def policy(joint: torch.fx.GraphModule, memory_budget: float, profile: DeviceProfile | None = None,
-           always: tuple[str, ...] = ()) -> Iterator[None]:
+           always: tuple[str, ...] = (), saved: tuple[str, ...] = ()) -> Iterator[None]:
     """Within this context, ``min_cut_rematerialization_partition(joint, ...)`` partitions under
     ``memory_budget`` with the cost model and the fused-op policy above; the ops of the kinds in ``always``
-    (option ``recompute``) are recomputed whatever the budget."""
+    (option ``recompute``) are recomputed whatever the budget, those of the kinds in ``saved`` (the target's
+    ``saved_at_full_budget``) are not recomputed at budget 1.0 unless ``always`` names them too."""
     mark_saved(joint.graph)
     mark_recomputed(joint.graph, always)
-    op_types = _op_types()
+    op_types = _op_types(tuple(kind for kind in saved if kind not in always))
     # At exactly 0 torch's min-cut saves the graph inputs only, ignoring MUST_SAVE (random values, attention),
     # so a dropout seed would be redrawn in the backward; the smallest positive budget saves just those.
     budget = max(memory_budget, 1e-6)
@@ -235,7 +239,8 @@ def plan(fw: torch.fx.Graph, bw: torch.fx.Graph, budget: float, resident: int, c
 
 
 def partition_to_fit(joint: torch.fx.GraphModule, joint_inputs, partition, *, device_memory: int, resident: int,
-                     copies: int, graph_id: str, always: tuple[str, ...] = (), **kwargs):
+                     copies: int, graph_id: str, always: tuple[str, ...] = (), saved: tuple[str, ...] = (),
+                     **kwargs):
     """``partition`` (the min-cut) of ``joint`` under the largest budget of :data:`LADDER` whose planned peak fits
     ``device_memory``: the budgets are tried from 1.0 down, each on a copy of the joint graph, and the first that
     fits is taken. (The peak is not monotone in the budget: at the lowest budgets the backward recomputes so
@@ -244,7 +249,7 @@ def partition_to_fit(joint: torch.fx.GraphModule, joint_inputs, partition, *, de
     tried: list[Plan] = []
     for budget in LADDER:
         trial = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
-        with policy(trial, budget, always=always):
+        with policy(trial, budget, always=always, saved=saved):
             fw, bw = partition(trial, joint_inputs, **kwargs)
         tried.append(plan(fw.graph, bw.graph, budget, resident, copies))
         if tried[-1].peak <= device_memory:

@@ -666,3 +666,47 @@ def test_a_causal_mask_tensor_runs_as_is_causal(sq, sk):
     assert_matches(result[(False, False)][0], ref, torch.float32, "out")
     for got, want in zip(result[(False, False)][1:], torch.autograd.grad(ref, ref_in, g)):
         assert_matches(got, want, torch.float32, "grad")
+
+
+def triu_calls(fn) -> int:
+    """How many times ``fn`` built a triangular pattern (aten::triu_)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "aten::triu_")
+
+
+def test_a_causal_mask_is_checked_once_and_again_when_written():
+    """The causal check runs once per mask tensor, not at every call (Megatron passes one mask to every layer at
+    every step), through views of it too; a mask written in place is checked again and taken as the mask it now
+    is, forward and backward; a new tensor of the same values is checked on its own."""
+    gen = torch.Generator().manual_seed(12)
+    s, b, n, d = 48, 2, 2, 8
+    q, k, v = (leaf(torch.randn(s, b, n, d, generator=gen)) for _ in range(3))
+    g = torch.randn(s, b, n, d, generator=gen)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+
+    def run(m):
+        out, *_ = fused_attention(q, k, v, m, layout="sbnd", fill=-10000.0)
+        return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+    assert triu_calls(lambda: run(mask)) == 1  # forward checks, the backward's call finds the answer
+    assert triu_calls(lambda: run(mask)) == 0
+    assert triu_calls(lambda: run(mask.view(s, s))) == 0  # a view read as [1, 1, s, s] again: the same state
+    assert triu_calls(lambda: run(mask.expand(b, 1, s, s))) == 1  # another geometry: checked once
+    assert triu_calls(lambda: run(mask.expand(b, 1, s, s))) == 0
+    want = run(mask)
+
+    mask[0, 0, s // 2, 0] = True  # in place: no longer the causal pattern
+    assert flash_mask_shapes(lambda: run(mask)) == {FLASH: [1, 1, s, s], FLASH_BACKWARD: [1, 1, s, s]}
+    got = run(mask)
+    ref_in = [leaf(t) for t in (q, k, v)]
+    ref = eager_attention(*ref_in, layout="sbnd", attn_mask=mask, fill=-10000.0)
+    assert_matches(got[0], ref, torch.float32, "out")
+    for grad, ref_grad in zip(got[1:], torch.autograd.grad(ref, ref_in, g)):
+        assert_matches(grad, ref_grad, torch.float32, "grad")
+    assert not torch.equal(got[0], want[0])
+
+    mask[0, 0, s // 2, 0] = False  # written back: causal again, checked again
+    assert flash_mask_shapes(lambda: run(mask)) == {FLASH: [], FLASH_BACKWARD: []}
+    fresh = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+    assert triu_calls(lambda: run(fresh)) == 1

@@ -48,10 +48,12 @@ def test_megatron_mlp_fused_and_training_equals_eager(make_config, budget, rule,
     assert run.fusions[rule] == 2  # one MLP per layer
     assert run.report.unfused == []
     ops = run.report.lowered_ops
-    # the backward recomputes the activation from its input (saved anyway for its backward) rather than keep its
-    # 4h-wide output: two forward ops and two recomputed (passes/recompute.py), at every budget
-    assert ops[f"npu_compile.{rule}"] == 4
-    assert run.report.memory["recompute_ops"][f"npu_compile.{rule}"] == 2
+    # on the reference target (this CPU) the activation's 4h-wide output is saved when memory allows (budget 1.0:
+    # two forward ops, none recomputed) and recomputed from its input (saved anyway for its backward) below it:
+    # two forward ops and two recomputed (lowering/reference.py saved_at_full_budget, passes/recompute.py)
+    recomputed = 2 if budget < 1.0 else 0
+    assert ops[f"npu_compile.{rule}"] == 2 + recomputed
+    assert run.report.memory["recompute_ops"].get(f"npu_compile.{rule}", 0) == recomputed
     assert ops[f"npu_compile.{rule}_backward"] == 2
     assert not {"aten.gelu", "aten.gelu_backward", "aten.tanh", "aten.silu", "aten.silu_backward"} & set(ops)
     bad = {k: v for k, v in run.errors.items() if v > 1e-5}

@@ -189,12 +189,12 @@ def test_a_prefetch_is_issued_as_far_ahead_as_its_copy_takes():
 def test_auto_budget_fits_by_offloading_instead_of_recomputing(eager):
     """memory_budget "auto" plans each budget with the offload applied: under a cap of 1,000,000 bytes the layer
     fits at budget 1.0 (nothing recomputed) once self-attention's activations go to the host, where alone it needs
-    budget 0.6."""
+    budget 0.5 (on the reference target, which saves the GeLU's output at 1.0; the npu targets' 1.0 recomputes it)."""
     cap = {"memory_budget": "auto", "device_memory": 1_000_000}
     _, alone = run_layer(cap)
     got, offloaded = run_layer({**cap, "offload": ["self_attention"]})
     assert [(p["budget"], p["planned_peak_bytes"]) for p in alone.budget["tried"]] == [
-        (1.0, 1154816), (0.8, 1054976), (0.6, 956672)]
+        (1.0, 1154816), (0.8, 1104128), (0.6, 1054976), (0.5, 956672)]
     assert [(p["budget"], p["planned_peak_bytes"]) for p in offloaded.budget["tried"]] == [(1.0, 952064)]
     assert offloaded.memory["recompute_nodes"] < alone.memory["recompute_nodes"]
     assert max((g - e).abs().max().item() for g, e in zip(got, eager)) <= 1e-6
