@@ -19,7 +19,7 @@ def _train_rows(run):
 # resume comes from the RNG state the checkpoint restored, and nothing else may draw from it in between.
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 # No evaluation after the last iteration where a test compares only training rows: in a compiled job the final
-# evaluation compiles its own no-grad graphs, 5-8 s a launch.
+# evaluation compiles its own no-grad graphs, 4-24 s a launch beside other work.
 NO_EVAL = ["--eval-iters", "0"]
 RESUME_LAYOUTS = {
     "dp2_distopt_overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce"],

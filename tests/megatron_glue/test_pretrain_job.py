@@ -75,7 +75,7 @@ def test_seed_script_runs_with_one_word_changed(demo_data, tmp_path):
 
 
 # The mixed precision runs look at the training rows only: no evaluation after the last iteration (compiled, its
-# no-grad graphs cost 5-8 s a launch).
+# no-grad graphs cost 4-24 s a launch beside other work).
 NO_EVAL = ["--eval-iters", "0"]
 
 

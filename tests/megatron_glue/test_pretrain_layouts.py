@@ -24,7 +24,7 @@ LAYOUTS = {
     # MindSpeed-LLM's uneven stages (megatron-core's num_layers_in_first_pipeline_stage)
     "pp2_uneven": (2, ["--pipeline-model-parallel-size", "2", "--num-layer-list", "1,3"], 4),
 }
-# no evaluation after the last iteration: its no-grad graphs, compiled, cost 5-8 s a launch and are compared nowhere
+# no evaluation after the last iteration: its no-grad graphs, compiled, cost 4-24 s a launch and are compared nowhere
 ITERS = ["--train-iters", "5", "--eval-iters", "0"]
 
 
