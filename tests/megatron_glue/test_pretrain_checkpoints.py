@@ -3,8 +3,6 @@ architecture checks."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -20,6 +18,9 @@ def _train_rows(run):
 # TINY runs without dropout (layouts compare with each other); resumes run with it: every dropout mask after the
 # resume comes from the RNG state the checkpoint restored, and nothing else may draw from it in between.
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+# No evaluation after the last iteration where a test compares only training rows: in a compiled job the final
+# evaluation compiles its own no-grad graphs, 4-24 s a launch beside other work.
+NO_EVAL = ["--eval-iters", "0"]
 RESUME_LAYOUTS = {
     "dp2_distopt_overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
     "pp2": ["--pipeline-model-parallel-size", "2"],  # each stage its own seed, its own RNG state in the checkpoint
@@ -32,7 +33,7 @@ RESUME_LAYOUTS = {
 def test_resume_is_bitwise(layout, tmp_path):
     """6 iterations in one go == 3, stop, load iteration 3, 3 more: losses and grad norms of 4-6 identical, dropout
     on. Compiled, 2 processes (TP=2: test_tp2_checkpoint_loads_at_tp1_and_pp2)."""
-    flags = ["--train-iters", "6", "--save-interval", "3", *DROPOUT, *RESUME_LAYOUTS[layout]]
+    flags = ["--train-iters", "6", "--save-interval", "3", *NO_EVAL, *DROPOUT, *RESUME_LAYOUTS[layout]]
     whole = pretrain(tmp_path / "whole", *flags, "--save", str(tmp_path / "whole" / "ckpt"), nproc=2).check()
     ckpt = tmp_path / "parts" / "ckpt"
     first = pretrain(tmp_path / "parts", *flags, "--save", str(ckpt), "--exit-interval", "3", nproc=2).check()
@@ -52,16 +53,18 @@ def test_resume_is_bitwise(layout, tmp_path):
 def test_tp2_checkpoint_loads_at_tp1_and_pp2(tmp_path):
     """Saved at TP=2 after 3 of 6 iterations; resumed at TP=2 with dropout on, bit for bit with the run that went
     on; resumed at TP=1 and PP=2 without dropout (model, optimizer and scheduler resharded by dist_checkpointing;
-    the RNG state, shaped by the layout, is ignored): iterations 4-6 agree."""
+    the RNG state, shaped by the layout, is ignored): iterations 4-6 agree. The TP=2 resume loads into the compiled
+    model; the resharded ones run eager (what they check is the load, not the compile: test_pretrain_layouts)."""
     ckpt = tmp_path / "ckpt"
-    common = ["--train-iters", "6", "--save-interval", "3"]
+    common = ["--train-iters", "6", "--save-interval", "3", *NO_EVAL]
     whole = pretrain(tmp_path / "tp2", *common, *DROPOUT, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
                      nproc=2).check()
     # as if it had stopped at 3 (test_resume_is_bitwise stops a run): the checkpoint of iteration 3 is the same
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
     resumed = {}
-    for name, nproc, flags in (("tp2", 2, ["--tensor-model-parallel-size", "2", *DROPOUT]), ("tp1", 1, []),
-                               ("pp2", 2, ["--pipeline-model-parallel-size", "2"])):
+    for name, nproc, flags in (("tp2", 2, ["--tensor-model-parallel-size", "2", *DROPOUT]),
+                               ("tp1", 1, ["--no-npu-compile"]),
+                               ("pp2", 2, ["--pipeline-model-parallel-size", "2", "--no-npu-compile"])):
         run = pretrain(tmp_path / f"resume_{name}", *common, *flags, "--load", str(ckpt), nproc=nproc).check()
         assert "at iteration 3" in run.output
         assert ("RNG state will be ignored" in run.output) == (name != "tp2")
@@ -73,36 +76,43 @@ def test_tp2_checkpoint_loads_at_tp1_and_pp2(tmp_path):
                  what="grad norms, PP=2 vs TP=1 from a TP=2 checkpoint")
 
 
+# The job with megatron-core's dist_checkpointing.save replaced by one that dies in the DIE_AT_SAVE-th save; a module
+# in the launch's folder (first on the path of a `python -m`), so that it starts as the job's other launches do. Its
+# main guarded: dist_checkpointing's writer starts a multiprocessing manager by spawn, which imports __main__ again.
 INTERRUPT = """
 import os, sys
-from megatron.core import dist_checkpointing
-import megatron_glue.training.checkpointing as ckpt
 
-real_save, calls = dist_checkpointing.save, []
-def save(state, folder, **kw):
-    calls.append(folder)
-    if len(calls) == int(os.environ["DIE_AT_SAVE"]):  # this save dies after writing part of its folder
-        open(folder + "/__0_0.distcp", "wb").write(b"partial")
-        raise KeyboardInterrupt("killed during the save of " + folder)
-    return real_save(state, folder, **kw)
-dist_checkpointing.save = save
-from megatron_glue.pretrain_gpt import main
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    from megatron.core import dist_checkpointing
+    import megatron_glue.training.checkpointing as ckpt
+
+    real_save, calls = dist_checkpointing.save, []
+    def save(state, folder, **kw):
+        calls.append(folder)
+        if len(calls) == int(os.environ["DIE_AT_SAVE"]):  # this save dies after writing part of its folder
+            open(folder + "/__0_0.distcp", "wb").write(b"partial")
+            raise KeyboardInterrupt("killed during the save of " + folder)
+        return real_save(state, folder, **kw)
+    dist_checkpointing.save = save
+    from megatron_glue.pretrain_gpt import main
+    sys.exit(main(sys.argv[1:]))
 """
 
 
 def _interrupted(monkeypatch, folder, *flags, die_at: int):
     monkeypatch.setenv("DIE_AT_SAVE", str(die_at))  # pretrain_runs.env() passes the environment on
-    return pretrain(folder, *flags, prefix=[sys.executable, "-c", INTERRUPT])
+    folder.mkdir(parents=True)
+    (folder / "die_at_save.py").write_text(INTERRUPT)
+    return pretrain(folder, *flags, module="die_at_save")
 
 
 def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch):
     """A save that dies leaves the tracker and every iter_* folder as they were: its files are in
     .iter_XXXXXXX.incomplete, which the next save removes; a committed iteration saved again (a resumed job's last
     save of the iteration it loaded) is replaced only once the new folder is complete, and where the save died
-    with it moved aside, the next load puts it back."""
+    with it moved aside, the next load puts it back. Eager: the checkpoint's files are what it looks at."""
     ckpt = tmp_path / "ckpt"
-    flags = ["--train-iters", "6", "--save-interval", "2", "--save", str(ckpt)]
+    flags = ["--train-iters", "6", "--save-interval", "2", "--save", str(ckpt), "--no-npu-compile", *NO_EVAL]
     died = _interrupted(monkeypatch, tmp_path / "a", *flags, die_at=2)
     assert died.returncode != 0 and "killed during the save of" in died.output
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
@@ -119,14 +129,14 @@ def test_interrupted_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypat
 
     # loaded at 6 with nothing left to train: the job saves iteration 6 again (6 is no multiple of 4), and dies
     resave = _interrupted(monkeypatch, tmp_path / "c", "--train-iters", "6", "--save-interval", "4",
-                          "--save", str(ckpt), "--load", str(ckpt), "--eval-iters", "0", die_at=1)
+                          "--save", str(ckpt), "--load", str(ckpt), "--no-npu-compile", *NO_EVAL, die_at=1)
     assert resave.returncode != 0 and "killed during the save of" in resave.output
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert (ckpt / "iter_0000006" / "metadata.json").is_file()  # the committed iteration 6, whole
     assert (ckpt / ".iter_0000006.incomplete").is_dir()
     # a save that died between its two renames: the committed folder moved aside, the new one not yet in its place
     (ckpt / "iter_0000006").rename(ckpt / ".iter_0000006.replaced")
-    last = pretrain(tmp_path / "d", "--train-iters", "6", "--load", str(ckpt), "--eval-iters", "0").check()
+    last = pretrain(tmp_path / "d", "--train-iters", "6", "--load", str(ckpt), "--no-npu-compile", *NO_EVAL).check()
     assert f"{ckpt}/iter_0000006 restored from .iter_0000006.replaced" in last.output
     assert f"successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 6" in last.output
 
@@ -161,7 +171,7 @@ def test_torch_format_with_distributed_optimizer_resumes_bitwise(tmp_path):
     loaded at DP=1, the same optimizer state; loaded without the distributed optimizer, refused."""
     ckpt = tmp_path / "ckpt"
     flags = ["--train-iters", "6", "--save-interval", "3", "--use-distributed-optimizer", "--ckpt-format", "torch",
-             *DROPOUT]
+             *NO_EVAL, *DROPOUT]
     whole = pretrain(tmp_path / "whole", *flags, "--save", str(ckpt), nproc=2).check()
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000003", "iter_0000006",
                                                       "latest_checkpointed_iteration.txt"]

@@ -74,11 +74,17 @@ def test_seed_script_runs_with_one_word_changed(demo_data, tmp_path):
     assert (ckpt / "metrics.jsonl").is_file()
 
 
+# The mixed precision runs look at the training rows only: no evaluation after the last iteration (compiled, its
+# no-grad graphs cost 4-24 s a launch beside other work).
+NO_EVAL = ["--eval-iters", "0"]
+
+
 @pytest.mark.slow
 @pytest.mark.training
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
 def test_mixed_precision_trains(precision, tmp_path):
-    run = pretrain(tmp_path, precision, "--initial-loss-scale", "4096", "--train-iters", "12", "--lr", "3e-3").check()
+    run = pretrain(tmp_path, precision, "--initial-loss-scale", "4096", "--train-iters", "12", "--lr", "3e-3",
+                   *NO_EVAL).check()
     losses = run.losses
     assert len(losses) == 12 and not any(r["skipped"] for r in run.rows("train"))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2  # the loss falls
@@ -88,7 +94,7 @@ def test_mixed_precision_trains(precision, tmp_path):
 @pytest.mark.training
 def test_fp16_absurd_loss_scale_skips_then_trains(tmp_path):
     run = pretrain(tmp_path, "--fp16", "--initial-loss-scale", "16777216", "--train-iters", "20", "--lr", "3e-3",
-                   "--log-interval", "5").check()
+                   "--log-interval", "5", *NO_EVAL).check()
     rows = run.rows("train")
     skipped = [r["iteration"] for r in rows if r["skipped"]]
     overflowing = next(i for i, r in enumerate(rows) if not r["skipped"])  # the first steps overflow...
