@@ -112,13 +112,15 @@ def check_rope(case, against_eager):
     assert "aten.neg" not in run.report.lowered_ops
 
 
-@settings(max_examples=50, deadline=None)
+# Derandomized, the first 30 examples hold every form, dtype and mode these draw (each example compiles);
+# test_rope_equals_eager_fuzz (make fuzz) draws thousands.
+@settings(max_examples=30, deadline=None)
 @given(case=megatron_cases())
 def test_megatron_rope_equals_eager(case, against_eager):
     check_rope(case, against_eager)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(case=hf_cases())
 def test_hf_rope_equals_eager(case, against_eager):
     check_rope(case, against_eager)
