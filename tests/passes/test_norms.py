@@ -287,9 +287,9 @@ def test_megatron_inference_graphs_fuse_the_same_sites(megatron_cpu):
 
 # ==== mixed precision: megatron-core models in bf16 and fp16 fuse what they fuse in fp32 ======================
 
-# What the norm, activation and rotary rules take in the fp32 models (test_megatron_* above and in the other
-# families' files): a 2-layer GPT (4 LayerNorms after residual adds, 2 MLPs with bias + GeLU) and Llama (4 RMSNorms
-# after residual adds and the first alone, 2 SwiGLUs, RoPE on q and k per layer).
+# What the norm, activation and rotary rules take in the fp32 models (their training runs: test_megatron_models.py):
+# a 2-layer GPT (4 LayerNorms after residual adds, 2 MLPs with bias + GeLU) and Llama (4 RMSNorms after residual
+# adds and the first alone, 2 SwiGLUs, RoPE on q and k per layer).
 FP32_FUSIONS = {
     "gpt": {"add_layer_norm": 4, "add_rms_norm": 0, "rms_norm": 0, "bias_gelu": 2, "swiglu": 0, "rotary": 0},
     "llama": {"add_layer_norm": 0, "add_rms_norm": 4, "rms_norm": 1, "bias_gelu": 0, "swiglu": 2, "rotary": 4},
