@@ -1,5 +1,6 @@
 """Activation rules: bias_gelu and swiglu fire on megatron-core's MLPs and on the forms models write, training
-and inference, and the compiled results equal eager; declined and switched-off sites are reported with reasons."""
+and inference, and the compiled results equal eager; declined and switched-off sites are reported with reasons.
+The 2-layer megatron-core training runs (one compile per model and budget): test_megatron_models.py."""
 
 import math
 
@@ -10,7 +11,6 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import npu_compile
-from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 
 DTYPES = (torch.float32, torch.bfloat16)
 RULES = ("bias_gelu", "swiglu")
@@ -21,43 +21,6 @@ def megatron_fusions():
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
     return bias_gelu_impl, bias_swiglu_impl
-
-
-# ==== megatron-core GPTModel, 2 layers, 3 SGD steps ===========================================================
-
-def gpt(**overrides):
-    from megatron_glue.capture.models import gpt_config
-
-    return lambda: gpt_config(hidden_size=64, **overrides)
-
-
-def llama(**overrides):
-    from megatron_glue.capture.models import llama_config
-
-    return lambda: llama_config(hidden_size=64, num_query_groups=2, **overrides)
-
-
-@pytest.mark.parametrize("make_config, budget, rule", [
-    pytest.param(gpt(), 1.0, "bias_gelu", id="gpt-mm-add-gelu"),
-    pytest.param(gpt(), 0.3, "bias_gelu", id="gpt-mm-add-gelu-budget0.3"),
-    pytest.param(gpt(bias_activation_fusion=True), 1.0, "bias_gelu", id="gpt-megatron-bias_gelu_impl"),
-    pytest.param(llama(bias_activation_fusion=True), 1.0, "swiglu", id="llama-megatron-bias_swiglu_impl"),
-])
-def test_megatron_mlp_fused_and_training_equals_eager(make_config, budget, rule, megatron_cpu, megatron_training):
-    run = megatron_training(make_config, memory_budget=budget)
-    assert run.fusions[rule] == 2  # one MLP per layer
-    assert run.report.unfused == []
-    ops = run.report.lowered_ops
-    # on the reference target (this CPU) the activation's 4h-wide output is saved when memory allows (budget 1.0:
-    # two forward ops, none recomputed) and recomputed from its input (saved anyway for its backward) below it:
-    # two forward ops and two recomputed (lowering/reference.py saved_at_full_budget, passes/recompute.py)
-    recomputed = 2 if budget < 1.0 else 0
-    assert ops[f"npu_compile.{rule}"] == 2 + recomputed
-    assert run.report.memory["recompute_ops"].get(f"npu_compile.{rule}", 0) == recomputed
-    assert ops[f"npu_compile.{rule}_backward"] == 2
-    assert not {"aten.gelu", "aten.gelu_backward", "aten.tanh", "aten.silu", "aten.silu_backward"} & set(ops)
-    bad = {k: v for k, v in run.errors.items() if v > 1e-5}
-    assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
 
 
 # ==== properties: random shapes and dtypes, compiled against eager ============================================

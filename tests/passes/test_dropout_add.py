@@ -110,7 +110,9 @@ def check_dropout_add(case):
                            p, out.detach(), grads, grad_out)
 
 
-@settings(max_examples=80, deadline=None)
+# Derandomized, the first 10 examples already hold both dtypes, bias or none, training and inference and every
+# p; 40 of them pair most of these (each example compiles). The fuzz twin (make fuzz) draws thousands.
+@settings(max_examples=40, deadline=None)
 @given(case=dropout_add_cases())
 def test_bias_dropout_add_drops_one_mask_forward_and_backward(case):
     check_dropout_add(case)

@@ -1,7 +1,8 @@
 """Norm rules: rms_norm, add_rms_norm and add_layer_norm fire on megatron-core's GPT and Llama blocks and on the
 forms models write, training and inference, in fp32, bf16 and fp16 (fp32 weights on bf16/fp16, fp32 residual
 streams, autocast regions), whatever subset of their inputs needs grad, on dynamic sequence dims, and the compiled results equal eager; declined and
-switched-off sites are reported with their reasons, and a LayerNorm with no residual add in front is no site."""
+switched-off sites are reported with their reasons, and a LayerNorm with no residual add in front is no site.
+The 2-layer megatron-core training runs (one compile per model and budget): test_megatron_models.py."""
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 RULES = ("add_rms_norm", "add_layer_norm", "rms_norm")
 
 
-# ==== megatron-core GPTModel, 2 layers, 3 SGD steps ===========================================================
+# ==== megatron-core GPTModel configs (their 2-layer training runs: test_megatron_models.py) ===================
 
 def gpt():
     from megatron_glue.capture.models import gpt_config
@@ -28,40 +29,6 @@ def llama():
     from megatron_glue.capture.models import llama_config
 
     return llama_config(hidden_size=64, num_query_groups=2)
-
-
-def assert_each_norm_once(run, norms):
-    """Each norm's forward and backward op ``norms[op]`` times, the forward plus what the backward recomputes rather
-    than keep its output (report.json ``recompute_ops``, passes/recompute.py)."""
-    ops, again = run.report.lowered_ops, run.report.memory["recompute_ops"]
-    for op, n in norms.items():
-        assert ops[f"{op}_backward"] == n, op
-        assert ops[op] == n + again.get(op, 0), (op, again)
-
-
-@pytest.mark.parametrize("budget", [1.0, 0.3])
-def test_gpt_layer_norms_after_residual_adds_fused_and_training_equals_eager(budget, megatron_cpu,
-                                                                             megatron_training):
-    run = megatron_training(gpt, memory_budget=budget)
-    # layer 0 pre-MLP, layer 1 input and pre-MLP, final; the first norm reads the embeddings: no add in front
-    assert run.fusions["add_layer_norm"] == 4
-    assert run.report.unfused == []
-    assert_each_norm_once(run, {"npu_compile.add_layer_norm": 4, "aten.native_layer_norm": 1})
-    bad = {k: v for k, v in run.errors.items() if v > 1e-5}
-    assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
-
-
-@pytest.mark.parametrize("budget", [1.0, 0.3])
-def test_llama_rms_norms_fused_and_training_equals_eager(budget, megatron_cpu, megatron_training):
-    run = megatron_training(llama, memory_budget=budget)
-    # four norms after a residual add; the first reads the embeddings, which are also its block's residual
-    assert run.fusions["add_rms_norm"] == 4 and run.fusions["rms_norm"] == 1
-    assert run.report.unfused == []
-    ops = run.report.lowered_ops
-    assert_each_norm_once(run, {"npu_compile.add_rms_norm": 4, "npu_compile.rms_norm": 1})
-    assert not {"aten.rsqrt", "aten.pow", "aten.mean"} & set(ops)
-    bad = {k: v for k, v in run.errors.items() if v > 1e-5}
-    assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
 
 
 # ==== properties: random forms, shapes and dtypes, compiled against eager =====================================
@@ -320,9 +287,9 @@ def test_megatron_inference_graphs_fuse_the_same_sites(megatron_cpu):
 
 # ==== mixed precision: megatron-core models in bf16 and fp16 fuse what they fuse in fp32 ======================
 
-# What the norm, activation and rotary rules take in the fp32 models (test_megatron_* above and in the other
-# families' files): a 2-layer GPT (4 LayerNorms after residual adds, 2 MLPs with bias + GeLU) and Llama (4 RMSNorms
-# after residual adds and the first alone, 2 SwiGLUs, RoPE on q and k per layer).
+# What the norm, activation and rotary rules take in the fp32 models (their training runs: test_megatron_models.py):
+# a 2-layer GPT (4 LayerNorms after residual adds, 2 MLPs with bias + GeLU) and Llama (4 RMSNorms after residual
+# adds and the first alone, 2 SwiGLUs, RoPE on q and k per layer).
 FP32_FUSIONS = {
     "gpt": {"add_layer_norm": 4, "add_rms_norm": 0, "rms_norm": 0, "bias_gelu": 2, "swiglu": 0, "rotary": 0},
     "llama": {"add_layer_norm": 0, "add_rms_norm": 4, "rms_norm": 1, "bias_gelu": 0, "swiglu": 2, "rotary": 4},

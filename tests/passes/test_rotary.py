@@ -1,7 +1,8 @@
 """The rotary rule: fires on megatron-core's RoPE (q and k of every layer, rotate-half and interleaved, full and
 partial) and on the Hugging Face form (rotate_half by chunk or by slicing, cos/sin given or made in the graph
 from the positions), training and inference, and the compiled results equal eager; sites left
-unfused are reported with reasons."""
+unfused are reported with reasons.
+The 2-layer megatron-core training runs (one compile per model and budget): test_megatron_models.py."""
 
 import pytest
 import torch
@@ -16,29 +17,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 RULES = ("rotary",)
 
 
-# ==== megatron-core GPTModel, Llama style, 2 layers, 3 SGD steps ==============================================
+# ==== megatron-core GPTModel, Llama style (its 2-layer training runs: test_megatron_models.py) ================
 
 def llama(**overrides):
     from megatron_glue.capture.models import llama_config
 
     return lambda: llama_config(hidden_size=64, num_query_groups=2, **overrides)
-
-
-@pytest.mark.parametrize("make_config, budget", [
-    pytest.param(llama(), 1.0, id="llama-rotate-half"),
-    pytest.param(llama(), 0.3, id="llama-rotate-half-budget0.3"),
-    pytest.param(llama(rotary_interleaved=True), 1.0, id="llama-interleaved"),
-])
-def test_llama_rope_and_swiglu_fused_and_training_equals_eager(make_config, budget, megatron_cpu, megatron_training):
-    run = megatron_training(make_config, memory_budget=budget)
-    assert run.fusions["rotary"] == 4  # q and k in each of 2 layers
-    assert run.fusions["swiglu"] == 2
-    assert run.report.unfused == []
-    ops = run.report.lowered_ops
-    assert ops["npu_compile.rotary_backward"] == 4 and ops["npu_compile.swiglu_backward"] == 2
-    assert "aten.neg" not in ops  # every rotation went into the fused op
-    bad = {k: v for k, v in run.errors.items() if v > 1e-5}
-    assert not bad, f"max relative error {run.max_error:.2e}: {bad}"
 
 
 # ==== properties: random shapes, dtypes and layouts, compiled against eager ===================================
@@ -128,13 +112,15 @@ def check_rope(case, against_eager):
     assert "aten.neg" not in run.report.lowered_ops
 
 
-@settings(max_examples=50, deadline=None)
+# Derandomized, the first 30 examples hold every form, dtype and mode these draw (each example compiles);
+# test_rope_equals_eager_fuzz (make fuzz) draws thousands.
+@settings(max_examples=30, deadline=None)
 @given(case=megatron_cases())
 def test_megatron_rope_equals_eager(case, against_eager):
     check_rope(case, against_eager)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(case=hf_cases())
 def test_hf_rope_equals_eager(case, against_eager):
     check_rope(case, against_eager)
