@@ -36,7 +36,7 @@ from npu_compile.debug.report import Recorder
 from npu_compile.debug.verify import verified
 from npu_compile.device.profile import load as load_profile
 from npu_compile.passes import offload, recompute, unbacked_hints
-from npu_compile.passes.memory import is_saved_activation
+from npu_compile.passes.memory import is_saved_activation, nothing_dies_inside
 from npu_compile.passes.reorder import reorder_for_peak
 
 log = logging.getLogger("npu_compile")
@@ -44,7 +44,7 @@ log = logging.getLogger("npu_compile")
 
 def _memory_order(gm: torch.fx.GraphModule, opts: config.Options, kind: str) -> None:
     # In a backward graph the saved activations die inside it: ordering can release them early.
-    reorder_for_peak(gm, is_saved_activation if kind == "backward" else (lambda n: False))
+    reorder_for_peak(gm, is_saved_activation if kind == "backward" else nothing_dies_inside)
     if kind == "backward" and opts.offload:
         # ordering puts each prefetch just before its reader (it only adds live bytes): issue it early again
         offload.place_prefetches(gm)

@@ -134,12 +134,58 @@ class AliasTracker(GraphAliasTracker):
         return OrderedSet(memo[1])
 
 
+def nothing_dies_inside(node: torch.fx.Node) -> bool:
+    """The ``dies_inside`` of a graph whose inputs all outlive it (a forward's, an inference graph's)."""
+    return False
+
+
+def _state(graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool]) -> tuple[tuple, list]:
+    """What :func:`graph_buffers`' storages and lifetimes depend on: the nodes in order, each node's op, target,
+    arguments, value (``meta["val"]``) and host mark, and ``dies_inside``; by identity (arguments and values are
+    replaced, never changed in place, when a pass rewrites a node), with the objects held so no id is reused."""
+    held: list = [dies_inside]
+    key = [id(dies_inside)]
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        held += (n.args, n.kwargs, val)
+        key.append((n, n.op, n.target, id(n.args), id(n.kwargs), id(val), n.meta.get("npu_compile_host", False)))
+    return tuple(key), held
+
+
 def graph_buffers(
-    graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool] = lambda n: False
+    graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool] = nothing_dies_inside
 ) -> GraphBuffers:
-    """The buffers of ``graph`` in its current order; ``dies_inside(placeholder)`` says which inputs count."""
-    unshare_region_outputs(graph)
-    realias_views(graph)
+    """The buffers of ``graph`` in its current order; ``dies_inside(placeholder)`` says which inputs count.
+
+    The passes ask again of a graph nothing changed in between (the partition's report, the ordering's before and
+    after, each lowered graph's report): the storages and lifetimes are kept on the graph with the state they were
+    found in (:func:`_state`) and found again only when it differs. Scratch is measured at every call (a region's
+    depends on its own subgraph, lowered in between)."""
+    key, held = _state(graph, dies_inside)
+    memo = getattr(graph, "_npu_compile_buffers", None)
+    if memo is None or memo[0] != key:
+        unshare_region_outputs(graph)
+        realias_views(graph)
+        key, held = _state(graph, dies_inside)  # as analysed: a second call on it finds nothing to remake
+        memo = (key, held, _storage_buffers(graph, dies_inside))
+        graph._npu_compile_buffers = memo
+    steps, buffers, by_output_node = memo[2]
+    buffers = list(buffers)
+    region_scratch: dict[int, int] = {}  # id(region subgraph) -> its scratch: once per region, not once per call
+    for step, node in enumerate(steps):
+        sub = regions.subgraph(node)
+        if sub is not None and id(sub) not in region_scratch:
+            region_scratch[id(sub)] = _region_scratch(sub)
+        if scratch := (region_scratch[id(sub)] if sub is not None else workspace_bytes(node)):
+            buffers.append(Buffer(f"{node.name}:workspace", op_name(node), (), "scratch", scratch, step, step))
+    return GraphBuffers(list(steps), buffers, dict(by_output_node))
+
+
+def _storage_buffers(
+    graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool]
+) -> tuple[list[torch.fx.Node], list[Buffer], dict[str, Buffer]]:
+    """The compute nodes in order, a buffer per storage (allocated where it first appears, freed after its last
+    reader) and the buffer of each node the graph outputs."""
     nodes = list(graph.nodes)
     alias = AliasTracker(nodes)
     steps = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
@@ -169,14 +215,7 @@ def graph_buffers(
     by_output_node = {
         n.name: by_key[k] for n in output.all_input_nodes for k in alias.node_to_output_storages.get(n, ()) if k in by_key
     }
-    region_scratch: dict[int, int] = {}  # id(region subgraph) -> its scratch: once per region, not once per call
-    for node, step in index.items():
-        sub = regions.subgraph(node)
-        if sub is not None and id(sub) not in region_scratch:
-            region_scratch[id(sub)] = _region_scratch(sub)
-        if scratch := (region_scratch[id(sub)] if sub is not None else workspace_bytes(node)):
-            buffers.append(Buffer(f"{node.name}:workspace", op_name(node), (), "scratch", scratch, step, step))
-    return GraphBuffers(steps, buffers, by_output_node)
+    return steps, buffers, by_output_node
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -418,7 +457,7 @@ def liveness(buffers: list[Buffer], n_steps: int) -> Liveness:
     return Liveness(curve, peak, step, at_peak)
 
 
-def graph_liveness(graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool] = lambda n: False) -> Liveness:
+def graph_liveness(graph: torch.fx.Graph, dies_inside: Callable[[torch.fx.Node], bool] = nothing_dies_inside) -> Liveness:
     """Live bytes after each compute node of ``graph`` in its current order."""
     gb = graph_buffers(graph, dies_inside)
     return liveness(gb.buffers, len(gb.steps))

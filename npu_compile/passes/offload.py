@@ -35,7 +35,7 @@ from torch.fx import GraphModule, Node
 
 from npu_compile.device import cost
 from npu_compile.device.profile import DeviceProfile, load
-from npu_compile.passes.memory import is_saved_activation, realias_views, training_liveness
+from npu_compile.passes.memory import is_saved_activation, nothing_dies_inside, realias_views, training_liveness
 from npu_compile.passes.reorder import reorder_for_peak
 
 _ops = torch.ops.npu_compile
@@ -203,7 +203,7 @@ def planned_peak(fw: GraphModule, bw: GraphModule, profile: DeviceProfile | None
     """The live-bytes peak of forward + backward in the order the aten stages will give them (memory ordering, then
     the prefetches issued early), found on copies: the graphs themselves keep their order."""
     fw2, bw2 = (GraphModule(gm, copy.deepcopy(gm.graph)) for gm in (fw, bw))
-    reorder_for_peak(fw2, lambda n: False)
+    reorder_for_peak(fw2, nothing_dies_inside)
     reorder_for_peak(bw2, is_saved_activation)
     place_prefetches(bw2, profile)
     return training_liveness(fw2.graph, bw2.graph).peak

@@ -322,3 +322,48 @@ def test_alias_tracker_memo_follows_a_new_value():
     assert ours.node_to_output_storages == torchs.node_to_output_storages
     (key,) = ours.node_to_output_storages[mul]
     assert key.storage._cdata == mul.meta["val"].untyped_storage()._cdata != old.untyped_storage()._cdata
+
+
+def test_buffers_found_again_when_anything_they_depend_on_changes(monkeypatch):
+    """graph_buffers keeps its analysis on the graph: asked again of the same state it does not analyse again, and
+    each thing the storages and lifetimes depend on (order, a value, an argument, the host mark, dies_inside) found
+    changed gives the figures a fresh analysis (of a copy) gives."""
+    import copy
+
+    from npu_compile.passes import memory
+
+    def f(a):
+        b = a * 2
+        c = a + 1
+        d = c * 3
+        return (b + d).sum()
+
+    g = trace(f, torch.randn(N)).graph
+    analysed = []
+    real = memory._storage_buffers
+    monkeypatch.setattr(memory, "_storage_buffers", lambda graph, d: analysed.append(graph) or real(graph, d))
+
+    def check(dies_inside=memory.nothing_dies_inside):
+        ours = graph_liveness(g, dies_inside)
+        fresh = graph_liveness(copy.deepcopy(g), dies_inside)
+        assert (ours.curve, [(b.name, b.bytes) for b in ours.at_peak]) == \
+            (fresh.curve, [(b.name, b.bytes) for b in fresh.at_peak])
+        return ours.curve
+
+    curves = [check()]
+    assert analysed.count(g) == 1
+    assert check() == curves[-1] and analysed.count(g) == 1  # the same state: nothing analysed again
+
+    a, mul, add, mul_1 = list(g.nodes)[:4]
+    mul_1.append(mul)  # the order: b allocated after d, when c is gone
+    curves.append(check())
+    with mul.meta["val"].fake_mode:  # a value: b four times larger
+        mul.meta["val"] = torch.empty(4 * N)
+    curves.append(check())
+    mul_1.args = (a, 3)  # an argument: d from the input, c read by nothing (freed where it is made)
+    curves.append(check())
+    mul.meta["npu_compile_host"] = True  # in host memory: no device bytes
+    curves.append(check())
+    curves.append(check(lambda n: True))  # dies_inside: the input counted too
+    assert all(x != y for x, y in zip(curves, curves[1:])), curves
+    assert analysed.count(g) == len(curves)
