@@ -75,12 +75,13 @@ from npu_compile import precompile
 from npu_compile.debug.report import collect
 layers, mode = int(sys.argv[1]), sys.argv[2]
 megatron_glue.adapt(tuple(g for g in groups_for() if mode != "inlined" or g != "regions"))
+backend = "aot_eager" if mode == "aot_eager" else "ascend"  # aot_eager: torch's own share (Dynamo, aot_autograd)
 models.init_single_process()
 model = build_gpt_model(gpt_config(hidden_size=128, num_attention_heads=4, num_layers=layers), 128, 128)
 if mode == "precompiled":
     compiled = precompile.compile(model, {"cache": True})
 else:
-    compiled = torch.compile(model, backend="ascend", options={"cache": False})
+    compiled = torch.compile(model, backend=backend, **({"options": {"cache": False}} if backend == "ascend" else {}))
 batch = synthetic_batch(2, 128, 128)
 t = time.perf_counter()
 with collect() as reports:
@@ -103,7 +104,8 @@ print(json.dumps({"first_step_s": first, "second_step_s": second, "unique_graphs
 
 def run_whole(layers: int, mode: str, cache_dir: str | None = None) -> dict:
     """First step of the whole model in a fresh process, ``mode`` "regions" or "inlined" (torch.compile, every cache
-    empty or off) or "precompiled" (regions through npu_compile.precompile.compile on ``cache_dir``: cold when it is
+    empty or off), "aot_eager" (regions under torch's aot_eager backend: Dynamo and aot_autograd with its default
+    partition and nothing of ours, what torch alone costs) or "precompiled" (regions through npu_compile.precompile.compile on ``cache_dir``: cold when it is
     empty, warm when a "precompiled" run filled it; torch's caches empty, the FX graph cache off)."""
     with tempfile.TemporaryDirectory() as fresh, tempfile.TemporaryDirectory() as inductor:
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", NPU_COMPILE_CACHE_DIR=cache_dir or fresh,
@@ -140,9 +142,9 @@ def run_job(layers: int) -> tuple[dict, dict]:
     return cold, warm
 
 
-def whole_model_lines(rows: list[tuple[int, dict, dict, dict, dict, dict, dict]]) -> list[str]:
+def whole_model_lines(rows: list[tuple[int, dict, dict, dict, dict, dict, dict, dict]]) -> list[str]:
     """The whole-model table: (layers, regions, inlined, the job's cold run, the job's warm run, the regions model
-    through precompile cold, and warm) per row."""
+    through precompile cold, and warm, the regions model under aot_eager) per row."""
     base_r, base_i = rows[0][1]["first_step_s"], rows[0][2]["first_step_s"]
     lines = ["", WHOLE_HEADING, "",
              "Layers as one nested compile region (adapt()'s \"regions\" group: traced once, compiled once, called N "
@@ -161,13 +163,28 @@ def whole_model_lines(rows: list[tuple[int, dict, dict, dict, dict, dict, dict]]
              "| job warm / cold | region calls | attention fused |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base_c = base_r - rows[0][1]["second_step_s"]
-    for layers, reg, inl, job, job_warm, pc, pw in rows:
+    for layers, reg, inl, job, job_warm, pc, pw, _ in rows:
         r, i, s = reg["first_step_s"], inl["first_step_s"], reg["second_step_s"]
         j, jw, c, w = (x["first_step_s"] for x in (job, job_warm, pc, pw))
         calls = sum(v["calls"] for v in reg["regions"].values())
         lines.append(f"| {layers} | {r:.2f} | {r / base_r:.2f}x | {s:.2f} | {r - s:.2f} | {(r - s) / base_c:.2f}x "
                      f"| {i:.2f} | {i / base_i:.2f}x | {j:.2f} | {c:.2f} | {w:.2f} | {w / c:.2f} | {jw:.2f} "
                      f"| {jw / j:.2f} | {calls} | {reg['attention']} |")
+    def compile_s(r: dict) -> float:  # the first step less the step itself
+        return r["first_step_s"] - r["second_step_s"]
+
+    ours0, torch0 = compile_s(rows[0][1]), compile_s(rows[0][7])
+    lines += ["", "What torch alone costs as the layers grow: the same regions model under torch's `aot_eager` "
+              "backend (Dynamo's tracing with its region reuse, aot_autograd's trace and default partition; nothing "
+              "of ours), each a fresh process. Columns are the first step less the second (the compile alone). "
+              "\"floor\" is the ascend 2-layer figure plus torch's own growth since 2 layers: what the regions model "
+              "would take at that size if everything of ours stayed as at 2 layers, over the 2-layer figure.", "",
+              "| layers | aot_eager first - 2nd (s) | its growth since 2 layers (s) | ascend first - 2nd (s) "
+              "| its growth (s) | floor vs 2 layers |", "|---|---|---|---|---|---|"]
+    for layers, reg, *_, tor in rows:
+        t, o = compile_s(tor), compile_s(reg)
+        lines.append(f"| {layers} | {t:.2f} | {t - torch0:+.2f} | {o:.2f} | {o - ours0:+.2f} "
+                     f"| {(ours0 + t - torch0) / ours0:.2f}x |")
     return lines
 
 
@@ -181,7 +198,7 @@ def whole_model_main(layer_counts: tuple[int, ...] = LAYERS) -> None:
     for layers in layer_counts:
         job = run_job(layers)
         rows.append((layers, run_whole(layers, "regions"), run_whole(layers, "inlined"), *job,
-                     *run_whole_warm(layers)))
+                     *run_whole_warm(layers), run_whole(layers, "aot_eager")))
         print(layers, rows[-1][1:], flush=True)
     path = RESULTS / "compile_time.md"
     kept = path.read_text().split("\n" + WHOLE_PREFIX)[0].rstrip("\n").split("\n") if path.exists() else []
@@ -362,7 +379,7 @@ def main() -> None:
         rows.append((layers, cold, warm, inductor))
         print(layers, cold, warm, inductor, flush=True)
         whole_rows.append((layers, run_whole(layers, "regions"), run_whole(layers, "inlined"), cold, warm,
-                           *run_whole_warm(layers)))
+                           *run_whole_warm(layers), run_whole(layers, "aot_eager")))
         print(layers, "whole", whole_rows[-1][1:3], whole_rows[-1][5:], flush=True)
     base = rows[0][1]["first_step_s"]
     parts = ("rule_tracing", "rule_matching", "partition", "aten_stages", "lowering", "cache")
