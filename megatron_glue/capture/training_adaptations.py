@@ -15,6 +15,7 @@ from __future__ import annotations
 import __future__
 import functools
 import inspect
+import queue
 import textwrap
 
 import torch
@@ -252,6 +253,41 @@ def _write_item_with_format(write_item):
         return write_item(*args, **kwargs)
 
     return write_item_torch_save
+
+
+class _InProcessResultsQueue(queue.Queue):
+    """The checkpoint writer's results queue, in the saving process: it cannot go to another one."""
+
+    def __reduce__(self):
+        raise TypeError("the checkpoint writer's results queue is in-process (adaptation "
+                        "'checkpoint_write_results_in_process'): an asynchronous save, whose writer runs in another "
+                        "process, needs megatron-core's own queue; revert that adaptation to save asynchronously")
+
+
+_WRITE_RESULTS: _InProcessResultsQueue | None = None
+
+
+@registry.wraps(
+    "checkpoint_write_results_in_process",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue", GROUP,
+    reason="the checkpoint writer returns its write results through a queue served by a multiprocessing Manager "
+    "made at the first save (dist_checkpointing/strategies/filesystem_async.py:51-56): a spawned process that imports "
+    "the job's main module again (torch, megatron-core: 5-7 s of CPU a rank) and stays for the rest of the job "
+    "(about 350 MiB a rank). The job saves synchronously (--async-save is refused), and from 0.15 a synchronous "
+    "save writes in the saving process (strategies/base.py:212-215, AsyncRequest.execute_sync; before, it went "
+    "through a forked caller): the results are put and read there (write_preloaded_data_multiproc, "
+    "retrieve_write_results), and an in-process queue holds them",
+    megatron_versions=">=0.15",
+)
+def _in_process_write_results(get_write_results_queue):
+    @functools.wraps(get_write_results_queue)
+    def write_results_queue():
+        global _WRITE_RESULTS
+        if _WRITE_RESULTS is None:
+            _WRITE_RESULTS = _InProcessResultsQueue()
+        return _WRITE_RESULTS
+
+    return write_results_queue
 
 
 # -- --overlap-param-gather with compiled layers ------------------------------------------------------------------

@@ -307,6 +307,7 @@ PER_LINE = {
 }
 # Fixes that only one line needs: 0.12 has bugs 0.16 fixed, 0.16 functions 0.12 lacks.
 ONE_LINE_ONLY = {"quiet_default_tp_group", "no_fp8_params_no_quantize", "checkpoint_writer_serialization_format",
+                 "checkpoint_write_results_in_process",  # 0.15 made a synchronous save write in-process
                  "flattened_shard_coordinates_numpy2", "flattened_shard_validation_numpy2", "shard_size_numpy2",
                  "linear_impl_by_weight_0_13_ColumnParallelLinear", "linear_impl_by_weight_0_13_RowParallelLinear",
                  "packed_documents", "router_gemm_without_te", "alltoall_seq_without_cuda_sync_0_12",

@@ -7,7 +7,7 @@ import torch
 
 import megatron_glue.capture.training_adaptations as ta
 from megatron_glue.capture import adapt
-from megatron_glue.capture.adaptations import registry
+from megatron_glue.capture.adaptations import megatron_core_in, registry
 from megatron_glue.capture.testing import adaptations_reverted
 
 
@@ -68,3 +68,35 @@ def test_grad_scaler_needs_its_edit(training_group):
     with adaptations_reverted("grad_scaler_on_device", "dynamic_grad_scaler_on_device"):
         with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
             DynamicGradScaler(**kwargs)
+
+
+@pytest.mark.skipif(not megatron_core_in(">=0.15"), reason="before 0.15 a synchronous save writes in a forked "
+                    "process (dist_checkpointing/strategies/base.py, AsyncSaveShardedStrategy.save), which needs "
+                    "megatron-core's cross-process queue")
+def test_a_checkpoint_save_starts_no_results_process(training_group, tmp_path):
+    """megatron-core's writer returns its results through a multiprocessing Manager's queue, a process it spawns at
+    the first save (the job's main module imported again) and keeps for the rest of the job; the job saves
+    synchronously, in the saving process, so an in-process queue holds them. A save and load round trip, and no
+    process left."""
+    import multiprocessing
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_glue.capture import models
+
+    models.init_single_process()
+    weight = torch.arange(12.0).reshape(3, 4)
+    sharded = {"w": dist_checkpointing.ShardedTensor.from_rank_offsets("w", weight, replica_id=0)}
+    before = {p.pid for p in multiprocessing.active_children()}
+    dist_checkpointing.save(sharded, str(tmp_path))
+    assert {p.pid for p in multiprocessing.active_children()} == before
+    assert isinstance(filesystem_async._get_write_results_queue(), ta._InProcessResultsQueue)
+    template = {"w": dist_checkpointing.ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4), replica_id=0)}
+    assert torch.equal(dist_checkpointing.load(template, str(tmp_path))["w"], weight)
+    with pytest.raises(TypeError) as info:
+        multiprocessing.get_context("spawn").Process(target=print, args=(ta._WRITE_RESULTS,)).start()
+    assert str(info.value) == (
+        "the checkpoint writer's results queue is in-process (adaptation 'checkpoint_write_results_in_process'): an "
+        "asynchronous save, whose writer runs in another process, needs megatron-core's own queue; revert that "
+        "adaptation to save asynchronously")
