@@ -304,7 +304,8 @@ def test_a_tensorflow_gpt2_evaluates_to_its_hf_conversion_loss(other_families, e
 
 @pytest.mark.training
 @pytest.mark.any_megatron_line
-def test_finetune_compiled_from_the_converted_checkpoint(converted, hf_dir, data_prefix, cache, hf_model, tmp_path):
+def test_finetune_compiled_from_the_converted_checkpoint(converted, hf_dir, data_prefix, cache, hf_model, tmp_path,
+                                                        monkeypatch):
     """20 iterations, every layer compiled (the default): the first step's loss is transformers' on the first
     global batch (the weights are the converted ones until that step's update), and the loss falls. The job
     leaves --kv-channels at its default (the head size model_flags.txt gives), saves, and its checkpoint converts
@@ -313,6 +314,10 @@ def test_finetune_compiled_from_the_converted_checkpoint(converted, hf_dir, data
 
     from megatron_glue.convert import main as convert
 
+    # A compile cache of its own, empty: the training graphs are traced here (from the session's cache, loaded
+    # where an earlier test compiled the same shapes, Dynamo would count none of them, only the evaluation's)
+    compile_cache = tmp_path / "compile_cache"
+    monkeypatch.setenv("NPU_COMPILE_CACHE_DIR", str(compile_cache))
     ckpt = tmp_path / "ckpt"
     flags = job_flags(converted, hf_dir, data_prefix, cache, "--train-iters", "20", "--lr", "1e-3",
                       "--lr-decay-style", "constant", "--eval-iters", "1", "--save", str(ckpt))
@@ -320,7 +325,10 @@ def test_finetune_compiled_from_the_converted_checkpoint(converted, hf_dir, data
     run = pretrain(tmp_path, *flags, base=[]).check()
     losses = run.losses
     assert len(losses) == 20
-    assert run.rows("end")[0]["graphs"] > 0  # compiled
+    # compiled: Dynamo captured graphs, and the training modules' compiles were stored for a restart
+    # (npu_compile.precompile; the evaluation's no-grad graphs are not)
+    assert run.rows("end")[0]["graphs"] > 0
+    assert list((compile_cache / "precompiled").rglob("*.bin")), sorted(compile_cache.rglob("*"))
     args = job_args(flags)
     want = hf_loss(hf_model, job_batches(args, 0, 1))
     print(f"fine-tune: first {losses[0]:.6f} (transformers {want:.6f}, relative "
@@ -375,6 +383,7 @@ def test_enable_hf2mg_convert_starts_from_the_hf_folder(converted, hf_dir, data_
     assert second.rows("validation")[0]["lm loss"] == job
 
 
+@pytest.mark.any_megatron_line  # config.json's model_type against --model-type-hf, read before megatron-core
 def test_enable_hf2mg_convert_refuses_another_family_before_starting(converted, hf_dir, data_prefix, cache, tmp_path):
     run = pretrain(tmp_path, *_hf2mg_flags(hf_dir, converted, hf_dir, data_prefix, cache, "--model-type-hf", "qwen25"),
                    base=[])

@@ -233,6 +233,7 @@ def _one_line_failure(run, code: int) -> str:
     return errors[0]
 
 
+@pytest.mark.any_megatron_line  # the device check at start (megatron_glue/training/device.py), before megatron-core
 def test_hccl_without_torch_npu(tmp_path):
     line = _one_line_failure(pretrain(tmp_path, "--train-iters", "2", "--distributed-backend", "hccl"), 2)
     assert line == ("pretrain_gpt: error: --distributed-backend hccl needs torch_npu and an Ascend NPU, but "

@@ -183,10 +183,12 @@ def test_uniform_recomputes_every_layer_and_block_the_first_n(runs):
 @pytest.mark.slow
 @pytest.mark.training
 def test_block_recomputes_the_first_n_layers_of_each_pipeline_stage(tmp_path):
-    flags = ["--num-layers", "4", "--train-iters", "3", "--eval-iters", "0", "--pipeline-model-parallel-size", "2",
-             "--npu-compile-options", json.dumps({"dump_dir": "dumps", "cache": False})]
-    none = pretrain(tmp_path / "none", *flags, nproc=2).check()
-    block = pretrain(tmp_path / "block", *flags, *RUNS["block"], nproc=2).check()
+    # The reference without recompute runs eager: its numbers are all it is compared on (compiled equals eager at
+    # PP=2 is test_pretrain_layouts'); compiled, it took 6 CPU-seconds more (16 against 10 in a torchrun launch).
+    flags = ["--num-layers", "4", "--train-iters", "3", "--eval-iters", "0", "--pipeline-model-parallel-size", "2"]
+    none = pretrain(tmp_path / "none", *flags, "--no-npu-compile", nproc=2).check()
+    block = pretrain(tmp_path / "block", *flags, *RUNS["block"], "--npu-compile-options",
+                     json.dumps({"dump_dir": "dumps", "cache": False}), nproc=2).check()
     for rank in (0, 1):  # two layers a stage: the first of each recomputed
         assert _layer_graphs(block, rank) == {"forward+backward": 2, "inference": 1}
     assert_close(block.losses, none.losses, 1e-5, "lm loss")

@@ -182,6 +182,7 @@ def test_a_stopped_rank_ends_the_other_within_the_watchdogs_seconds():
 
 
 @pytest.mark.gloo
+@pytest.mark.any_megatron_line  # a plain gloo group and the watchdog, no megatron-core
 def test_a_rank_that_ends_normally_is_not_reported():
     code, out, err, pid, seconds = _run_pair(_eager_all_reduce, "leave", watchdog=2, bound=4 + SLACK_S)
     assert code == 0 and "rank 0 finished alone" in out, err[-3000:]
