@@ -619,8 +619,9 @@ def _graph_copy(gm: torch.fx.GraphModule, args: Sequence[Any]) -> torch.fx.Graph
         return v
 
     for node in copy_.graph.nodes:
-        if "val" in node.meta:
-            node.meta["val"] = torch.utils._pytree.tree_map(remade, node.meta["val"])
+        for field in ("val", "eager_input_vals"):  # the values torch's replacement carries into the model graph
+            if field in node.meta:
+                node.meta[field] = torch.utils._pytree.tree_map(remade, node.meta[field])
     return copy_
 
 
