@@ -14,6 +14,7 @@ the reason. Inductor's global pattern tables and configs are never touched.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import inspect
@@ -21,6 +22,7 @@ import itertools
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -478,7 +480,7 @@ class _Group:
             variant.pattern,
             variant.replacement,
             example,
-            variant.trace_fn,
+            TRACE_CACHE.tracer(variant.rule, variant.pattern, variant.replacement, variant.trace_fn),
             p,
             extra_check=_checked(variant.rule),
             scalar_workaround=dict(variant.rule.scalars),
@@ -499,6 +501,128 @@ class _Group:
                 entry.extra_check = _sizes_as_values(entry.extra_check)
         variant.pass_ = p
         return p
+
+
+# -- the exact re-trace of each match, cached ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TraceCache:
+    """Traces that torch's exact check of a match makes, kept for the next match of the same key.
+
+    register_replacement's check traces the rule's pattern again at each match's shapes (the first match ran
+    with sizes ignored) and, for a match it takes, the replacement at those shapes; a model with one site per
+    layer traces the same graphs once per layer, and each compile of the same shapes again. An entry's key is
+    everything the traced graph depends on: the rule, which function (pattern, pattern with size inputs,
+    replacement) and the trace function (mode, shared-input form), the decomposition table, grad mode and
+    functorch's rng switch, and each argument's type, shape, strides, dtype, device, layout and requires_grad
+    (scalars by value, as traced). A symbolic size is keyed by its expression within its shape environment only
+    (a trace may add guards to that environment, and another one's ``s0`` is another size). A hit hands out a
+    copy (torch rewrites the pattern graph's placeholders); a static entry reused under another fake mode gets
+    its nodes' values made anew under that mode, as later passes compute with them. Arguments of any other kind
+    are traced every time."""
+
+    max_entries: int = 512
+    hits: int = 0
+    misses: int = 0
+    entries: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.hits = self.misses = 0
+
+    def tracer(self, rule: Rule, pattern: Callable[..., Any], replacement: Callable[..., Any],
+               trace_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``trace_fn`` for one variant's register_replacement, with its traces cached."""
+
+        def trace(fn: Callable[..., Any], args: Sequence[Any], *, get_decomp_fn: Callable[[], dict] = decompositions):
+            if fn is pattern:
+                role = "pattern"
+            elif fn is replacement:
+                role = "replacement"
+            elif getattr(fn, "__name__", None) == "search_fn_new":
+                role = "pattern with size inputs"  # torch's wrapper of the pattern taking the SymInts first
+            else:
+                role = None
+            args_key = _trace_key(args) if role is not None else None
+            if args_key is None:
+                return trace_fn(fn, args, get_decomp_fn=get_decomp_fn)
+            key = (rule.name, role, pattern, replacement, trace_fn, get_decomp_fn, torch.is_grad_enabled(),
+                   bool(torch._functorch.config.functionalize_rng_ops), args_key)
+            gm = self.entries.get(key)
+            if gm is None:
+                self.misses += 1
+                gm = trace_fn(fn, args, get_decomp_fn=get_decomp_fn)
+                self.entries[key] = gm
+                if len(self.entries) > self.max_entries:
+                    self.entries.popitem(last=False)
+                return _graph_copy(gm, args)
+            self.hits += 1
+            self.entries.move_to_end(key)
+            return _graph_copy(gm, args)
+
+        return trace
+
+
+TRACE_CACHE = TraceCache()
+_shape_envs: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # shape env -> a number never reused
+
+
+def _trace_key(args: Sequence[Any]) -> tuple | None:
+    """What a trace of ``args`` depends on, or None where an argument is of a kind not keyed (traced each time)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(list(args))
+    envs: set[int] = set()
+
+    def size(v: Any) -> Any:
+        if isinstance(v, torch.SymInt):
+            env = v.node.shape_env
+            if env not in _shape_envs:
+                _shape_envs[env] = next(_env_numbers)
+            envs.add(_shape_envs[env])
+            return ("sym", str(v.node.expr))
+        return int(v)
+
+    key: list[Any] = []
+    for a in leaves:
+        if isinstance(a, torch.Tensor):
+            if a.layout != torch.strided:
+                return None  # no strides to key by (a sparse argument): traced each time
+            key.append((type(a).__name__, tuple(map(size, a.shape)), tuple(map(size, a.stride())),
+                        size(a.storage_offset()), a.dtype, a.device, a.layout, a.requires_grad))
+        elif isinstance(a, torch.SymInt):
+            key.append(size(a))
+        elif a is None or type(a) in (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                      torch.memory_format):
+            key.append((type(a).__name__, repr(a)))
+        else:
+            return None
+    if len(envs) > 1:
+        return None
+    return (str(spec), tuple(key), *envs)
+
+
+_env_numbers = itertools.count()
+
+
+def _graph_copy(gm: torch.fx.GraphModule, args: Sequence[Any]) -> torch.fx.GraphModule:
+    """A copy of a cached trace for one match; node values remade under ``args``' fake mode where another made
+    them (static shapes only: a symbolic entry is only ever reused within its own shape environment)."""
+    copy_ = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    mode = torch._guards.detect_fake_mode(list(args))
+    if mode is None:
+        return copy_
+
+    def remade(v: Any) -> Any:
+        if isinstance(v, torch._subclasses.FakeTensor) and v.fake_mode is not mode:
+            with mode:
+                return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        return v
+
+    for node in copy_.graph.nodes:
+        for field in ("val", "eager_input_vals"):  # the values torch's replacement carries into the model graph
+            if field in node.meta:
+                node.meta[field] = torch.utils._pytree.tree_map(remade, node.meta[field])
+    return copy_
 
 
 def _group(name: str, mode: str) -> _Group:

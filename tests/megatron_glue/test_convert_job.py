@@ -384,12 +384,20 @@ def test_enable_hf2mg_convert_starts_from_the_hf_folder(converted, hf_dir, data_
 
 
 @pytest.mark.any_megatron_line  # config.json's model_type against --model-type-hf, read before megatron-core
-def test_enable_hf2mg_convert_refuses_another_family_before_starting(converted, hf_dir, data_prefix, cache, tmp_path):
-    run = pretrain(tmp_path, *_hf2mg_flags(hf_dir, converted, hf_dir, data_prefix, cache, "--model-type-hf", "qwen25"),
-                   base=[])
-    assert run.returncode == 1, run.output[-3000:]
-    assert f"pretrain_gpt: error: --load {hf_dir}: --model-type-hf qwen2.5 expects config.json model_type qwen2, " \
-           "the config says 'llama'" in run.output
+def test_enable_hf2mg_convert_refuses_another_family_before_starting(converted, hf_dir, data_prefix, cache, tmp_path,
+                                                                    capsys):
+    """The door's own main, in this process: the refusal comes from the check it runs before any process group
+    (at_start.before_start), so no job process needs starting to see it."""
+    from hf_models import process_state_kept
+    from megatron_glue import pretrain_gpt
+
+    flags = _hf2mg_flags(hf_dir, converted, hf_dir, data_prefix, cache, "--model-type-hf", "qwen25")
+    with process_state_kept():  # the job ends the process group: the session's own comes back after
+        code = pretrain_gpt.main([*flags, "--metrics-file", str(tmp_path / "metrics.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    assert err == (f"pretrain_gpt: error: --load {hf_dir}: --model-type-hf qwen2.5 expects config.json model_type "
+                   "qwen2, the config says 'llama'\n")
     assert not (hf_dir / "megatron_cache_tp1pp1_torch").exists()
 
 

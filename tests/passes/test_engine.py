@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import npu_compile
 from npu_compile import passes
@@ -211,3 +212,184 @@ def test_a_rule_registered_twice_is_kept_once_and_comes_back_after_unregister():
         assert RULES[SILU.name] == [SILU]
     finally:
         passes.unregister_rule(SILU.name)
+
+
+# --- torch's exact re-trace of each match, cached (engine.TraceCache) ---
+def _counting_tracer(name="handwritten_silu", pattern=silu_pattern, trace_fn=None):
+    """A TraceCache tracer around a trace function that counts its calls, and the call count."""
+    from npu_compile.passes.engine import TraceCache, trace_training
+
+    calls, cache = [], TraceCache()
+    rule = passes.Rule(**{**SILU.__dict__, "name": name, "pattern": pattern})
+    return cache, cache.tracer(rule, pattern, silu_replacement, _count_into(calls, trace_fn or trace_training)), calls
+
+
+def _fake(mode, shape=(4, 8), stride=None, dtype=torch.float32, device="cpu", requires_grad=True, offset=0):
+    with mode:
+        storage = torch.empty_strided((64,), (1,), dtype=dtype, device=device)
+        t = storage.as_strided(shape, stride or torch.empty(shape).stride(), offset)
+        return t.detach().requires_grad_(requires_grad)
+
+
+def test_a_match_retrace_is_cached_and_handed_out_as_a_copy():
+    from npu_compile.passes.engine import decompositions
+
+    cache, trace, calls = _counting_tracer()
+    mode = FakeTensorMode()
+    first = trace(silu_pattern, [_fake(mode)], get_decomp_fn=decompositions)
+    again = trace(silu_pattern, [_fake(mode)], get_decomp_fn=decompositions)
+    assert len(calls) == 1 and (cache.hits, cache.misses) == (1, 1)
+    code = first.code
+    assert again is not first and again.graph is not first.graph and again.code == code
+    for got in (first, again):  # torch renames the placeholders of the graph it gets
+        next(iter(got.graph.nodes)).target = "renamed"
+        got.recompile()
+        assert trace(silu_pattern, [_fake(mode)], get_decomp_fn=decompositions).code == code
+    # another compile's fake mode: the same graph, its values made anew under that mode
+    other = FakeTensorMode()
+    moved = trace(silu_pattern, [_fake(other)], get_decomp_fn=decompositions)
+    assert len(calls) == 1 and moved.code == code
+    vals = [n.meta["val"] for n in moved.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert vals and all(v.fake_mode is other for v in vals)
+    assert [(v.shape, v.stride(), v.dtype) for v in vals] == [
+        (n.meta["val"].shape, n.meta["val"].stride(), n.meta["val"].dtype)
+        for n in first.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _key_changes() -> dict:
+    """Each field of a cache key changed alone, as overrides of the base call in the test below."""
+    other_pattern = lambda x: x * torch.sigmoid(x)  # noqa: E731  (the same code, another function)
+    return {
+        "shape": dict(args=dict(shape=(2, 8))),  # the same strides
+        "strides": dict(args=dict(stride=(1, 4))),
+        "storage offset": dict(args=dict(offset=8)),
+        "dtype": dict(args=dict(dtype=torch.float64)),
+        "device": dict(args=dict(device="meta")),
+        "requires_grad": dict(args=dict(requires_grad=False)),
+        "a scalar's value": dict(scalar=0.25),
+        "a scalar's type": dict(scalar=2),  # an int read from the graph, where the base call has 2.0
+        "replacement, not pattern": dict(fn="replacement"),
+        "grad mode": dict(grad=False),
+        "functorch's rng switch": dict(rng=True),
+        "decomposition table": dict(decomp=lambda: {}),
+        "rule": dict(name="another_silu"),
+        "pattern function": dict(pattern=other_pattern),
+        "trace function (mode)": dict(trace_fn=_symbolic_trace_too),
+    }
+
+
+def _symbolic_trace(fn, args, *, get_decomp_fn):
+    """A stand-in trace function (the key test counts calls; functorch's rng switch cannot trace on CPU)."""
+    return torch.fx.symbolic_trace(fn)
+
+
+def _symbolic_trace_too(fn, args, *, get_decomp_fn):
+    """Another trace function, as the training and inference ones are."""
+    return torch.fx.symbolic_trace(fn)
+
+
+@pytest.mark.parametrize("field", list(_key_changes()))
+def test_a_change_of_each_key_field_misses_the_cache(field):
+    from npu_compile.passes.engine import TraceCache, decompositions
+
+    cache, mode, calls = TraceCache(), FakeTensorMode(), []
+    base = dict(args={}, scalar=2.0, fn="pattern", grad=True, rng=False, decomp=decompositions, name=SILU.name,
+                pattern=silu_pattern, trace_fn=_symbolic_trace)
+    counting = {}  # trace function -> the same, counting its calls (one object each, as a variant has)
+
+    def call(args, scalar, fn, grad, rng, decomp, name, pattern, trace_fn):
+        if trace_fn not in counting:
+            counting[trace_fn] = _count_into(calls, trace_fn)
+        rule = passes.Rule(**{**SILU.__dict__, "name": name, "pattern": pattern})
+        trace = cache.tracer(rule, pattern, silu_replacement, counting[trace_fn])
+        with torch.set_grad_enabled(grad), torch._functorch.config.patch(functionalize_rng_ops=rng):
+            trace(pattern if fn == "pattern" else silu_replacement, [_fake(mode, **args), scalar], get_decomp_fn=decomp)
+
+    call(**base)
+    call(**base)
+    assert (cache.hits, cache.misses, len(calls)) == (1, 1, 1)
+    changed = {**base, **_key_changes()[field]}
+    call(**changed)
+    assert (cache.hits, cache.misses, len(calls)) == (1, 2, 2), f"a change of {field} hit the cache"
+    call(**changed)
+    assert (cache.hits, len(calls)) == (2, 2), f"the entry for the changed {field} was not kept"
+
+
+def test_symbolic_sizes_hit_only_within_their_shape_environment():
+    """``s0`` of one compile is not ``s0`` of another (and a trace may add guards to its own environment)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from npu_compile.passes.engine import decompositions
+
+    cache, trace, calls = _counting_tracer()
+
+    a, b = _symbolic_fakes(ShapeEnv())
+    trace(silu_pattern, [a], get_decomp_fn=decompositions)
+    trace(silu_pattern, [b], get_decomp_fn=decompositions)
+    assert (cache.hits, len(calls)) == (1, 1)
+    (c,) = _symbolic_fakes(ShapeEnv(), 1)  # also named s0
+    assert str(c.shape[0]) == str(a.shape[0])
+    trace(silu_pattern, [c], get_decomp_fn=decompositions)
+    assert (cache.hits, len(calls)) == (1, 2)
+
+
+def _symbolic_fakes(env, n=2):
+    """``n`` fake (s0, 8) tensors that need grad, ``s0`` one size of ``env`` with the hint 4."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    s0 = env.create_symintnode(env.create_symbol(4, ConstantSource("x"), dynamic_dim=DimDynamic.DYNAMIC), hint=4)
+    with FakeTensorMode(shape_env=env):
+        return [torch.empty_strided((s0, 8), (8, 1)).requires_grad_(True) for _ in range(n)]
+
+
+def _count_into(calls, trace_fn):
+    def counted(fn, args, *, get_decomp_fn):
+        calls.append(fn)
+        return trace_fn(fn, args, get_decomp_fn=get_decomp_fn)
+
+    return counted
+
+
+def test_an_argument_without_strides_is_traced_each_time():
+    from npu_compile.passes.engine import decompositions, trace_training
+
+    cache, trace, calls = _counting_tracer(trace_fn=lambda fn, args, get_decomp_fn: trace_training(
+        fn, [a.to_dense() for a in args], get_decomp_fn=get_decomp_fn))
+    sparse = torch.eye(4).to_sparse().requires_grad_(True)
+    trace(silu_pattern, [sparse], get_decomp_fn=decompositions)
+    trace(silu_pattern, [sparse], get_decomp_fn=decompositions)
+    assert (cache.hits, cache.misses, len(calls)) == (0, 0, 2)
+
+
+def test_layers_at_one_shape_trace_each_match_once_and_train_like_eager(silu_rule):
+    """Two sites of one shape in a graph, compiled twice (another fake mode): the exact re-trace runs for the first
+    site only; the fused graph still computes what eager does."""
+    from npu_compile.passes.engine import TRACE_CACHE
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Mlp(), Mlp()
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    torch.manual_seed(0)
+    m, x = TwoLayers(), torch.randn(4, 16)
+    TRACE_CACHE.clear()
+    for _ in range(2):
+        torch._dynamo.reset()
+        twin = TwoLayers()
+        twin.load_state_dict(m.state_dict())
+        (r,) = npu_compile.explain(twin, x).graphs
+        assert r.fusions["handwritten_silu"] == 2 and "aten.sigmoid" not in r.lowered_ops
+        y = torch.compile(twin, backend="ascend")(x)
+        y.sum().backward()
+    misses = TRACE_CACHE.misses
+    assert misses and TRACE_CACHE.hits >= 3 * misses, (TRACE_CACHE.hits, misses)
+    y0 = m(x)
+    y0.sum().backward()
+    torch.testing.assert_close(y, y0, rtol=1e-6, atol=1e-6)
+    for p, q in zip(twin.parameters(), m.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
