@@ -203,6 +203,46 @@ def whole_model_lines(rows: list[tuple[int, dict, dict, dict, dict, dict, dict, 
     return lines
 
 
+def _table(text: str, header: str) -> list[list[str]]:
+    """The cells of the markdown table whose header row starts with ``header``, one list per row."""
+    lines = text.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def plot(path: Path) -> None:
+    """compile_time.png from the tables in ``path`` as they stand: the job's section and the whole-model section may
+    come from different runs (``--whole-model`` rewrites the second), and the plot shows what the file says."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    text = path.read_text()
+    job = _table(text, "| layers | ascend cold (s)")
+    whole = _table(text, "| layers | regions (s)")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, rows, col, style in (("job, cold", job, 1, "-"), ("job, warm", job, 3, "-"),
+                                    ("inductor cold, per layer", job, 6, "-"),
+                                    ("whole model, regions", whole, 1, "--"), ("whole model, inlined", whole, 6, "--"),
+                                    ("whole model, warm", whole, 10, "--")):
+        xs = [int(r[0]) for r in rows]
+        ax.plot(xs, [float(r[col]) for r in rows], marker="o" if style == "-" else "s", linestyle=style, label=label)
+    ax.set(xlabel="transformer layers", ylabel="first step (s)", xscale="log", title="first-step compile time")
+    ax.minorticks_off()
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=100)
+
+
 WHOLE_PREFIX = "## `adapt()` + `torch.compile(gpt_model)`: the whole model"
 WHOLE_HEADING = f"{WHOLE_PREFIX}, cold and warm"
 
@@ -218,6 +258,7 @@ def whole_model_main(layer_counts: tuple[int, ...] = LAYERS) -> None:
     path = RESULTS / "compile_time.md"
     kept = path.read_text().split("\n" + WHOLE_PREFIX)[0].rstrip("\n").split("\n") if path.exists() else []
     path.write_text("\n".join(kept + whole_model_lines(rows)) + "\n")
+    plot(path)
     print(path.read_text())
 
 
@@ -421,25 +462,7 @@ def main() -> None:
     lines += whole_model_lines(whole_rows)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "compile_time.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        xs = [r[0] for r in rows]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for label, i in (("ascend cold", 1), ("ascend warm", 2), ("inductor cold", 3)):
-            ax.plot(xs, [r[i]["first_step_s"] for r in rows], marker="o", label=label)
-        for label, i in (("whole model, regions", 1), ("whole model, inlined", 2), ("whole model, warm", 6)):
-            ax.plot(xs, [r[i]["first_step_s"] for r in whole_rows], marker="s", linestyle="--", label=label)
-        ax.set(xlabel="transformer layers", ylabel="first step (s)", xscale="log", title="first-step compile time")
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(RESULTS / "compile_time.png", dpi=100)
-    except ImportError:
-        pass
+    plot(RESULTS / "compile_time.md")
     print((RESULTS / "compile_time.md").read_text())
 
 
