@@ -216,6 +216,12 @@ def rule_digest(rule: Any) -> str:
     return known[1]
 
 
+def describe(value: Any) -> str:
+    """``value`` as the keys describe it: the same text in every process where it means the same (functions by
+    their source, defaults and closures; this package's and torch's by name, their versions being in the key)."""
+    return _stable(value, set())
+
+
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 _SCALAR_TYPES = frozenset(_SCALARS)
@@ -344,7 +350,11 @@ class CorruptEntry(Exception):
     pass
 
 
-def _path(key: str) -> Path:
+def _path(key: str, kind: str = "graph") -> Path:
+    """Where an entry goes: a compiled graph's ``<root>/ab/<key>.bin``, a rule's pattern trace (kind ``pattern``,
+    passes/engine.py TraceCache) ``<root>/patterns/ab/<key>.trace``."""
+    if kind == "pattern":
+        return root() / "patterns" / key[:2] / f"{key}.trace"
     return root() / key[:2] / f"{key}.bin"
 
 
@@ -419,14 +429,14 @@ def _decode(data: bytes, fake_mode) -> dict[str, Any]:
     return out
 
 
-def store(key: str, value: dict[str, Any]) -> bool:
+def store(key: str, value: dict[str, Any], kind: str = "graph") -> bool:
     """Write one entry (graphs and plain values); False, logged, when it cannot be written."""
     try:
         payload = pickle.dumps((FORMAT, key, _encode(value)))
     except Exception as e:  # something in the graph that does not pickle: compile on without caching
         log.info("npu_compile cache: not storing %s (%s: %s)", key[:12], type(e).__name__, e)
         return False
-    path = _path(key)
+    path = _path(key, kind)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -438,9 +448,9 @@ def store(key: str, value: dict[str, Any]) -> bool:
         return False
 
 
-def load(key: str, fake_mode) -> tuple[str, dict[str, Any] | None]:
+def load(key: str, fake_mode, kind: str = "graph") -> tuple[str, dict[str, Any] | None]:
     """("hit", value), ("miss", None), or ("rebuilt", None) for an entry that failed a check (removed)."""
-    path = _path(key)
+    path = _path(key, kind)
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

@@ -80,6 +80,9 @@ class Options:
     # npu / npu-sim: lower GeLU to npu_fast_gelu, x·σ(1.702x) — a different function from GeLU, so opt-in only
     fast_gelu: bool = False
     cache: bool = True  # load / store compiled graphs in the persistent cache ($NPU_COMPILE_CACHE_DIR)
+    # keep the fusion rules' pattern traces in the same place: each rule traced once per machine, not per process
+    # (changes no graph: passes/engine.py TraceCache)
+    pattern_cache: bool = True
     # npu / npu-sim: convert each lowered graph with torchair's own code on the CPU (lowering/npu/torchair_check.py,
     # the pinned torch-npu wheel): the verdict in report.json graph_modes, the GE graph text in the dump dir
     torchair_check: bool = False
@@ -94,9 +97,9 @@ class Options:
 
 
 KEYS = tuple(f.name for f in dataclasses.fields(Options))
-# Options that change nothing the compile cache stores (where dumps go, the first call's check, the cache itself):
+# Options that change nothing the compile cache stores (where dumps go, the first call's check, the caches themselves):
 # left out of its key. Every other option is in the key, a new one included unless it is listed here.
-UNKEYED = frozenset({"dump_dir", "verify", "cache", "torchair_check"})
+UNKEYED = frozenset({"dump_dir", "verify", "cache", "pattern_cache", "torchair_check"})
 
 defaults = Options()
 

@@ -106,7 +106,8 @@ def test_cache_off_reads_and_writes_nothing(cache_dir):
 OTHER_VALUE = {"target": "npu-sim", "graph_mode": "eager", "fusions": ("attention",), "memory_budget": 0.5,
                "device_memory": 2**30, "resident_memory": 1, "activation_copies": 2, "overlap": False, "mc2": "off",
                "fast_gelu": True, "recompute": ("activation",), "offload": ("self_attention",)}
-UNKEYED_VALUE = {"dump_dir": "/tmp/dumps", "verify": True, "cache": False, "torchair_check": True}
+UNKEYED_VALUE = {"dump_dir": "/tmp/dumps", "verify": True, "cache": False, "pattern_cache": False,
+                 "torchair_check": True}
 BASE = config.Options(target="reference")
 
 

@@ -15,7 +15,7 @@ def test_defaults_match_design_table():
             opts.verify) == ("auto", "ge", "all", 1.0, True, "auto", None, False)
     assert config.KEYS == ("target", "graph_mode", "fusions", "memory_budget", "device_memory", "resident_memory",
                            "activation_copies", "recompute", "offload", "overlap", "mc2", "dump_dir", "verify",
-                           "fast_gelu", "cache", "torchair_check")
+                           "fast_gelu", "cache", "pattern_cache", "torchair_check")
     assert (opts.device_memory, opts.resident_memory, opts.activation_copies) == (None, 0, 1)
 
 
@@ -25,7 +25,7 @@ def test_unknown_key_names_valid_keys():
     assert str(e.value) == (
         "unknown npu_compile option(s) 'targett'; valid options are "
         "target, graph_mode, fusions, memory_budget, device_memory, resident_memory, activation_copies, recompute, "
-        "offload, overlap, mc2, dump_dir, verify, fast_gelu, cache, torchair_check"
+        "offload, overlap, mc2, dump_dir, verify, fast_gelu, cache, pattern_cache, torchair_check"
     )
 
 

@@ -69,10 +69,10 @@ class Report:
     # stored), "rebuilt" (an entry failed its checks: ignored, compiled again) or "off".
     cache: dict[str, str] = dataclasses.field(default_factory=dict)
     # Seconds this backend spent on the graph, per part (wall clock, summed over forward / backward / inference):
-    # "rule_tracing" (tracing rule patterns a graph needed for the first time in this process), "rule_matching"
-    # (the rest of the fusion rules), "partition" (the min-cut), "aten_stages" (memory order, the target's
-    # stages, overlap), "lowering", "cache" (keys, loads, stores). Dynamo's and aot_autograd's own tracing are
-    # not counted (tlparse / TORCH_LOGS=dynamo show them).
+    # "rule_tracing" (tracing rule patterns, or loading them from the pattern cache, first needed in this
+    # process), "rule_matching" (the rest of the fusion rules), "partition" (the min-cut), "aten_stages" (memory
+    # order, the target's stages, overlap), "lowering", "cache" (keys, loads, stores). Dynamo's and
+    # aot_autograd's own tracing are not counted (tlparse / TORCH_LOGS=dynamo show them).
     compile_s: dict[str, float] = dataclasses.field(default_factory=dict)
     # memory_budget "auto": the budget chosen, the cap, and every budget tried with its planned peak
     budget: dict[str, Any] | None = None
@@ -203,7 +203,7 @@ class Recorder:
                      mode: str) -> tuple[dict[str, int], list[dict[str, str]]]:
         """Apply the fusion rules to one region's graph, timed as ``rules``; counted when the region is named."""
         traced_before = passes.engine.TRACING.seconds
-        with self.timed("rule_matching"):
+        with self.timed("rule_matching"), passes.engine.TRACE_CACHE.persisting(self.opts.pattern_cache):
             counts, unfused = passes.apply_rules(gm, enabled, mode)
         tracing = passes.engine.TRACING.seconds - traced_before
         self.report.compile_s["rule_matching"] = round(self.report.compile_s["rule_matching"] - tracing, 4)

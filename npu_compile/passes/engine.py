@@ -14,9 +14,11 @@ the reason. Inductor's global pattern tables and configs are never touched.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
 import inspect
 import itertools
 import logging
@@ -41,7 +43,10 @@ from torch._inductor.pattern_matcher import (
     register_replacement,
     stable_topological_sort,
 )
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
+
+from npu_compile import cache
 
 log = logging.getLogger("npu_compile")
 
@@ -520,16 +525,38 @@ class TraceCache:
     (a trace may add guards to that environment, and another one's ``s0`` is another size). A hit hands out a
     copy (torch rewrites the pattern graph's placeholders); a static entry reused under another fake mode gets
     its nodes' values made anew under that mode, as later passes compute with them. Arguments of any other kind
-    are traced every time."""
+    are traced every time.
+
+    While :meth:`persisting` is on (option ``pattern_cache``, the default), a static entry also goes to the
+    persistent compile cache (``npu_compile.cache``), and a miss here looks there before tracing: a rule's
+    patterns are traced once per machine, not once per process (every rank, every restart, every test worker).
+    On disk an entry is keyed by what the trace depends on in any process: the rule by its digest (the compile
+    cache's ``rule_digest``: its functions by source, defaults and closures, a user's rule included), the traced
+    function, trace function and decomposition table by the same description, grad mode, functorch's rng switch,
+    autocast, the default dtype, the arguments' key as above, and the versions of torch, megatron-core and this
+    package (its source digest). Symbolic entries stay in memory only. ``misses`` counts both (a trace or a
+    load); ``loaded`` the entries read from disk, ``stored`` those written."""
 
     max_entries: int = 512
     hits: int = 0
     misses: int = 0
+    loaded: int = 0
+    stored: int = 0
+    persist: bool = False
     entries: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
 
     def clear(self) -> None:
         self.entries.clear()
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.loaded = self.stored = 0
+
+    @contextlib.contextmanager
+    def persisting(self, on: bool) -> Iterator[None]:
+        """Static traces kept in (and read from) the persistent compile cache inside the block when ``on``."""
+        saved, self.persist = self.persist, on
+        try:
+            yield
+        finally:
+            self.persist = saved
 
     def tracer(self, rule: Rule, pattern: Callable[..., Any], replacement: Callable[..., Any],
                trace_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -552,7 +579,12 @@ class TraceCache:
             gm = self.entries.get(key)
             if gm is None:
                 self.misses += 1
-                gm = trace_fn(fn, args, get_decomp_fn=get_decomp_fn)
+                disk_key = self._disk_key(rule, fn, trace_fn, get_decomp_fn, role, args_key) if self.persist else None
+                gm = self._load(disk_key, args) if disk_key is not None else None
+                if gm is None:
+                    gm = trace_fn(fn, args, get_decomp_fn=get_decomp_fn)
+                    if disk_key is not None and cache.store(disk_key, {"gm": gm}, kind="pattern"):
+                        self.stored += 1
                 self.entries[key] = gm
                 if len(self.entries) > self.max_entries:
                     self.entries.popitem(last=False)
@@ -562,6 +594,29 @@ class TraceCache:
             return _graph_copy(gm, args)
 
         return trace
+
+    @staticmethod
+    def _disk_key(rule: Rule, fn: Callable[..., Any], trace_fn: Callable[..., Any],
+                  get_decomp_fn: Callable[..., Any], role: str, args_key: tuple) -> str | None:
+        """The persistent cache's key of one trace, or None for a symbolic one (kept in memory only)."""
+        if len(args_key) != 2:  # a shape environment's number follows the static part
+            return None
+        described = cache.describe((fn, trace_fn, get_decomp_fn))
+        autocast = [(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                    for device in ("cpu", "cuda")]
+        h = hashlib.sha256(repr((cache.FORMAT, "pattern trace", cache.versions(), cache.rule_digest(rule), role,
+                                 described, torch.is_grad_enabled(),
+                                 bool(torch._functorch.config.functionalize_rng_ops), autocast,
+                                 torch.get_default_dtype(), args_key)).encode())
+        return h.hexdigest()
+
+    def _load(self, disk_key: str, args: Sequence[Any]) -> torch.fx.GraphModule | None:
+        mode = torch._guards.detect_fake_mode(list(args)) or FakeTensorMode()
+        _, entry = cache.load(disk_key, mode, kind="pattern")
+        if entry is None or not isinstance(entry.get("gm"), torch.fx.GraphModule):
+            return None
+        self.loaded += 1
+        return entry["gm"]
 
 
 TRACE_CACHE = TraceCache()

@@ -393,3 +393,132 @@ def test_layers_at_one_shape_trace_each_match_once_and_train_like_eager(silu_rul
     torch.testing.assert_close(y, y0, rtol=1e-6, atol=1e-6)
     for p, q in zip(twin.parameters(), m.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
+# --- the pattern traces in the persistent cache (TraceCache.persisting, option pattern_cache) ---
+def _compile_silu_mlp(m, x):
+    """A new process as far as the silu rule goes: its variants untraced, no trace in memory; the compiled twin's
+    output and gradients, and the cache's counts."""
+    from npu_compile.passes import engine
+
+    for key in [k for k in engine._groups if k[0] == SILU.name]:
+        del engine._groups[key]
+    engine.TRACE_CACHE.clear()
+    torch._dynamo.reset()
+    twin = Mlp()
+    twin.load_state_dict(m.state_dict())
+    y = torch.compile(twin, backend="ascend")(x)
+    y.sum().backward()
+    c = engine.TRACE_CACHE
+    return (c.misses, c.stored, c.loaded), y, [p.grad for p in twin.parameters()]
+
+
+def test_pattern_traces_are_stored_and_a_new_process_loads_them(silu_rule, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("NPU_COMPILE_CACHE_DIR", str(tmp_path))
+    m, x = Mlp(), torch.randn(4, 16)
+    y0 = m(x)
+    y0.sum().backward()
+    (misses, stored, loaded), y1, g1 = _compile_silu_mlp(m, x)
+    assert misses > 0 and (stored, loaded) == (misses, 0)  # the pattern and each match's exact re-trace
+    files = sorted((tmp_path / "patterns").rglob("*.trace"))
+    assert len(files) == stored and not list(tmp_path.rglob("*.bin"))  # option cache is off here, this is not
+    counts, y2, g2 = _compile_silu_mlp(m, x)
+    assert counts == (misses, 0, misses)  # nothing traced
+    for y, grads in ((y1, g1), (y2, g2)):
+        torch.testing.assert_close(y, y0, rtol=1e-6, atol=1e-6)
+        for g, p in zip(grads, m.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-6)
+    # an entry that fails its checks is ignored, removed and traced again
+    for f in files:
+        f.write_bytes(b"not an entry")
+    with caplog.at_level("WARNING", logger="npu_compile"):
+        counts, y3, _ = _compile_silu_mlp(m, x)
+    assert counts == (misses, misses, 0)
+    assert "npu_compile cache: ignoring entry" in caplog.text and "not a cache entry" in caplog.text
+    torch.testing.assert_close(y3, y0, rtol=1e-6, atol=1e-6)
+
+
+def test_pattern_cache_off_writes_and_reads_nothing(silu_rule, tmp_path, monkeypatch):
+    from npu_compile import config
+
+    monkeypatch.setenv("NPU_COMPILE_CACHE_DIR", str(tmp_path))
+    m, x = Mlp(), torch.randn(4, 16)
+    _compile_silu_mlp(m, x)
+    with config.patch(pattern_cache=False):
+        (misses, stored, loaded), _, _ = _compile_silu_mlp(m, x)
+    assert misses > 0 and (stored, loaded) == (0, 0)
+
+
+def _disk_key_contexts() -> dict:
+    """Each part of a persistent trace key changed alone: (overrides of the base arguments, a context to call in)."""
+    import contextlib
+
+    from npu_compile.passes.engine import trace_inference
+
+    def other_replacement(x):
+        return torch.nn.functional.silu(x) + 0
+
+    def default_dtype():
+        stack = contextlib.ExitStack()
+        stack.callback(torch.set_default_dtype, torch.get_default_dtype())
+        torch.set_default_dtype(torch.float64)
+        return stack
+
+    none = contextlib.nullcontext
+    return {
+        "rule's name": ({"rule": passes.Rule(**{**SILU.__dict__, "name": "another_silu"})}, none),
+        "rule's replacement source": ({"rule": passes.Rule(**{**SILU.__dict__, "replacement": other_replacement})},
+                                      none),
+        "traced function": ({"fn": silu_replacement}, none),
+        "role": ({"role": "replacement"}, none),
+        "trace function": ({"trace_fn": trace_inference}, none),
+        "decomposition table": ({"decomp": lambda: {}}, none),
+        "arguments": ({"args": [torch.empty(4, 8, dtype=torch.float64, requires_grad=True)]}, none),
+        "grad mode": ({}, torch.no_grad),
+        "functorch's rng switch": ({}, lambda: torch._functorch.config.patch(functionalize_rng_ops=True)),
+        "autocast": ({}, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+        "default dtype": ({}, default_dtype),
+    }
+
+
+@pytest.mark.parametrize("field", [*_disk_key_contexts(), "versions"])
+def test_each_part_of_a_persistent_trace_key_changes_it(field, monkeypatch):
+    from npu_compile import cache
+    from npu_compile.passes.engine import TraceCache, _trace_key, decompositions, trace_training
+
+    def key(rule=SILU, fn=silu_pattern, trace_fn=trace_training, decomp=decompositions, role="pattern",
+            args=(torch.empty(4, 8, requires_grad=True),)):
+        return TraceCache._disk_key(rule, fn, trace_fn, decomp, role, _trace_key(list(args)))
+
+    base = key()
+    assert key() == base  # the same in one process (and in another: the next test)
+    if field == "versions":
+        monkeypatch.setattr(cache, "versions", lambda: ("torch another",))
+        assert key() != base
+        return
+    overrides, context = _disk_key_contexts()[field]
+    with context():
+        assert key(**overrides) != base
+
+
+def test_a_persistent_trace_key_is_the_same_in_another_process():
+    """No address or id in the key: a builtin rule's pattern key worked out here and in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from npu_compile.passes import RULES\n"
+        "from npu_compile.passes.engine import TraceCache, _trace_key, decompositions, trace_training\n"
+        "rule = RULES['rms_norm'][0]\n"
+        "print(TraceCache._disk_key(rule, rule.pattern, trace_training, decompositions, 'pattern',"
+        " _trace_key(list(next(iter(rule.example_inputs()))))))\n"
+    )
+    from npu_compile.passes import RULES
+    from npu_compile.passes.engine import TraceCache, _trace_key, decompositions, trace_training
+
+    rule = RULES["rms_norm"][0]
+    here = TraceCache._disk_key(rule, rule.pattern, trace_training, decompositions, "pattern",
+                                _trace_key(list(next(iter(rule.example_inputs())))))
+    there = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert there.stdout.split()[-1] == here
