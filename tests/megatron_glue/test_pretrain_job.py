@@ -182,7 +182,7 @@ def test_mindspeed_switches_name_fusions():
         "pretrain_gpt: error: --npu-compile-options: unknown npu_compile option(s) 'budget'; valid options are "
         "target, graph_mode, fusions, memory_budget, device_memory, resident_memory, activation_copies, recompute, "
         "offload, overlap, "
-        "mc2, dump_dir, verify, fast_gelu, cache, torchair_check")
+        "mc2, dump_dir, verify, fast_gelu, cache, pattern_cache, torchair_check")
 
 
 def test_use_ascend_mc2_is_mc2_on_and_needs_sequence_parallel_at_tp_above_1():
