@@ -81,6 +81,7 @@ bench: $(STAMP)
 	$(PY) -m bench.reference_kernels
 	$(PY) -m bench.compile_time
 	$(PY) -m bench.compile_time --phases
+	$(PY) -m bench.pattern_cache
 	$(PY) -m bench.memory_fit
 	$(PY) -m bench.fused_loss
 	$(PY) -m bench.step_time

@@ -44,6 +44,7 @@ import os
 import pickle
 import re
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -417,7 +418,11 @@ def _decode(data: bytes, fake_mode) -> dict[str, Any]:
     out = {}
     for name, part in pickle.loads(data).items():
         if part[0] == "graph":
-            gm = GraphPickler.loads(part[1], fake_mode)
+            with warnings.catch_warnings():
+                # torch 2.13's own unpickler of a graph's pytree specs warns of its own deprecated LeafSpec check
+                warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                        category=FutureWarning)
+                gm = GraphPickler.loads(part[1], fake_mode)
             if not isinstance(gm, torch.fx.GraphModule):
                 raise CorruptEntry(f"{name} is no GraphModule")
             gm.meta.update(pickle.loads(part[2]))

@@ -354,3 +354,18 @@ def test_this_packages_rules_are_keyed_by_their_place_in_the_registry():
         assert fewer[0] != first[0] and fewer[1] != first[1]
     finally:
         assert registry(saved[family]) == first
+
+
+def test_a_graph_with_pytree_inputs_loads_without_torchs_own_deprecation_warning(cache_dir):
+    """torch 2.13's unpickler of a graph's pytree specs warns of its own deprecated ``LeafSpec`` check, once per
+    process that loads such a graph (a job's every rank): nothing a user can act on, so not shown."""
+    import warnings
+
+    traced = make_fx(lambda d: d["a"] + 1)({"a": torch.ones(2)})
+    assert type(traced.graph._codegen).__name__ == "_PyTreeCodeGen"
+    assert cache.store("a" * 64, {"gm": traced})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, entry = cache.load("a" * 64, cache.fake_mode_of([]))
+    assert state == "hit" and entry["gm"]({"a": torch.ones(2)}).tolist() == [2.0, 2.0]
+    assert [str(w.message) for w in caught] == []

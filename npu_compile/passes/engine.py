@@ -534,8 +534,9 @@ class TraceCache:
     cache's ``rule_digest``: its functions by source, defaults and closures, a user's rule included), the traced
     function, trace function and decomposition table by the same description, grad mode, functorch's rng switch,
     autocast, the default dtype, the arguments' key as above, and the versions of torch, megatron-core and this
-    package (its source digest). Symbolic entries stay in memory only. ``misses`` counts both (a trace or a
-    load); ``loaded`` the entries read from disk, ``stored`` those written."""
+    package (its source digest). Symbolic entries stay in memory only, and so do traces holding a collective (its
+    group name is this process's: the vocab-parallel loss traces with the TP group of the first graph it meets).
+    ``misses`` counts both (a trace or a load); ``loaded`` the entries read from disk, ``stored`` those written."""
 
     max_entries: int = 512
     hits: int = 0
@@ -583,7 +584,8 @@ class TraceCache:
                 gm = self._load(disk_key, args) if disk_key is not None else None
                 if gm is None:
                     gm = trace_fn(fn, args, get_decomp_fn=get_decomp_fn)
-                    if disk_key is not None and cache.store(disk_key, {"gm": gm}, kind="pattern"):
+                    if disk_key is not None and not _names_a_group(gm) \
+                            and cache.store(disk_key, {"gm": gm}, kind="pattern"):
                         self.stored += 1
                 self.entries[key] = gm
                 if len(self.entries) > self.max_entries:
@@ -620,6 +622,14 @@ class TraceCache:
 
 
 TRACE_CACHE = TraceCache()
+# Ops whose arguments name a process group: a trace holding one depends on this process's groups (the vocab-parallel
+# loss traces its pattern with the TP group of the graph it first met, passes/cross_entropy.py), so it is not stored.
+_GROUP_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor"})
+
+
+def _names_a_group(gm: torch.fx.GraphModule) -> bool:
+    return any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in _GROUP_NAMESPACES
+               for n in gm.graph.nodes if n.op == "call_function")
 _shape_envs: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # shape env -> a number never reused
 
 

@@ -522,3 +522,26 @@ def test_a_persistent_trace_key_is_the_same_in_another_process():
                                 _trace_key(list(next(iter(rule.example_inputs())))))
     there = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert there.stdout.split()[-1] == here
+
+
+def test_a_trace_holding_a_collective_stays_in_memory(tmp_path, monkeypatch):
+    """A collective's group name is this process's (the vocab-parallel loss traces with the TP group of the first
+    graph it meets): such a trace is never stored, where the same trace without it is."""
+    from npu_compile.passes.engine import TraceCache, decompositions
+
+    monkeypatch.setenv("NPU_COMPILE_CACHE_DIR", str(tmp_path))
+    c10d = torch.ops._c10d_functional
+
+    def reduced(x):
+        return c10d.wait_tensor.default(c10d.all_reduce.default(torch.sigmoid(x), "sum", "this_process_tp_group"))
+
+    def traced(fn, args, *, get_decomp_fn):
+        return torch.fx.symbolic_trace(fn)
+
+    for pattern, stored in ((reduced, 0), (silu_pattern, 1)):
+        cache = TraceCache(persist=True)
+        rule = passes.Rule(**{**SILU.__dict__, "pattern": pattern})
+        gm = cache.tracer(rule, pattern, silu_replacement, traced)(pattern, [torch.empty(4, 8)],
+                                                                   get_decomp_fn=decompositions)
+        assert (any(n.target is c10d.all_reduce.default for n in gm.graph.nodes), cache.stored) == (not stored, stored)
+    assert len(list((tmp_path / "patterns").rglob("*.trace"))) == 1
