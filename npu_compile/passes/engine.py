@@ -628,8 +628,30 @@ _GROUP_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_fun
 
 
 def _names_a_group(gm: torch.fx.GraphModule) -> bool:
-    return any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in _GROUP_NAMESPACES
-               for n in gm.graph.nodes if n.op == "call_function")
+    """Whether a trace holds something of this process's process groups: a c10d op, a string argument its op's
+    schema names a group (``group_name: str``, as npu_compile::vocab_parallel_linear_cross_entropy takes), or a
+    string that is the name of a group registered here. Group names are numbers handed out in creation order, so
+    another process (another layout, another rank) reads the same name as another group or none."""
+    registered: set[str] = set()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        registered = {name for name in torch.distributed.distributed_c10d._world.pg_names.values()
+                      if isinstance(name, str)}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        op = getattr(n.target, "_opoverload", n.target)  # a torch.library.custom_op called as itself
+        if isinstance(op, torch._ops.OpOverload):
+            if op.namespace in _GROUP_NAMESPACES:
+                return True
+            for arg in op._schema.arguments:
+                if "group" in arg.name and isinstance(arg.type, torch.StringType):
+                    return True
+        if registered and any(isinstance(v, str) and v in registered
+                              for v in torch.utils._pytree.tree_leaves((n.args, n.kwargs))):
+            return True
+    return False
+
+
 _shape_envs: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # shape env -> a number never reused
 
 
