@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npu_compile
+from hypothesis_forms import each_form, shifted  # tests/, on sys.path as its conftest's folder
 
 DTYPES = (torch.float32, torch.bfloat16)
 RULES = ("bias_gelu", "swiglu")
@@ -26,11 +27,12 @@ def megatron_fusions():
 # ==== properties: random shapes and dtypes, compiled against eager ============================================
 
 @st.composite
-def bias_gelu_cases(draw):
+def bias_gelu_cases(draw, forms=None, shift=0):
     """(form, x, bias, no_grad): x of rank 1-3, a bias over its last dim ([h] or keepdims), either or both
     needing grad, fp32 or bf16; run for training or under no_grad (the inference graph)."""
+    shifted(draw, shift)
     dtype = draw(st.sampled_from(DTYPES))
-    form = draw(st.sampled_from(["gelu", "gelu_tanh", "megatron", *NEW_GELUS, *(f"{f} no bias" for f in NEW_GELUS)]))
+    form = draw(st.sampled_from(forms or BIAS_GELU_FORMS))
     shape = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
     x_grad, bias_grad = draw(st.sampled_from([(True, True), (True, False), (False, True)]))
     bias_shape = [1] * (len(shape) - 1) * draw(st.booleans()) + shape[-1:]
@@ -47,6 +49,7 @@ NEW_GELUS = {
     "cube": lambda x: 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * (x * x * x)))),
     "cube_left": lambda x: 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))),
 }
+BIAS_GELU_FORMS = ("gelu", "gelu_tanh", "megatron", *NEW_GELUS, *(f"{f} no bias" for f in NEW_GELUS))
 
 
 def bias_gelu_fn(form):
@@ -78,11 +81,15 @@ GELU_LEFT_TAIL = ("gelu", torch.linspace(-5.8, -2.7, 16).reshape(2, 8).requires_
                   torch.zeros(8).requires_grad_(), False)
 
 
-@settings(max_examples=50, deadline=None)
-@given(case=bias_gelu_cases())
-@example(case=GELU_LEFT_TAIL)
-def test_bias_gelu_equals_eager(case, against_eager):
-    check_bias_gelu(case, against_eager)
+@each_form(BIAS_GELU_FORMS)
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_bias_gelu_equals_eager(form, shift, data, against_eager):
+    check_bias_gelu(data.draw(bias_gelu_cases((form,), shift)), against_eager)
+
+
+def test_bias_gelu_left_tail_equals_eager(against_eager):
+    check_bias_gelu(GELU_LEFT_TAIL, against_eager)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -104,11 +111,15 @@ def test_linear_with_bias_then_gelu_splits_the_addmm(dtype, shape, approximate, 
     assert ops.get("npu_compile.bias_gelu_backward", 0) == (grads != "no_grad")
 
 
+SWIGLU_FORMS = ("chunk", "megatron_glu", "megatron", "megatron_bias")
+
+
 @st.composite
-def swiglu_cases(draw):
+def swiglu_cases(draw, forms=SWIGLU_FORMS, shift=0):
     """(form, inputs, no_grad): x of rank 1-3 (Megatron's bias_swiglu_impl: 2-3) with an even last dim."""
+    shifted(draw, shift)
     dtype = draw(st.sampled_from(DTYPES))
-    form = draw(st.sampled_from(["chunk", "megatron_glu", "megatron", "megatron_bias"]))
+    form = draw(st.sampled_from(forms))
     rank = draw(st.integers(2, 3) if form in ("megatron", "megatron_bias") else st.integers(1, 3))
     shape = draw(st.lists(st.integers(1, 4), min_size=rank - 1, max_size=rank - 1)) + [2 * draw(st.integers(1, 4))]
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
@@ -143,21 +154,26 @@ def check_swiglu(case, against_eager):
     assert "npu_compile.swiglu" in run.report.lowered_ops
 
 
-@settings(max_examples=50, deadline=None)
-@given(case=swiglu_cases())
-def test_swiglu_equals_eager(case, against_eager):
-    check_swiglu(case, against_eager)
+@each_form(SWIGLU_FORMS)
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_swiglu_equals_eager(form, shift, data, against_eager):
+    check_swiglu(data.draw(swiglu_cases((form,), shift)), against_eager)
 
 
 # ---- SwiGLU of two projections (HF's Llama-style MLPs) and up · silu(gate) (Phi-3) -----------------------
 
+TWO_PROJECTION_FORMS = ("linears", "linears_up_first", "linears_bias", "phi3", "pair")
+
+
 @st.composite
-def two_projection_cases(draw):
+def two_projection_cases(draw, forms=TWO_PROJECTION_FORMS, shift=0):
     """(fn, inputs, no_grad, form): ``silu(gate(x)) · up(x)`` with two linears (either factor first, with or
     without biases; x of rank 2 or 3; x, weights and biases with or without grad, or no_grad), Phi-3's
     ``up · silu(gate)`` on the halves of one projection, or (inference) ``silu(a) · b`` of any two tensors."""
+    shifted(draw, shift)
     dtype = draw(st.sampled_from(DTYPES))
-    form = draw(st.sampled_from(["linears", "linears_up_first", "linears_bias", "phi3", "pair"]))
+    form = draw(st.sampled_from(forms))
     lead = draw(st.lists(st.integers(1, 4), min_size=1, max_size=2))
     # at least 2 features in and out: a projection to or from one feature is no model's MLP, and with one row
     # its [1, 1] products trace other views than the rule's examples
@@ -202,10 +218,11 @@ def check_two_projection_swiglu(case, against_eager):
         assert ops["aten.cat"] == (1 if no_grad else 1 + (form == "linears_bias"))
 
 
-@settings(max_examples=40, deadline=None)
-@given(case=two_projection_cases())
-def test_two_projection_swiglu_equals_eager(case, against_eager):
-    check_two_projection_swiglu(case, against_eager)
+@each_form(TWO_PROJECTION_FORMS)
+@settings(max_examples=5, deadline=None)
+@given(data=st.data())
+def test_two_projection_swiglu_equals_eager(form, shift, data, against_eager):
+    check_two_projection_swiglu(data.draw(two_projection_cases((form,), shift)), against_eager)
 
 
 @pytest.mark.fuzz

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npu_compile
+from hypothesis_forms import each_form, shifted  # tests/, on sys.path as its conftest's folder
 from megatron_glue.capture.testing import megatron_cpu  # noqa: F401  (fixture)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -104,21 +105,24 @@ def block(norm, site):
 FP32_WEIGHT_FORMS = ("module", "functional")
 
 
+NORM_FORMS = (*(("rms", f) for f in RMS_FORMS), ("layer", "module"), ("layer", "functional"))
+
+
 @st.composite
-def norm_cases(draw):
+def norm_cases(draw, forms=NORM_FORMS, shift=0):
     """(name, fn, inputs, no_grad, expected rule): x of rank 2-4, the norm over the last dim (2-D norms for the
     functional forms), fp32, bf16 or fp16, weight (and bias) in x's dtype or, for torch's norms on bf16/fp16,
     in fp32, with or without grad; the sum of an fp32 residual stream; run for training or under no_grad (the
     inference graph)."""
+    shifted(draw, shift)
     dtype = draw(st.sampled_from(DTYPES))
-    family = draw(st.sampled_from(["rms", "layer"]))
+    family, form = draw(st.sampled_from(forms))
     sites = ("alone", "shared", "residual", "last") if family == "rms" else ("residual", "last")
     if dtype != torch.float32:
         sites += ("fp32_stream", "fp32_stream_swapped")
     site = draw(st.sampled_from(sites))
     stream = site.startswith("fp32_stream")
     # in an fp32 stream the norm sees fp32: the hand-written forms then normalize as in fp32 (Llama's alike)
-    form = draw(st.sampled_from(RMS_FORMS if family == "rms" else ("module", "functional")))
     fp32_weight = stream or (dtype != torch.float32 and form in FP32_WEIGHT_FORMS and draw(st.booleans()))
     affine_dtype = torch.float32 if fp32_weight else dtype
     normalized = 2 if form == "functional" and draw(st.integers(0, 3)) == 0 else 1
@@ -156,10 +160,11 @@ def check_norm(case, against_eager):
     assert f"npu_compile.{rule}" in run.report.lowered_ops
 
 
-@settings(max_examples=80, deadline=None)
-@given(case=norm_cases())
-def test_norm_rules_equal_eager(case, against_eager):
-    check_norm(case, against_eager)
+@each_form(NORM_FORMS)
+@settings(max_examples=5, deadline=None)
+@given(data=st.data())
+def test_norm_rules_equal_eager(form, shift, data, against_eager):
+    check_norm(data.draw(norm_cases((form,), shift)), against_eager)
 
 
 @pytest.mark.fuzz
