@@ -535,12 +535,31 @@ def rel_error(a, b):
     return 0.0 if b.numel() == 0 else ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-# structures × examples per structure: each family >= 200 examples, a compile per structure
-FAMILY_RUNS = {"written_out": (20, 12), "sdpa": (16, 13), "megatron": (10, 20)}
+# structures × examples per structure: each family >= 200 examples, a compile per structure (its cost: an example
+# after it is a run of the compiled graph at another length); every value of every axis held by some structure
+FAMILY_RUNS = {"written_out": (12, 20), "sdpa": (16, 13), "megatron": (7, 30)}
 STRUCTURES = {style: structures(style, count) for style, (count, _) in FAMILY_RUNS.items()}
 
 
-@pytest.mark.parametrize("structure", STRUCTURES["written_out"], ids=str)
+# Gaps the structures above found, each a strict xfail (it fails today; a fix makes it pass and the mark must go):
+KNOWN_GAPS = {
+    # one query row (decode) over GQA keys repeated by expand, behind a padding mask filled in: left unfused ("no
+    # attention pattern matched the ops around it"), training and inference, fp32 and bf16; fused with the mask
+    # left out, with repeat_interleave, with an additive mask, or at sq == sk
+    "bf16-training-b1-kv1x2-d8-padding-bnsd->bsnd-decode-per_key=True-repeat=expand-key_dims=(-2,-1)-divide=True-"
+    "fill=-inf": "decode + GQA by expand + a filled padding mask: left unfused",
+    # head dim 4, two keys, bf16: q's gradient 3.8e-2 from float64 where eager's is 1.7e-2 (allowed: eager's plus
+    # 2 bf16 ulps, 2.4e-2); not diagnosed
+    "bf16-training-b1-kv1x1-d4-none-bnsd-self-default_mask=False": "bf16 grad q at d 4 over 2 keys: over tolerance",
+}
+
+
+def _marked(structures: list) -> list:
+    return [pytest.param(s, id=str(s), marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[str(s)])]
+                         if str(s) in KNOWN_GAPS else []) for s in structures]
+
+
+@pytest.mark.parametrize("structure", _marked(STRUCTURES["written_out"]))
 def test_written_out_attention_equals_eager(structure):
     check_structure("written_out", structure, settings(max_examples=FAMILY_RUNS["written_out"][1], deadline=None))
 
@@ -550,7 +569,7 @@ def test_sdpa_equals_eager(structure):
     check_structure("sdpa", structure, settings(max_examples=FAMILY_RUNS["sdpa"][1], deadline=None))
 
 
-@pytest.mark.parametrize("structure", STRUCTURES["megatron"], ids=str)
+@pytest.mark.parametrize("structure", _marked(STRUCTURES["megatron"]))
 def test_megatron_core_attention_equals_eager(structure, megatron_cpu):
     check_structure("megatron", structure, settings(max_examples=FAMILY_RUNS["megatron"][1], deadline=None))
 
