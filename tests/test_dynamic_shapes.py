@@ -183,3 +183,32 @@ def test_mark_dynamic_sequence_compiles_once_and_keeps_every_fusion(target):
     assert worst <= TOLERANCE, worst
     memory = reports[0].memory  # planned at the size hint, never guarded on
     assert memory["peak_bytes_after"] > 0 and memory["saved_activation_bytes"] > 0, memory
+
+
+
+def test_two_size_inputs_of_one_symbol_read_as_one():
+    """Dynamo passes a size per source: a key length the model's ``torch._check`` equated with the value length
+    reaches the backend as a second size input of the same symbol. Every size node is made to read the first
+    (engine.canonical_sizes), so a pattern taking one size input matches across both. Without it, written-out
+    attention of a decode step over GQA keys repeated by ``expand`` with a padding mask filled in was left
+    unfused at a symbolic number of keys (its structure in tests/passes/test_attention.py)."""
+    import operator
+
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from npu_compile.passes.engine import canonical_sizes
+
+    env = ShapeEnv(duck_shape=False)  # one symbol per source, as two inputs marked dynamic get
+    values, keys = (env.create_symintnode(env.create_symbol(5, ConstantSource(name)), hint=5)
+                    for name in ("values", "keys"))
+    assert str(keys.node.expr) != str(values.node.expr)
+    torch._check(keys == values)  # the model's check: one symbol from here on
+    graph = torch.fx.Graph()
+    first, second = graph.placeholder("values_len"), graph.placeholder("keys_len")
+    first.meta["val"], second.meta["val"] = values, keys
+    doubled = graph.call_function(operator.mul, (second, 2))
+    doubled.meta["val"] = keys * 2
+    graph.output(doubled)
+    canonical_sizes(graph)
+    assert doubled.args == (first, 2) and not second.users

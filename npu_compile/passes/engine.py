@@ -222,7 +222,9 @@ def canonical_sizes(graph: torch.fx.Graph) -> None:
     ``sym_stride(baddbmm, 0)`` for the strides of a copied-back view) is one more user of that tensor, outside
     any pattern, which stops a match from taking the tensor. Here every SymInt-valued node is replaced by the
     first node of the same expression, and a size read off a non-input tensor by that expression built from the
-    inputs' symbols. A static graph has no SymInt nodes and is left as it is. Data-dependent sizes (unbacked
+    inputs' symbols; a size input whose expression an earlier size input has (two sources Dynamo passes as two
+    inputs, one symbol after a ``torch._check`` equated them) is read as that earlier one. A static graph has no
+    SymInt nodes and is left as it is. Data-dependent sizes (unbacked
     symbols: an MoE layer's tokens per expert) are left as they are: each node reading one may be where the
     partitioner finds the symbol bound, and no pattern takes them as inputs."""
     from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
@@ -237,9 +239,16 @@ def canonical_sizes(graph: torch.fx.Graph) -> None:
     seen: dict[Any, torch.fx.Node] = {}  # expression -> the first node of the graph computing it
     for n in nodes:
         v = n.meta.get("val")
-        if not isinstance(v, torch.SymInt) or n.op == "placeholder" or free_unbacked_symbols(v):
+        if not isinstance(v, torch.SymInt) or free_unbacked_symbols(v):
             continue
         expr = v.node.expr
+        if n.op == "placeholder":
+            # a second size input of the same expression (Dynamo passes one per source: a key length the model's
+            # torch._check equated with the value length stays an input of its own) reads as the first
+            first = sizes.by_expr.get(expr)
+            if isinstance(first, torch.fx.Node) and first is not n:
+                n.replace_all_uses_with(first)
+            continue
         same = sizes.get(v) if expr in sizes.by_expr else seen.get(expr)
         if same is None and n.target in _SIZE_READS and n.args[0].op != "placeholder" and free_symbols(v) <= known:
             same = sizes.get(v)  # built from the inputs' symbols

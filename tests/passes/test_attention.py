@@ -543,11 +543,6 @@ STRUCTURES = {style: structures(style, count) for style, (count, _) in FAMILY_RU
 
 # Gaps the structures above found, each a strict xfail (it fails today; a fix makes it pass and the mark must go):
 KNOWN_GAPS = {
-    # one query row (decode) over GQA keys repeated by expand, behind a padding mask filled in: left unfused ("no
-    # attention pattern matched the ops around it"), training and inference, fp32 and bf16; fused with the mask
-    # left out, with repeat_interleave, with an additive mask, at sq == sk, or with a static number of keys
-    "bf16-training-b1-kv1x2-d8-padding-bnsd->bsnd-decode-per_key=True-repeat=expand-key_dims=(-2,-1)-divide=True-"
-    "fill=-inf": "decode + GQA by expand + a filled padding mask: left unfused",
     # head dim 4, two keys, bf16: q's gradient 3.8e-2 from float64 where eager's is 1.7e-2 (allowed: eager's plus
     # 2 bf16 ulps, 2.4e-2); not diagnosed
     "bf16-training-b1-kv1x1-d4-none-bnsd-self-default_mask=False": "bf16 grad q at d 4 over 2 keys: over tolerance",
