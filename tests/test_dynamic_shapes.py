@@ -185,7 +185,6 @@ def test_mark_dynamic_sequence_compiles_once_and_keeps_every_fusion(target):
     assert memory["peak_bytes_after"] > 0 and memory["saved_activation_bytes"] > 0, memory
 
 
-
 def test_two_size_inputs_of_one_symbol_read_as_one():
     """Dynamo passes a size per source: a key length the model's ``torch._check`` equated with the value length
     reaches the backend as a second size input of the same symbol. Every size node is made to read the first
