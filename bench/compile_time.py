@@ -74,7 +74,9 @@ from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_
 from npu_compile import precompile
 from npu_compile.debug.report import collect
 layers, mode = int(sys.argv[1]), sys.argv[2]
-megatron_glue.adapt(tuple(g for g in groups_for() if mode != "inlined" or g != "regions"))
+# "frames": adapt()'s default, each layer its own frame; "inlined": neither layer_frames nor regions; the rest regions
+groups = groups_for(one_graph=mode not in ("frames", "inlined"))
+megatron_glue.adapt(tuple(g for g in groups if mode != "inlined" or g not in ("regions", "layer_frames")))
 backend = "ascend"
 if mode == "torch":  # torch's own share: Dynamo, and aot_autograd called as the backend calls it, compiling nothing
     from torch._dynamo.backends.common import aot_autograd
@@ -110,13 +112,15 @@ counters = torch._dynamo.utils.counters
 print(json.dumps({"first_step_s": first, "second_step_s": second, "unique_graphs": counters["stats"]["unique_graphs"],
                   "aot_autograd": counters["aot_autograd"]["total"], "precompile": dict(precompile.counts),
                   "parts": parts, "regions": {k: v for r in reports for k, v in r.regions.items()},
+                  "graphs": len(reports), "reused_by": max((r.reused_by for r in reports), default=0),
                   "attention": sum(r.fusions.get("attention", 0) for r in reports)}))
 """
 
 
 def run_whole(layers: int, mode: str, cache_dir: str | None = None) -> dict:
-    """First step of the whole model in a fresh process, ``mode`` "regions" or "inlined" (torch.compile, every cache
-    empty or off), "torch" (regions through Dynamo and aot_autograd called as the backend calls it: the min-cut
+    """First step of the whole model in a fresh process, ``mode`` "frames" (adapt()'s default: each layer a frame of
+    its own), "regions" (adapt(groups_for(one_graph=True))) or "inlined" (neither: every layer traced again; these
+    three through torch.compile, every cache empty or off), "torch" (regions through Dynamo and aot_autograd called as the backend calls it: the min-cut
     partition, the decompositions, the region schema memo, graphs compiled to themselves and nothing else of ours:
     what torch alone costs) or "precompiled" (regions through npu_compile.precompile.compile on ``cache_dir``: cold when it is
     empty, warm when a "precompiled" run filled it; torch's caches empty, the FX graph cache off)."""
@@ -155,38 +159,45 @@ def run_job(layers: int) -> tuple[dict, dict]:
     return cold, warm
 
 
-def whole_model_lines(rows: list[tuple[int, dict, dict, dict, dict, dict, dict, dict]]) -> list[str]:
-    """The whole-model table: (layers, regions, inlined, the job's cold run, the job's warm run, the regions model
-    through precompile cold, and warm, the regions model through torch alone) per row."""
-    base_r, base_i = rows[0][1]["first_step_s"], rows[0][2]["first_step_s"]
+def whole_model_lines(rows: list[tuple[int, dict, dict, dict, dict, dict, dict, dict, dict]]) -> list[str]:
+    """The whole-model table: (layers, layer frames, regions, inlined, the job's cold run, the job's warm run, the
+    regions model through precompile cold, and warm, the regions model through torch alone) per row."""
+    base_f, base_r, base_i = (rows[0][k]["first_step_s"] for k in (1, 2, 3))
     lines = ["", WHOLE_HEADING, "",
-             "Layers as one nested compile region (adapt()'s \"regions\" group: traced once, compiled once, called N "
-             "times) beside the same model with its layers inlined (the group taken off: every layer traced and "
-             "compiled again), and the job's per-layer compile from the table above; each a fresh process with the "
-             "backend's and torch's caches off. The first step runs the step too: \"2nd step\" is the regions "
-             "model's next step in the same process, and \"first - 2nd\" what is left of the first step without it. "
-             "\"precompile cold\" is the regions model through the warm-start entry, "
-             "`npu_compile.precompile.compile(gpt_model)`, on an empty cache (it stores one artifact: the outer "
-             "frame's guards and code, aot_autograd's entry with the region's lowered forward and backward); \"warm\" "
-             "a second process on that cache, which traces nothing (no Dynamo graph, no aot_autograd trace; checked); "
-             "\"job warm\" the same for the job's per-layer compile.",
+             "`adapt()`'s default, each layer a frame of its own (its \"layer_frames\" group: the block's loop left "
+             "to Python, the layer's frame compiled once and run by every layer of its structure), beside the layers "
+             "as one nested compile region in the model's one graph (`adapt(groups_for(one_graph=True))`, its "
+             "\"regions\" group: traced once, compiled once, called N times), the same model with its layers inlined "
+             "(neither group: every layer traced and compiled again), and the job's per-layer compile from the table "
+             "above; each a fresh process with the backend's and torch's caches off. The first step runs the step "
+             "too: \"2nd step\" is the next step in the same process, and \"first - 2nd\" what is left of the first "
+             "step without it. \"graphs\" is the layer-frames model's compiled graphs, \"run by\" how many layers "
+             "ran its layer graph (report.json `reused_by`). \"precompile cold\" is the regions model through the "
+             "warm-start entry, `npu_compile.precompile.compile(gpt_model)`, on an empty cache (it stores one "
+             "artifact: the outer frame's guards and code, aot_autograd's entry with the region's lowered forward and "
+             "backward); \"warm\" a second process on that cache, which traces nothing (no Dynamo graph, no "
+             "aot_autograd trace; checked); \"job warm\" the same for the job's per-layer compile.",
              "",
-             "| layers | regions (s) | vs 2 layers | 2nd step (s) | first - 2nd (s) | vs 2 layers | inlined (s) "
-             "| vs 2 layers | job cold (s) | precompile cold (s) | warm (s) | warm / cold | job warm (s) "
-             "| job warm / cold | region calls | attention fused |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    base_c = base_r - rows[0][1]["second_step_s"]
-    for layers, reg, inl, job, job_warm, pc, pw, _ in rows:
-        r, i, s = reg["first_step_s"], inl["first_step_s"], reg["second_step_s"]
+             "| layers | layer frames (s) | vs 2 layers | 2nd step (s) | first - 2nd (s) | vs 2 layers | graphs "
+             "| run by | regions (s) | vs 2 layers | regions 2nd step (s) | inlined (s) | vs 2 layers | job cold (s) "
+             "| precompile cold (s) | warm (s) | warm / cold | job warm (s) | job warm / cold | region calls "
+             "| attention fused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base_c = base_f - rows[0][1]["second_step_s"]
+    for layers, fr, reg, inl, job, job_warm, pc, pw, _ in rows:
+        f, s = fr["first_step_s"], fr["second_step_s"]
+        r, i = reg["first_step_s"], inl["first_step_s"]
         j, jw, c, w = (x["first_step_s"] for x in (job, job_warm, pc, pw))
         calls = sum(v["calls"] for v in reg["regions"].values())
-        lines.append(f"| {layers} | {r:.2f} | {r / base_r:.2f}x | {s:.2f} | {r - s:.2f} | {(r - s) / base_c:.2f}x "
+        lines.append(f"| {layers} | {f:.2f} | {f / base_f:.2f}x | {s:.2f} | {f - s:.2f} | {(f - s) / base_c:.2f}x "
+                     f"| {fr['graphs']} | {fr['reused_by']} | {r:.2f} | {r / base_r:.2f}x | {reg['second_step_s']:.2f} "
                      f"| {i:.2f} | {i / base_i:.2f}x | {j:.2f} | {c:.2f} | {w:.2f} | {w / c:.2f} | {jw:.2f} "
                      f"| {jw / j:.2f} | {calls} | {reg['attention']} |")
+
     def compile_s(r: dict) -> float:  # the first step less the step itself
         return r["first_step_s"] - r["second_step_s"]
 
-    ours0, torch0 = compile_s(rows[0][1]), compile_s(rows[0][7])
+    ours0, torch0 = compile_s(rows[0][2]), compile_s(rows[0][8])
     lines += ["", "What torch alone costs as the layers grow: the same regions model through Dynamo (its tracing "
               "with its region reuse) and aot_autograd called as the backend calls it (the same decompositions, "
               "torch's min-cut partition, the region schema memo), each graph \"compiled\" to itself: none of the "
@@ -196,7 +207,7 @@ def whole_model_lines(rows: list[tuple[int, dict, dict, dict, dict, dict, dict, 
               "would take at that size if everything of ours stayed as at 2 layers, over the 2-layer figure.", "",
               "| layers | torch alone: first - 2nd (s) | its growth since 2 layers (s) | ascend first - 2nd (s) "
               "| its growth (s) | floor vs 2 layers |", "|---|---|---|---|---|---|"]
-    for layers, reg, *_, tor in rows:
+    for layers, _, reg, *_, tor in rows:
         t, o = compile_s(tor), compile_s(reg)
         lines.append(f"| {layers} | {t:.2f} | {t - torch0:+.2f} | {o:.2f} | {o - ours0:+.2f} "
                      f"| {(ours0 + t - torch0) / ours0:.2f}x |")
@@ -227,12 +238,13 @@ def plot(path: Path) -> None:
         return
     text = path.read_text()
     job = _table(text, "| layers | ascend cold (s)")
-    whole = _table(text, "| layers | regions (s)")
+    whole = _table(text, "| layers | layer frames (s)")
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, rows, col, style in (("job, cold", job, 1, "-"), ("job, warm", job, 3, "-"),
                                     ("inductor cold, per layer", job, 6, "-"),
-                                    ("whole model, regions", whole, 1, "--"), ("whole model, inlined", whole, 6, "--"),
-                                    ("whole model, warm", whole, 10, "--")):
+                                    ("whole model, layer frames", whole, 1, "--"),
+                                    ("whole model, regions", whole, 8, "--"), ("whole model, inlined", whole, 11, "--"),
+                                    ("whole model (regions), warm", whole, 15, "--")):
         xs = [int(r[0]) for r in rows]
         ax.plot(xs, [float(r[col]) for r in rows], marker="o" if style == "-" else "s", linestyle=style, label=label)
     ax.set(xlabel="transformer layers", ylabel="first step (s)", xscale="log", title="first-step compile time")
@@ -252,8 +264,8 @@ def whole_model_main(layer_counts: tuple[int, ...] = LAYERS) -> None:
     rows = []
     for layers in layer_counts:
         job = run_job(layers)
-        rows.append((layers, run_whole(layers, "regions"), run_whole(layers, "inlined"), *job,
-                     *run_whole_warm(layers), run_whole(layers, "torch")))
+        rows.append((layers, run_whole(layers, "frames"), run_whole(layers, "regions"), run_whole(layers, "inlined"),
+                     *job, *run_whole_warm(layers), run_whole(layers, "torch")))
         print(layers, rows[-1][1:], flush=True)
     path = RESULTS / "compile_time.md"
     kept = path.read_text().split("\n" + WHOLE_PREFIX)[0].rstrip("\n").split("\n") if path.exists() else []
@@ -269,9 +281,10 @@ import cProfile, json, pstats, sys, time
 import torch
 import megatron_glue
 from megatron_glue.capture import models
+from megatron_glue.capture.adaptations import groups_for
 from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
 layers = int(sys.argv[1])
-megatron_glue.adapt(); models.init_single_process()
+megatron_glue.adapt(groups_for(one_graph=True)); models.init_single_process()
 model = build_gpt_model(gpt_config(hidden_size=128, num_attention_heads=4, num_layers=layers), 128, 128)
 compiled = torch.compile(model, backend="ascend", options={"cache": False})
 batch = synthetic_batch(2, 128, 128)
@@ -360,6 +373,7 @@ import torch
 import megatron_glue
 import npu_compile.backend as backend
 from megatron_glue.capture import models
+from megatron_glue.capture.adaptations import groups_for
 from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
 from npu_compile.passes.reorder import lpmf_order
 layers, rows, ordering = int(sys.argv[1]), [], backend.reorder_for_peak
@@ -372,7 +386,7 @@ def timed(gm, dies_inside):
     rows.append({"nodes": len(gm.graph.nodes), "order_s": order_s, "pass_s": time.thread_time() - t, "peaks": peaks})
     return peaks
 backend.reorder_for_peak = timed
-megatron_glue.adapt(); models.init_single_process()
+megatron_glue.adapt(groups_for(one_graph=True)); models.init_single_process()
 model = build_gpt_model(gpt_config(hidden_size=128, num_attention_heads=4, num_layers=layers), 128, 128)
 torch.compile(model, backend="ascend", options={"cache": False})(**synthetic_batch(2, 128, 128)).mean().backward()
 print(json.dumps(rows))
@@ -434,9 +448,10 @@ def main() -> None:
             inductor = run(layers, "inductor", cache, ind2)
         rows.append((layers, cold, warm, inductor))
         print(layers, cold, warm, inductor, flush=True)
-        whole_rows.append((layers, run_whole(layers, "regions"), run_whole(layers, "inlined"), cold, warm,
-                           *run_whole_warm(layers), run_whole(layers, "torch")))
-        print(layers, "whole", whole_rows[-1][1:3], whole_rows[-1][5:], flush=True)
+        whole_rows.append((layers, run_whole(layers, "frames"), run_whole(layers, "regions"),
+                           run_whole(layers, "inlined"), cold, warm, *run_whole_warm(layers),
+                           run_whole(layers, "torch")))
+        print(layers, "whole", whole_rows[-1][1:4], whole_rows[-1][6:], flush=True)
     base = rows[0][1]["first_step_s"]
     parts = ("rule_tracing", "rule_matching", "partition", "aten_stages", "lowering", "cache")
     lines = ["# First-step time of a per-layer compiled GPT (hidden 128, seq 128, batch 2, CPU)", "",

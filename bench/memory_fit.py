@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     import megatron_glue
     from megatron_glue.capture import models
 
-    megatron_glue.adapt()
+    from megatron_glue.capture.adaptations import groups_for
+
+    megatron_glue.adapt(groups_for(one_graph=True))  # the whole step one graph: its plan is the step's
     models.init_single_process()
     # the impossible cap first: its figures give the tight one
     probe = refused(args.layers, args.seq, 1)

@@ -623,7 +623,10 @@ class Precompiled:
         except (config.OptionError, config.TargetUnavailable):
             raise
         except Exception as e:  # a graph break, or an output that does not serialize: plain torch.compile
-            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            lines = [line.strip() for line in str(e).strip().splitlines()]
+            # Dynamo's own words on a graph break follow its first line, e.g. which disabled function and why
+            why = next((line for line in lines[1:] if line.startswith("Explanation:")), "")
+            reason = f"{type(e).__name__}: {' '.join(filter(None, lines[:1] + [why]))}"
             log.info("npu_compile precompile: %s runs under plain torch.compile (%s)", self._traced.__qualname__,
                      reason)
             self._artifacts.give_up(reason)

@@ -299,7 +299,8 @@ def machine_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def groups_for(device: str | torch.device | None = None, training: bool = False) -> tuple[str, ...]:
+def groups_for(device: str | torch.device | None = None, training: bool = False,
+               one_graph: bool = False) -> tuple[str, ...]:
     """The adaptation groups megatron-core needs on `device` (default `machine_device()`); `training`: also the
     training machinery's (group "training", megatron_glue.capture.training_adaptations).
 
@@ -311,9 +312,13 @@ def groups_for(device: str | torch.device | None = None, training: bool = False)
     "cpu" is in on a CPU (or meta) device only: elsewhere Megatron's CUDA calls have a device to run on (on an
     NPU through torch_npu's transfer_to_npu).
     "linear_attention" is in where the `fla` package is not (its stand-ins for megatron-core's Gated DeltaNet).
-    "regions" is in for `torch.compile(gpt_model)` (each layer traced and compiled once, not once per layer); not
-    with `training`: the training job compiles each layer's forward on its own (training.compile_model), where a
-    region would only wrap the whole graph once more.
+    For `torch.compile(gpt_model)` (not with `training`: the training job compiles each layer's forward on its
+    own, training.compile_model), each layer is traced and compiled once, not once per layer: by default as a
+    frame of its own ("layer_frames": the block's loop runs in Python, a graph break before and after the layers,
+    compile time flat in the number of layers); with `one_graph` as a nested compile region called by the model's
+    one graph ("regions": what `fullgraph=True` and the whole model's warm start, npu_compile.precompile.compile,
+    need; its first step grows with torch's per-call work, bench/results/compile_time.md). Not both: a region
+    inside each layer's frame would only wrap that graph once more.
     """
     device = machine_device() if device is None else device
     kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
@@ -321,7 +326,7 @@ def groups_for(device: str | torch.device | None = None, training: bool = False)
     # "linear_attention" where flash-linear-attention is not installed (its kernels are Triton for CUDA)
     linear_attention = ("linear_attention",) if importlib.util.find_spec("fla") is None else ()
     return (groups + ("compile", "tp_compile", "sp", "moe") + linear_attention
-            + (("training",) if training else ("regions",)))
+            + (("training",) if training else ("regions",) if one_graph else ("layer_frames",)))
 
 
 # ======================================================================================================
@@ -1047,6 +1052,40 @@ def _layer_compile_region(forward):
         return region(self, len(args), *args, *kwargs.keys(), *kwargs.values()), None
 
     return layer_forward
+
+
+# ======================================================================================================
+# group "layer_frames": a whole GPTModel under torch.compile, each layer its own frame, compiled once.
+# ======================================================================================================
+
+@registry.wraps(
+    "block_layers_as_frames", "megatron.core.transformer.transformer_block.TransformerBlock.forward",
+    "layer_frames",
+    reason="TransformerBlock calls its layers in a Python loop (transformer/transformer_block.py:748-779; the same "
+    "loop on 0.12.1) that Dynamo unrolls: torch.compile(gpt_model) traces and compiles every layer again. With the "
+    "block's own frame left to Python (torch.compiler.disable(recursive=False): the frames it calls are still "
+    "compiled), each layer's forward is a frame of its own that Dynamo compiles once and runs for every layer of "
+    "the same structure (its parameters are graph inputs and its guards on structure, not identity: "
+    "inline_inbuilt_nn_modules), as the training job compiles each layer; the embedding and the output layer with "
+    "the loss are the frames around it. The first step's compile stays flat in the number of layers, where one "
+    "graph calling a nested compile region (group 'regions') grows with torch's own per-call work. At tensor "
+    "parallel size > 1, or with MoE layers, the block is inlined as before (one graph: the backend's overlap "
+    "scheduling sees across layers; an MoE layer's router reads its layer_number, which a frame would guard on)",
+)
+def _block_layers_as_frames(forward):
+    framed = torch.compiler.disable(
+        forward, recursive=False,
+        reason="adaptation 'block_layers_as_frames' (group 'layer_frames'): each layer is compiled as a frame of its "
+        "own; for one graph, megatron_glue.adapt(groups_for(one_graph=True)) in a fresh process")
+
+    @functools.wraps(forward)
+    def block_forward(self, *args, **kwargs):
+        # config attributes: Dynamo guards on them, so the choice is made once per graph
+        if self.config.tensor_model_parallel_size > 1 or self.config.num_moe_experts:
+            return forward(self, *args, **kwargs)
+        return framed(self, *args, **kwargs)
+
+    return block_forward
 
 
 class _LinearImplByWeight:

@@ -21,12 +21,12 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 import megatron_glue
 from megatron_glue.capture import models
-from megatron_glue.capture.adaptations import registry
+from megatron_glue.capture.adaptations import groups_for, registry
 from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_batch
 from npu_compile import precompile
 from npu_compile.debug.report import collect
 VOCAB, SEQ, BATCH, LAYERS, STEPS = (int(a) for a in sys.argv[2:7])
-megatron_glue.adapt(); models.init_single_process()
+megatron_glue.adapt(groups_for(one_graph=True)); models.init_single_process()
 model = build_gpt_model(gpt_config(hidden_size=64, num_layers=LAYERS), VOCAB, SEQ, seed=0)
 compiled = precompile.compile(model, {"cache": True})
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
