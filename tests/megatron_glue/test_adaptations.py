@@ -348,11 +348,11 @@ LA = ("linear_attention",) if importlib.util.find_spec("fla") is None else ()  #
 
 
 @pytest.mark.parametrize("device, training, expected", [
-    ("cpu", False, ("cpu", "compile", "tp_compile", "sp", "moe", *LA, "regions")),
+    ("cpu", False, ("cpu", "compile", "tp_compile", "sp", "moe", *LA, "layer_frames")),
     (torch.device("cpu"), True, ("cpu", "compile", "tp_compile", "sp", "moe", *LA, "training")),
-    ("meta", False, ("cpu", "compile", "tp_compile", "sp", "moe", *LA, "regions")),
+    ("meta", False, ("cpu", "compile", "tp_compile", "sp", "moe", *LA, "layer_frames")),
     ("npu:3", True, ("compile", "tp_compile", "sp", "moe", *LA, "training")),  # transfer_to_npu serves CUDA calls
-    ("cuda", False, ("compile", "tp_compile", "sp", "moe", *LA, "regions")),
+    ("cuda", False, ("compile", "tp_compile", "sp", "moe", *LA, "layer_frames")),
 ])
 def test_groups_for_a_device_are_the_same_at_every_parallel_layout(device, training, expected):
     from megatron_glue.capture.adaptations import groups_for
