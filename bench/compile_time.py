@@ -2,10 +2,11 @@
 as the training job does (megatron_glue.training.training.compile_model): backend="ascend" cold, "ascend" warm (a second
 process on the persistent cache: npu_compile.precompile loads each compile, Dynamo and aot_autograd trace nothing),
 and Inductor cold, each in a fresh subprocess with its own empty caches; and compiled whole as the README's usage
-does (`megatron_glue.adapt()` then `torch.compile(gpt_model)`), cold: with the layers as one nested compile region
-(adapt()'s "regions" group) and with them inlined (the group taken off); and the regions model through the README's
-warm-start entry (`npu_compile.precompile.compile(gpt_model)`), cold and then warm in a second process on the first's
-cache.
+does (`megatron_glue.adapt()` then `torch.compile(gpt_model)`), cold: each layer a frame of its own (adapt()'s
+default "layer_frames" group), the layers as one nested compile region (`groups_for(one_graph=True)`, the "regions"
+group) and with them inlined (neither); and the regions model through the README's warm-start entry
+(`npu_compile.precompile.compile(gpt_model)`, which needs one graph), cold and then warm in a second process on the
+first's cache.
 
     python -m bench.compile_time                # writes bench/results/compile_time.md and .png
     python -m bench.compile_time --whole-model  # only the whole-model table (with the job's cold and warm runs
@@ -61,7 +62,7 @@ print(json.dumps({"first_step_s": first, "second_step_s": second, "parts": parts
 """
 
 
-# The whole model under torch.compile, as the README's usage: adapt() (with or without its "regions" group), then
+# The whole model under torch.compile, as the README's usage: adapt() (layer frames, regions, or neither), then
 # torch.compile(gpt_model, backend="ascend"), the backend's cache off, torch's caches off; or ("precompiled") with
 # regions through the README's warm-start entry, npu_compile.precompile.compile(gpt_model), the backend's cache on.
 _WHOLE_CHILD = r"""
@@ -120,10 +121,11 @@ print(json.dumps({"first_step_s": first, "second_step_s": second, "unique_graphs
 def run_whole(layers: int, mode: str, cache_dir: str | None = None) -> dict:
     """First step of the whole model in a fresh process, ``mode`` "frames" (adapt()'s default: each layer a frame of
     its own), "regions" (adapt(groups_for(one_graph=True))) or "inlined" (neither: every layer traced again; these
-    three through torch.compile, every cache empty or off), "torch" (regions through Dynamo and aot_autograd called as the backend calls it: the min-cut
-    partition, the decompositions, the region schema memo, graphs compiled to themselves and nothing else of ours:
-    what torch alone costs) or "precompiled" (regions through npu_compile.precompile.compile on ``cache_dir``: cold when it is
-    empty, warm when a "precompiled" run filled it; torch's caches empty, the FX graph cache off)."""
+    three through torch.compile, every cache empty or off), "torch" (regions through Dynamo and aot_autograd called
+    as the backend calls it: the min-cut partition, the decompositions, the region schema memo, graphs compiled to
+    themselves and nothing else of ours: what torch alone costs) or "precompiled" (regions through
+    npu_compile.precompile.compile on ``cache_dir``: cold when it is empty, warm when a "precompiled" run filled it;
+    torch's caches empty, the FX graph cache off)."""
     with tempfile.TemporaryDirectory() as fresh, tempfile.TemporaryDirectory() as inductor:
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", NPU_COMPILE_CACHE_DIR=cache_dir or fresh,
                    TORCHINDUCTOR_CACHE_DIR=inductor, TORCHINDUCTOR_FX_GRAPH_CACHE="0", PYTHONWARNINGS="ignore")

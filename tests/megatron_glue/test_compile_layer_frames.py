@@ -133,3 +133,12 @@ def test_the_whole_models_warm_start_entry_says_it_needs_one_graph(layer_frames,
     assert "megatron_glue.adapt(groups_for(one_graph=True))" in marker.read_text()
     assert "GPTModel.forward runs under plain torch.compile" in caplog.text
     _assert_same(_train(eager, eager, steps=1), got)
+
+
+def test_fullgraph_is_refused_with_what_gives_one_graph(layer_frames):
+    model = build_gpt_model(gpt_config(hidden_size=64, num_layers=2), VOCAB, SEQ, seed=0)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as refused:
+        torch.compile(model, backend="aot_eager", fullgraph=True)(**synthetic_batch(BATCH, SEQ, VOCAB, seed=0))
+    assert ("adaptation 'block_layers_as_frames' (group 'layer_frames'): each layer is compiled as a frame of its "
+            "own; for one graph, megatron_glue.adapt(groups_for(one_graph=True)) in a fresh process"
+            ) in str(refused.value)
