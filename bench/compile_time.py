@@ -241,7 +241,7 @@ def plot(path: Path) -> None:
     text = path.read_text()
     job = _table(text, "| layers | ascend cold (s)")
     whole = _table(text, "| layers | layer frames (s)")
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     for label, rows, col, style in (("job, cold", job, 1, "-"), ("job, warm", job, 3, "-"),
                                     ("inductor cold, per layer", job, 6, "-"),
                                     ("whole model, layer frames", whole, 1, "--"),
@@ -252,9 +252,9 @@ def plot(path: Path) -> None:
     ax.set(xlabel="transformer layers", ylabel="first step (s)", xscale="log", title="first-step compile time")
     ax.minorticks_off()
     ax.set_xticks(xs, [str(x) for x in xs])
-    ax.legend()
+    ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)  # beside the lines, not over them
     fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=100)
+    fig.savefig(path.with_suffix(".png"), dpi=100, bbox_inches="tight")
 
 
 WHOLE_PREFIX = "## `adapt()` + `torch.compile(gpt_model)`: the whole model"
