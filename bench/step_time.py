@@ -1,7 +1,7 @@
 """CPU training-step time of a megatron-core GPT (hidden 128, 4 heads, batch 2, fp32): eager, Inductor, ascend on
-the whole model (``megatron_glue.adapt()`` + ``torch.compile(gpt_model, backend="ascend")``) and ascend per layer as
-the training job compiles it (``megatron_glue.training.training.compile_model``), at sequence 128 / 1024 / 2048
-and 2 / 8 / 32 layers.
+the whole model (``megatron_glue.adapt()`` + ``torch.compile(gpt_model, backend="ascend")``; adapt()'s default
+groups make each layer a frame of its own) and ascend per layer as the training job compiles it
+(``megatron_glue.training.training.compile_model``), at sequence 128 / 1024 / 2048 and 2 / 8 / 32 layers.
 
 Each (sequence, layers) cell runs in a fresh process that builds the four models from one seed, compiles them,
 takes two warm-up steps each, then times their steps in turn (eager, Inductor, ascend, job, eager, ...) so that
@@ -160,8 +160,9 @@ def write(rows: list[tuple[int, int, dict, str]], args: argparse.Namespace, torc
         f"megatron-core GPTModel, hidden {HIDDEN}, {HEADS} heads, LayerNorm + GeLU, causal, batch {BATCH}, vocab "
         f"{VOCAB}, fp32; torch {torch_version}, {platform.machine()}, {args.threads} thread(s) on {os.cpu_count()} "
         f"cores. A step is forward, backward and AdamW; median of {args.repeats} steps after two warm-up steps, the "
-        f"four columns timed in turn in one process per row. ascend = `torch.compile(gpt_model, backend=\"ascend\")` after "
-        f"`megatron_glue.adapt()`; job = the training job's per-layer compile (`compile_model`). Peak: profiler CPU "
+        f"four columns timed in turn in one process per row. ascend = `torch.compile(gpt_model, "
+        f"backend=\"ascend\")` after `megatron_glue.adapt()` (its default groups: each layer a frame of its own, "
+        f"group `layer_frames`); job = the training job's per-layer compile (`compile_model`). Peak: profiler CPU "
         f"memory events over one forward+backward. `python -m bench.step_time`"
         + (f" (skipped: {', '.join(args.skip)})" if args.skip else "") + "." + origin + "\n\n" + table(cells) + "\n"
     )
