@@ -6,42 +6,20 @@ gradient). At TP > 1 or with MoE layers the block is inlined: one graph."""
 import pytest
 import torch
 
-from megatron_glue.capture import adapt
 from megatron_glue.capture.adaptations import groups_for, registry
 from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
 from npu_compile.debug.report import collect
-
-VOCAB, SEQ, BATCH = 128, 32, 2
+from whole_model import BATCH, SEQ, VOCAB
+from whole_model import assert_moe_gpt_is_whole_and_trains_as_eager, groups_applied
+from whole_model import assert_same as _assert_same
+from whole_model import train as _train
 
 
 @pytest.fixture
 def layer_frames(megatron_cpu, fresh_dynamo):
     """The "layer_frames" group applied for the test, taken off after it (the session keeps "cpu" and "compile")."""
-    before = set(registry.applied())
-    adapt(("layer_frames",))
-    yield
-    registry.revert(*[n for n in registry.applied() if n not in before])
-
-
-def _train(model, seed_model, steps=2):
-    opt = torch.optim.SGD(seed_model.parameters(), lr=0.1)
-    history = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        out = model(**synthetic_batch(BATCH, SEQ, VOCAB, seed=step))
-        out.mean().backward()
-        history.append((out.detach().clone(), {n: p.grad.clone() for n, p in seed_model.named_parameters()}))
-        opt.step()
-    return history
-
-
-def _assert_same(expected, got):
-    for step, ((out0, grads0), (out1, grads1)) in enumerate(zip(expected, got, strict=True)):
-        torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} loss: {m}")
-        assert grads1.keys() == grads0.keys()
-        for n in grads0:
-            torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"step {step} grad of {n}: {m}")
+    with groups_applied("layer_frames"):
+        yield
 
 
 def test_the_default_groups_take_layer_frames_and_one_graph_takes_regions():
@@ -80,27 +58,7 @@ def test_each_layer_is_one_frame_compiled_once_and_trains_as_eager(layer_frames,
 def test_moe_blocks_are_inlined_as_one_graph(layer_frames):
     """An MoE router reads its layer_number, on which a frame of its own would guard (a recompile per layer): the
     block is traced whole, as without the group."""
-    from megatron_glue.training.training import moe_dynamo_config
-
-    before = set(registry.applied())
-    adapt(("sp", "moe"))  # "sp": the current-device stand-in the router asks (docs/moe.md)
-    try:
-        config = lambda: llama_config(hidden_size=32, num_layers=2, num_moe_experts=4, moe_router_topk=2,  # noqa: E731
-                                      moe_ffn_hidden_size=32, moe_token_dispatcher_type="allgather")
-        eager = build_gpt_model(config(), VOCAB, SEQ, seed=0)
-        model = build_gpt_model(config(), VOCAB, SEQ, seed=0)
-        expected = _train(eager, eager)
-        moe_dynamo_config()
-        torch._dynamo.utils.counters.clear()
-        got = _train(torch.compile(model, backend="aot_eager"), model)
-        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-        for (out, grads), (want_out, want_grads) in zip(got, expected):
-            torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
-            for name, grad in want_grads.items():
-                torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    finally:
-        registry.revert(*[n for n in registry.applied() if n not in before])
+    assert_moe_gpt_is_whole_and_trains_as_eager("allgather", graphs=1)
 
 
 def test_taken_off_the_block_is_traced_whole_again(layer_frames):

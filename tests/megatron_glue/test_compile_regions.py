@@ -8,12 +8,15 @@ import pytest
 import torch
 import torch._dynamo.variables.invoke_subgraph as dynamo_regions
 
-from megatron_glue.capture import adapt
 from megatron_glue.capture.adaptations import registry
 from megatron_glue.capture.models import build_gpt_model, gpt_config, llama_config, synthetic_batch
 from npu_compile.debug.report import collect
+from whole_model import BATCH, SEQ, VOCAB
+from whole_model import assert_moe_gpt_is_whole_and_trains_as_eager, groups_applied
+from whole_model import assert_same as _assert_same
+from whole_model import train as _train
 
-VOCAB, SEQ, BATCH, LAYERS = 128, 32, 2, 3
+LAYERS = 3
 # Dynamo's timer around each reuse of a traced region (torch/_dynamo/variables/invoke_subgraph.py)
 REUSE = "invoke_subgraph_reuse_stamp_out"
 CONFIGS = {
@@ -25,24 +28,8 @@ CONFIGS = {
 @pytest.fixture
 def regions(megatron_cpu, fresh_dynamo):
     """The "regions" group applied for the test, taken off after it (the session keeps "cpu" and "compile")."""
-    before = set(registry.applied())
-    adapt(("regions",))
-    yield
-    registry.revert(*[n for n in registry.applied() if n not in before])
-
-
-def _train(model, seed_model, steps=2):
-    """Per-token losses and gradients of ``steps`` SGD steps, every draw of the dropout masks seeded alike."""
-    opt = torch.optim.SGD(seed_model.parameters(), lr=0.1)
-    history = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(100 + step)
-        out = model(**synthetic_batch(BATCH, SEQ, VOCAB, seed=step))
-        out.mean().backward()
-        history.append((out.detach().clone(), {n: p.grad.clone() for n, p in seed_model.named_parameters()}))
-        opt.step()
-    return history
+    with groups_applied("regions"):
+        yield
 
 
 def _compiled(model, tmp_path, warm=False):
@@ -121,15 +108,6 @@ def test_with_dropout_the_regions_train_as_eager_within_its_band(regions):
     assert worst < 0.02, (eager, compiled)
 
 
-def _assert_same(expected, got):
-    for step, ((out0, grads0), (out1, grads1)) in enumerate(zip(expected, got, strict=True)):
-        torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} loss: {m}")
-        assert grads1.keys() == grads0.keys()
-        for n in grads0:
-            torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"step {step} grad of {n}: {m}")
-
-
 @pytest.mark.skipif(not registry.applies("linear_impl_by_weight_0_13_ColumnParallelLinear"),
                     reason="megatron-core >= 0.14 chooses its linear function in a method, without a store")
 def test_a_frozen_weight_still_takes_the_frozen_linear_under_the_descriptor(regions):
@@ -156,25 +134,4 @@ def test_moe_layers_are_inlined_and_train_as_eager(regions, dispatcher, graphs):
     out of a region ("an intermediate tensor ... aliases an input or output"); inlined, the whole MoE GPT is one
     graph with the aux loss on (alltoall: a second once the dispatcher's cuda_sync_point, set by its first call,
     is read as set) and trains as eager."""
-    from megatron_glue.training.training import moe_dynamo_config
-
-    before = set(registry.applied())
-    adapt(("sp", "moe"))  # "sp": the current-device stand-in the router asks (docs/moe.md)
-    try:
-        config = lambda: llama_config(hidden_size=32, num_layers=2, num_moe_experts=4, moe_router_topk=2,  # noqa: E731
-                                      moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.1,
-                                      moe_token_dispatcher_type=dispatcher)
-        eager = build_gpt_model(config(), VOCAB, SEQ, seed=0)
-        model = build_gpt_model(config(), VOCAB, SEQ, seed=0)
-        expected = _train(eager, eager)
-        moe_dynamo_config()
-        torch._dynamo.utils.counters.clear()
-        got = _train(torch.compile(model, backend="aot_eager"), model)
-        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-        for (out, grads), (want_out, want_grads) in zip(got, expected):
-            torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
-            for name, grad in want_grads.items():
-                torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    finally:
-        registry.revert(*[n for n in registry.applied() if n not in before])
+    assert_moe_gpt_is_whole_and_trains_as_eager(dispatcher, graphs)
