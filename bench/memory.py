@@ -1,7 +1,8 @@
 """Memory planning on megatron-core GPT: measured peak of one forward+backward, eager vs Inductor vs ascend.
 
 megatron-core GPTModel (local layer spec), 2 layers, hidden 512, 8 heads, LayerNorm + GeLU with biases, causal
-mask, micro-batch 2, fp32, vocab 2048, at sequence 1024 and 2048. Per model, side by side in one process:
+mask, micro-batch 2, fp32, vocab 2048, at sequence 1024 and 2048; the whole model one flat graph (its layers
+inlined: bench.harness.adapt_one_flat_graph). Per model, side by side in one process:
 
     eager           Megatron as written
     inductor        torch.compile(backend="inductor")
@@ -30,7 +31,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch  # noqa: E402
 
-from bench.harness import peak_bytes, write_result  # noqa: E402
+from bench.harness import adapt_one_flat_graph, peak_bytes, write_result  # noqa: E402
 
 HIDDEN, HEADS, LAYERS, BATCH, VOCAB = 512, 8, 2, 2, 2048
 MODELS = {"seq1024": 1024, "seq2048": 2048}
@@ -130,12 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default=",".join(BACKENDS))
     args = p.parse_args(argv)
 
-    import megatron_glue
     from megatron_glue.capture import models
 
-    from megatron_glue.capture.adaptations import groups_for
-
-    megatron_glue.adapt(groups_for(one_graph=True))  # the whole step one graph: its plan is the step's
+    adapt_one_flat_graph()
     models.init_single_process()
     rows = []
     for model in args.models.split(","):

@@ -2,7 +2,8 @@
 
 megatron-core GPTModel (local layer spec), 4 layers, hidden 512, 8 heads, LayerNorm + GeLU with biases, causal,
 micro-batch 2, seq 1024, vocab 2048, fp32; the whole model one graph (``torch.compile(model, backend="ascend",
-options={"memory_budget": "auto", "device_memory": cap})``), one process, side by side:
+options={"memory_budget": "auto", "device_memory": cap})``, its layers inlined:
+bench.harness.adapt_one_flat_graph), one process, side by side:
 
     impossible   a cap below what the least activation memory needs: refused at the first call, before a step
     tight        halfway between the least planned peak and the planned peak at budget 1.0
@@ -28,7 +29,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch  # noqa: E402
 
-from bench.harness import peak_bytes, write_result  # noqa: E402
+from bench.harness import adapt_one_flat_graph, peak_bytes, write_result  # noqa: E402
 
 HIDDEN, HEADS, BATCH, VOCAB = 512, 8, 2, 2048
 MiB = 2**20
@@ -91,12 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     args = p.parse_args(argv)
 
-    import megatron_glue
     from megatron_glue.capture import models
 
-    from megatron_glue.capture.adaptations import groups_for
-
-    megatron_glue.adapt(groups_for(one_graph=True))  # the whole step one graph: its plan is the step's
+    adapt_one_flat_graph()
     models.init_single_process()
     # the impossible cap first: its figures give the tight one
     probe = refused(args.layers, args.seq, 1)

@@ -701,15 +701,17 @@ _env_numbers = itertools.count()
 
 
 def _graph_copy(gm: torch.fx.GraphModule, args: Sequence[Any]) -> torch.fx.GraphModule:
-    """A copy of a cached trace for one match; node values remade under ``args``' fake mode where another made
-    them (static shapes only: a symbolic entry is only ever reused within its own shape environment)."""
-    copy_ = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    """A copy of a cached trace for one match, its node values made anew under ``args``' fake mode (a symbolic entry
+    is only ever reused within its own shape environment). Anew under the same mode too: the replacement carries
+    these values into the model graph, and two sites sharing one FakeTensor share its storage there, which the
+    memory analysis reads as one buffer (a second layer's attention outputs and activation saved for free)."""
+    copy_ = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node.meta is copied shallowly: the same values
     mode = torch._guards.detect_fake_mode(list(args))
     if mode is None:
         return copy_
 
     def remade(v: Any) -> Any:
-        if isinstance(v, torch._subclasses.FakeTensor) and v.fake_mode is not mode:
+        if isinstance(v, torch._subclasses.FakeTensor):
             with mode:
                 return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
         return v

@@ -200,6 +200,25 @@ def test_vocab_parallel_equals_megatron_at_tp1(megatron_cpu, smoothing, chunk_si
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_vocab_parallel_issues_no_collective_over_one_process(megatron_cpu, monkeypatch):
+    """A group of one process reduces to the tensor itself: no functional all-reduce is issued at TP=1 (three
+    collectives and their waits a step otherwise); the loss is unchanged. TP=2's all-reduces:
+    tests/passes/test_megatron_cross_entropy.py."""
+    from megatron.core import parallel_state
+
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(4, 3, 8, generator=gen), torch.randn(24, 8, generator=gen)
+    t = torch.randint(0, 24, (4, 3), generator=gen)
+    group = parallel_state.get_tensor_model_parallel_group().group_name
+    issued = []
+    real = torch.ops._c10d_functional.all_reduce
+    monkeypatch.setattr(torch.ops._c10d_functional, "all_reduce", lambda *a: issued.append(a[1:]) or real(*a))
+    loss, _lse = torch.ops.npu_compile.vocab_parallel_linear_cross_entropy(h, w, t, 0, 0.0, group)
+    assert issued == []
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(h.view(12, 8) @ w.t(), t.view(12),
+                                                                       reduction="none").view(4, 3))
+
+
 @pytest.mark.parametrize("chunk_size", [0, 5])
 def test_vocab_parallel_bf16_logits_grad_equals_megatron_fused_at_tp1(megatron_cpu, chunk_size):
     """logits_grad_dtype=bf16 against megatron-core's fused_vocab_parallel_cross_entropy at TP=1, which returns

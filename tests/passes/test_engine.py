@@ -241,6 +241,11 @@ def test_a_match_retrace_is_cached_and_handed_out_as_a_copy():
     assert len(calls) == 1 and (cache.hits, cache.misses) == (1, 1)
     code = first.code
     assert again is not first and again.graph is not first.graph and again.code == code
+    # each copy's values its own (the replacement carries them into the model graph, where a shared storage
+    # would read as one buffer for two sites)
+    storages = [{n.meta["val"].untyped_storage()._cdata for n in got.graph.nodes
+                 if isinstance(n.meta.get("val"), torch.Tensor)} for got in (first, again)]
+    assert storages[0] and not storages[0] & storages[1]
     for got in (first, again):  # torch renames the placeholders of the graph it gets
         next(iter(got.graph.nodes)).target = "renamed"
         got.recompile()

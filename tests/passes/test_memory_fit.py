@@ -55,6 +55,22 @@ def test_a_tight_cap_takes_the_largest_budget_that_fits(refused, rel_error):
         assert rel_error(a, b) < 1e-5
 
 
+def test_the_plan_does_not_depend_on_what_compiled_before():
+    """Four blocks of one shape, the pattern traces first made in this compile (as in a new process) and then
+    reused by a second compile: the same plans at every budget. (The copies a trace hands out to each site once
+    shared their values: the four blocks' attention outputs and activations read as one buffer, and the first
+    compile in a process planned less memory than the next.)"""
+    from npu_compile.passes.engine import TRACE_CACHE
+
+    TRACE_CACHE.clear()
+    plans = []
+    for _ in range(2):
+        with pytest.raises(recompute.MemoryFitError) as err:
+            run({"memory_budget": "auto", "device_memory": 1})
+        plans.append([(p.budget, p.saved, p.live) for p in err.value.plans])
+    assert plans[0] == plans[1]
+
+
 def test_resident_memory_and_copies_count_in_the_plan():
     _, once = run({"memory_budget": "auto", "device_memory": 2**40})
     _, report = run({"memory_budget": "auto", "device_memory": 2**40, "resident_memory": 100 * MiB,
