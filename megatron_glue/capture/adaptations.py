@@ -33,6 +33,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -1074,7 +1075,7 @@ def _layer_compile_region(forward):
 )
 def _block_layers_as_frames(forward):
     framed = torch.compiler.disable(
-        forward, recursive=False,
+        _skipped_copy(forward), recursive=False,
         reason="adaptation 'block_layers_as_frames' (group 'layer_frames'): each layer is compiled as a frame of its "
         "own; for one graph, megatron_glue.adapt(groups_for(one_graph=True)) in a fresh process")
 
@@ -1086,6 +1087,19 @@ def _block_layers_as_frames(forward):
         return framed(self, *args, **kwargs)
 
     return block_forward
+
+
+def _skipped_copy(fn):
+    """``fn`` with a code object of its own that Dynamo's frame evaluation skips (this frame only: the frames it
+    calls are still compiled). torch.compiler.disable(recursive=False) alone hands the frame to Dynamo's callback
+    at every call (it cannot mark a code object that runs elsewhere), which skips it each time after disassembling
+    it: half a millisecond a step at 2 layers, and under torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+    a refusal, as a recompile. The copy is this adaptation's alone, so the original stays traceable once reverted."""
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    functools.update_wrapper(own, fn)
+    torch._dynamo.eval_frame.skip_code(own.__code__)
+    return own
 
 
 class _LinearImplByWeight:

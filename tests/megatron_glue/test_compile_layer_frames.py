@@ -100,3 +100,28 @@ def test_fullgraph_is_refused_with_what_gives_one_graph(layer_frames):
     assert ("adaptation 'block_layers_as_frames' (group 'layer_frames'): each layer is compiled as a frame of its "
             "own; for one graph, megatron_glue.adapt(groups_for(one_graph=True)) in a fresh process"
             ) in str(refused.value)
+
+
+
+def test_the_blocks_frame_is_skipped_without_a_callback_so_guards_can_be_skipped(layer_frames):
+    """The block's own frame is marked skipped once (a code object of the adaptation's own): Dynamo's callback never
+    sees it again, so after the first step the steps run under set_stance(skip_guard_eval_unsafe=True), which
+    refuses any frame handed to the callback as a recompile; they train as eager."""
+    import contextlib
+
+    def train(model, compiled):
+        opt, history = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if step else \
+                contextlib.nullcontext()
+            with stance:
+                out = compiled(**synthetic_batch(BATCH, SEQ, VOCAB, seed=step))
+                out.mean().backward()
+            history.append((out.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+        return history
+
+    eager = build_gpt_model(gpt_config(hidden_size=64, num_layers=2), VOCAB, SEQ, seed=0)
+    model = build_gpt_model(gpt_config(hidden_size=64, num_layers=2), VOCAB, SEQ, seed=0)
+    _assert_same(train(eager, eager), train(model, torch.compile(model, backend="ascend")))
