@@ -2,6 +2,7 @@
 
     torchrun ... -m megatron_glue.pretrain_gpt <Megatron-LM's pretrain_gpt.py flags>    the training job
     import megatron_glue; megatron_glue.adapt()      megatron-core made capturable, for a loop of your own
+    megatron_glue.compile_layers(gpt_model)          its layers compiled as the job compiles them (warm start)
 
 Its rooms, each a subpackage that a newcomer finds by name (which may import which:
 tests/megatron_glue/test_glue_layering.py):
@@ -20,4 +21,13 @@ and its doors, the modules run with `-m`: `pretrain_gpt` (the job) and `demo` (`
 
 from megatron_glue.capture import adapt, quiet_megatron
 
-__all__ = ["adapt", "quiet_megatron"]
+
+def compile_layers(model, options: dict | None = None):
+    """megatron_glue.training.training.compile_layers: a GPTModel's layers, embedding and output layer compiled in
+    place as the training job compiles them, starting warm in a second process."""
+    from megatron_glue.training.training import compile_layers as compile_
+
+    return compile_(model, options)
+
+
+__all__ = ["adapt", "compile_layers", "quiet_megatron"]

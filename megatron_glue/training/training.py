@@ -266,7 +266,7 @@ def compile_model(chunk, args) -> None:
 
     options = dict(args.npu_compile_options)
     dump_dir = options.get("dump_dir") or os.environ.get(DUMP_DIR_ENV)
-    if dump_dir and dist.get_world_size() > 1:
+    if dump_dir and dist.is_initialized() and dist.get_world_size() > 1:
         # every rank compiles graphs with the same ids: one folder per rank keeps them apart
         options["dump_dir"] = os.path.join(dump_dir, f"rank{dist.get_rank()}")
     if getattr(args, "num_experts", None):
@@ -292,6 +292,22 @@ def compile_model(chunk, args) -> None:
         opts = layer_options if module in layers else options
         module.forward = precompile.compile(module.forward, opts)
         setattr(module, COMPILED_FORWARD, True)
+
+
+def compile_layers(model, options: dict | None = None):
+    """A megatron-core GPTModel compiled in place as the training job compiles it (:func:`compile_model`): each
+    transformer layer's forward, the embedding, and the output layer with the loss (0.16; 0.12: the output layer),
+    each through npu_compile.precompile.compile with ``options`` (backend="ascend"'s). Layers of one structure share
+    one compiled graph; with the ``cache`` option on (the default) a second process loads what Dynamo,
+    aot_autograd and the backend made instead of tracing again, which ``torch.compile(model)`` under layer frames
+    cannot. For a loop of your own after ``megatron_glue.adapt()``: call the model itself, not a torch.compile of
+    it. With ``memory_budget="auto"``, the resident memory defaults to the model's parameters, gradients and fp32
+    Adam state. Returns the model."""
+    config = model.config
+    compile_model(model, argparse.Namespace(npu_compile_options=dict(options or {}),
+                                            num_experts=config.num_moe_experts,
+                                            bf16=config.bf16, fp16=config.fp16))
+    return model
 
 
 # The router's layer number, by its Dynamo source in a layer's frame (self.mlp.router.layer_number) or a model's

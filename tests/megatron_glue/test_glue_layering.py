@@ -7,7 +7,7 @@
     convert/    HF <-> Megatron checkpoints of the job's model: imports capture, data and the job (its argument
                 surface, model provider and checkpoint layout)
 
-Above the rooms stand the package's face (`__init__.py`: adapt, quiet_megatron), its doors (the modules run with
+Above the rooms stand the package's face (`__init__.py`: adapt, compile_layers, quiet_megatron), its doors (the modules run with
 `-m`: pretrain_gpt, posttrain_gpt, demo) and the two paths the README documents (adaptations, distributed); they may
 import any room, no room imports them. Every other module lives in a room. No module takes a private name (`_x`) of another
 module of the package, by `from ... import _x` or by `module._x`.

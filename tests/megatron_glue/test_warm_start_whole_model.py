@@ -26,9 +26,10 @@ from megatron_glue.capture.models import build_gpt_model, gpt_config, synthetic_
 from npu_compile import precompile
 from npu_compile.debug.report import collect
 VOCAB, SEQ, BATCH, LAYERS, STEPS = (int(a) for a in sys.argv[2:7])
-megatron_glue.adapt(groups_for(one_graph=True)); models.init_single_process()
+layers = sys.argv[7] == "layers"  # megatron_glue.compile_layers under adapt()'s default, else the regions model
+megatron_glue.adapt(groups_for(one_graph=not layers)); models.init_single_process()
 model = build_gpt_model(gpt_config(hidden_size=64, num_layers=LAYERS), VOCAB, SEQ, seed=0)
-compiled = precompile.compile(model, {"cache": True})
+compiled = megatron_glue.compile_layers(model, {"cache": True}) if layers else precompile.compile(model, {"cache": True})
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 history = []
 with collect() as reports:
@@ -42,16 +43,17 @@ torch.save(history, sys.argv[1])
 print(json.dumps({"precompile": dict(precompile.counts), "graphs": counters["stats"]["unique_graphs"],
                   "aot_autograd": counters["aot_autograd"]["total"],
                   "regions_group": any(registry.get(n).group == "regions" for n in registry.applied()),
-                  "reports": [{"cache": r.cache, "regions": r.regions, "fusions": r.fusions} for r in reports]}))
+                  "reports": [{"cache": r.cache, "regions": r.regions, "fusions": r.fusions,
+                               "reused_by": r.reused_by} for r in reports]}))
 """
 
 
-def _process(tmp_path, name):
+def _process(tmp_path, name, mode="regions"):
     env = dict(os.environ, NPU_COMPILE_CACHE_DIR=str(tmp_path / "cache"), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / f"{name}.pt"),
-                           *map(str, (VOCAB, SEQ, BATCH, LAYERS, STEPS))],
+                           *map(str, (VOCAB, SEQ, BATCH, LAYERS, STEPS)), mode],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), torch.load(tmp_path / f"{name}.pt")
@@ -81,7 +83,11 @@ def test_the_whole_model_with_regions_starts_warm_in_a_second_process(megatron_c
     assert len(warm_history) == STEPS
     for step, (a, b) in enumerate(zip(cold_history, warm_history)):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step}"
-    # and eager's, within float tolerance (fused ops)
+    _assert_eager(warm_history)
+
+
+def _assert_eager(history):
+    """Each step's loss and gradients equal eager's within float tolerance (fused ops)."""
     eager = build_gpt_model(gpt_config(hidden_size=64, num_layers=LAYERS), VOCAB, SEQ, seed=0)
     opt = torch.optim.SGD(eager.parameters(), lr=0.1)
     for step in range(STEPS):
@@ -89,6 +95,24 @@ def test_the_whole_model_with_regions_starts_warm_in_a_second_process(megatron_c
         out = eager(**synthetic_batch(BATCH, SEQ, VOCAB, seed=step))
         out.mean().backward()
         expected = [out.detach(), *[p.grad for p in eager.parameters()]]
-        for i, (x, y) in enumerate(zip(warm_history[step], expected, strict=True)):
+        for i, (x, y) in enumerate(zip(history[step], expected, strict=True)):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} tensor {i}: {m}")
         opt.step()
+
+
+def test_the_layers_compiled_as_the_job_does_start_warm_in_a_second_process(megatron_cpu, tmp_path):
+    """megatron_glue.compile_layers under adapt()'s default groups: the embedding, the layer (one artifact for
+    both layers) and the output layer with the loss each stored once; a second process loads the three, traces
+    nothing, and trains bitwise as the first did."""
+    cold, cold_history = _process(tmp_path, "cold", "layers")
+    assert not cold["regions_group"]
+    assert cold["precompile"] == {"compiled": 3, "stored": 3, "hit": 3 * STEPS + (LAYERS - 1) * STEPS - 3}, cold
+    assert cold["graphs"] == 3 and cold["aot_autograd"] == 3
+    (layer,) = [r for r in cold["reports"] if r["fusions"].get("attention")]
+    assert layer["reused_by"] == LAYERS
+    warm, warm_history = _process(tmp_path, "warm", "layers")
+    assert (warm["precompile"], warm["graphs"], warm["aot_autograd"]) == (
+        {"loaded": 3, "hit": 3 * STEPS + (LAYERS - 1) * STEPS}, 0, 0), warm
+    for step, (a, b) in enumerate(zip(cold_history, warm_history, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step}"
+    _assert_eager(warm_history)
