@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = {(int(s), int(n)) for n in args.layers.split(",") for s in args.seqs.split(",")}
         kept = [(c[0], c[1], c[2], c[3] if len(c) > 3 else "an earlier run") for c in stored
                 if (c[0], c[1]) not in wanted]
-    run = time.strftime("%Y-%m-%d", time.gmtime())
+    run = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())  # two runs of one day (loaded, quiet) stay apart
     for layers in (int(n) for n in args.layers.split(",")):
         for seq in (int(s) for s in args.seqs.split(",")):
             columns = [c for c in COLUMNS if not skipped(args.skip, c, layers, seq)]
