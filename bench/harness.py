@@ -17,15 +17,21 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def adapt_one_flat_graph() -> None:
-    """megatron_glue.adapt() with the model's layers inlined (neither the "layer_frames" nor the "regions" group):
-    the whole step one flat graph, whose memory plan is the step's. Under regions a layer's plan and the model's
-    are made apart and do not add up to the step (planned / measured 1.22 at budget 1.0 in bench.memory's shape),
-    under layer frames each layer is a graph of its own."""
-    import megatron_glue
+def one_flat_graph_groups() -> tuple[str, ...]:
+    """megatron_glue.adapt()'s groups with the model's layers inlined (neither "layer_frames" nor "regions"): the
+    whole step one flat graph, whose memory plan is the step's. Under regions a layer's plan and the model's are
+    made apart and do not add up to the step (planned / measured 1.22 at budget 1.0 in bench.memory's shape), under
+    layer frames each layer is a graph of its own."""
     from megatron_glue.capture.adaptations import groups_for
 
-    megatron_glue.adapt(tuple(g for g in groups_for(one_graph=True) if g != "regions"))
+    return tuple(g for g in groups_for(one_graph=True) if g != "regions")
+
+
+def adapt_one_flat_graph() -> None:
+    """megatron_glue.adapt(:func:`one_flat_graph_groups`)."""
+    import megatron_glue
+
+    megatron_glue.adapt(one_flat_graph_groups())
 
 
 def peak_bytes(step: Callable[[], object]) -> int:

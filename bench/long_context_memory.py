@@ -15,7 +15,8 @@ Columns:
                  attention (scores b·heads·s·s fp32). Its figure adds the mask itself (an input of the step, so
                  not in the step's peak); Megatron's baddbmm input buffer (b·heads·s·s) is in the step's peak: on
                  CPU the "cpu" adaptation fresh_global_buffer allocates it per call.
-    packed       torch.compile(backend="ascend", target reference), the same rows as megatron-core's
+    packed       torch.compile(backend="ascend", target reference; the model one flat graph, its layers inlined:
+                 bench.harness.one_flat_graph_groups), the same rows as megatron-core's
                  PackedSeqParams (the compiled job's --reset-attention-mask): varlen attention per document.
     causal       the same, compiled, each row one document (causal): the baseline of the CP columns.
     ulysses/ring CP = 2 (``--context-parallel-algo ulysses_cp_algo`` / ``megatron_cp_algo``), compiled, each rank
@@ -132,11 +133,11 @@ def point(kind: str, seq: int) -> dict:
     _rss_guard()
     import torch
 
-    from bench.harness import peak_bytes
+    from bench.harness import one_flat_graph_groups, peak_bytes
     from megatron_glue.capture.distributed import init_distributed
 
     cp = 2 if kind in ("ulysses", "ring") else 1
-    init_distributed(1, context_parallel_size=cp)
+    init_distributed(1, context_parallel_size=cp, groups=one_flat_graph_groups())  # the step one graph, one plan
     from megatron.core import parallel_state
 
     from megatron_glue.training.gpt import on_this_cp_rank, packed_documents
