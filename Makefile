@@ -73,7 +73,7 @@ test-mcore012: $(STAMP012)
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m fuzz
 
-# Every file in bench/results/ that the README or docs/ cite, regenerated in one run (hours on a 2-core machine; each
+# Every file in bench/results/ that the README or docs/ cite, regenerated in one run (about 80 minutes on a 2-core machine; each
 # bench's own docstring says what it measures). Those that run MindSpeed-LLM's example scripts read its git repository:
 # `make bench MINDSPEED_LLM=/path/to/MindSpeed-LLM.git`; without it they are not run (make bench prints their
 # commands) and their six files stay as they were last written.
