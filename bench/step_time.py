@@ -6,10 +6,12 @@ groups make each layer a frame of its own) and ascend per layer as the training 
 Each (sequence, layers) cell runs in a fresh process that builds the four models from one seed, compiles them,
 takes two warm-up steps each, then times their steps in turn (eager, Inductor, ascend, job, eager, ...) so that
 the machine's load falls on all four alike; a step is forward, backward and the AdamW step, the figure the
-median of ``--repeats``. Peak memory: profiler CPU memory events over one forward+backward (bench.harness).
+median of at least ``--repeats`` steps, and of as many more rounds as it takes every column to have run
+``--min-seconds`` of steps: at sequence 128 a step takes milliseconds, and five of them measure the machine's
+noise (±3 %) more than the step. Peak memory: profiler CPU memory events over one forward+backward (bench.harness).
 Writes bench/results/step_time.md and step_time.png.
 
-    python -m bench.step_time [--seqs 128,1024,2048] [--layers 2,8,32] [--repeats 5] [--threads 1]
+    python -m bench.step_time [--seqs 128,1024,2048] [--layers 2,8,32] [--repeats 5] [--min-seconds 3] [--threads 1]
                               [--skip inductor:32] [--skip inductor:32:2048 ...] [--update]
 
 ``--skip COLUMN:LAYERS[:SEQ]`` leaves a column out of the cells it names (Inductor takes minutes to compile 32
@@ -43,6 +45,7 @@ from bench.harness import peak_bytes
 megatron_glue.adapt(); models.init_single_process()
 seq, layers, repeats, columns = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
 hidden, heads, batch, vocab, threads = (int(a) for a in sys.argv[5:10])
+min_seconds = float(sys.argv[10])
 torch.set_num_threads(threads)
 data = models.synthetic_batch(batch, seq, vocab, seed=0)
 runs = {}
@@ -61,7 +64,9 @@ for column in columns:
     compile_s = time.perf_counter() - t
     losses.append(models.train_step(model, data, opt))  # warm-up
     runs[column] = dict(model=model, opt=opt, times=[], compile_s=compile_s, losses=losses)
-for _ in range(repeats):
+rounds = 0
+while rounds < repeats or any(sum(r["times"]) < min_seconds for r in runs.values()):
+    rounds += 1
     for r in runs.values():
         t = time.perf_counter()
         models.train_step(r["model"], data, r["opt"])
@@ -81,14 +86,14 @@ print(json.dumps(out))
 """
 
 
-def measure(seq: int, layers: int, repeats: int, columns: list[str], threads: int) -> dict:
+def measure(seq: int, layers: int, repeats: int, columns: list[str], threads: int, min_seconds: float = 0.0) -> dict:
     root = Path(__file__).parent.parent
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as inductor:
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS=str(threads),
                    NPU_COMPILE_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=inductor, PYTHONWARNINGS="ignore",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         done = subprocess.run([sys.executable, "-c", _CHILD, str(seq), str(layers), str(repeats), ",".join(columns),
-                               str(HIDDEN), str(HEADS), str(BATCH), str(VOCAB), str(threads)],
+                               str(HIDDEN), str(HEADS), str(BATCH), str(VOCAB), str(threads), str(min_seconds)],
                               env=env, capture_output=True, text=True, timeout=7200, cwd=root)
     if done.returncode:
         raise RuntimeError(f"seq {seq}, {layers} layers failed:\n{done.stderr[-3000:]}")
@@ -106,8 +111,11 @@ def skipped(skips: list[str], column: str, layers: int, seq: int) -> bool:
 
 
 def table(cells: list[tuple[int, int, dict]]) -> str:
-    def ms(r, c):
-        return f"{r[c]['step_s'] * 1e3:.0f}" if c in r else "–"
+    def ms(r, c):  # a tenth of a millisecond where steps take tens of them
+        if c not in r:
+            return "–"
+        v = r[c]["step_s"] * 1e3
+        return f"{v:.1f}" if v < 100 else f"{v:.0f}"
 
     def ratio(r, c, base):
         return f"{r[c]['step_s'] / r[base]['step_s']:.2f}" if c in r and base in r else "–"
@@ -115,14 +123,17 @@ def table(cells: list[tuple[int, int, dict]]) -> str:
     def peak(r, c):
         return f"{r[c]['peak'] / MiB:.0f}" if c in r else "–"
 
+    def steps(r):  # every column of a row times the same rounds
+        return str(min(len(v["times"]) for v in r.values()))
+
     head = ["seq", "layers", "eager ms", "inductor ms", "ascend ms", "job ms", "ascend ×eager", "ascend ×inductor",
-            "job ×eager", "job ×inductor", "inductor ×eager", "peak MiB eager / inductor / ascend / job"]
+            "job ×eager", "job ×inductor", "inductor ×eager", "steps", "peak MiB eager / inductor / ascend / job"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for seq, layers, r in cells:
         lines.append("| " + " | ".join([
             str(seq), str(layers), ms(r, "eager"), ms(r, "inductor"), ms(r, "ascend"), ms(r, "job"),
             ratio(r, "ascend", "eager"), ratio(r, "ascend", "inductor"), ratio(r, "job", "eager"),
-            ratio(r, "job", "inductor"), ratio(r, "inductor", "eager"),
+            ratio(r, "job", "inductor"), ratio(r, "inductor", "eager"), steps(r),
             " / ".join(peak(r, c) for c in COLUMNS)]) + " |")
     return "\n".join(lines)
 
@@ -159,7 +170,8 @@ def write(rows: list[tuple[int, int, dict, str]], args: argparse.Namespace, torc
         f"# CPU training-step time: eager vs Inductor vs ascend (whole model and per layer)\n\n"
         f"megatron-core GPTModel, hidden {HIDDEN}, {HEADS} heads, LayerNorm + GeLU, causal, batch {BATCH}, vocab "
         f"{VOCAB}, fp32; torch {torch_version}, {platform.machine()}, {args.threads} thread(s) on {os.cpu_count()} "
-        f"cores. A step is forward, backward and AdamW; median of {args.repeats} steps after two warm-up steps, the "
+        f"cores. A step is forward, backward and AdamW; median of at least {args.repeats} steps and "
+        f"of at least {args.min_seconds:g} s of steps per column (\"steps\": how many), after two warm-up steps, the "
         f"four columns timed in turn in one process per row. ascend = `torch.compile(gpt_model, "
         f"backend=\"ascend\")` after `megatron_glue.adapt()` (its default groups: each layer a frame of its own, "
         f"group `layer_frames`); job = the training job's per-layer compile (`compile_model`). Peak: profiler CPU "
@@ -179,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default="128,1024,2048")
     p.add_argument("--layers", default="2,8,32")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="the fewest timed steps of a column (default 5)")
+    p.add_argument("--min-seconds", type=float, default=3.0,
+                   help="time each column's steps until it has run this long, in rounds of one step a column "
+                        "(default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (default 1: on a shared machine OpenMP's barriers measure the load)")
     p.add_argument("--skip", action="append", default=[], metavar="COLUMN:LAYERS[:SEQ]")
@@ -202,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         for seq in (int(s) for s in args.seqs.split(",")):
             columns = [c for c in COLUMNS if not skipped(args.skip, c, layers, seq)]
             print(f"seq {seq}, {layers} layers: {', '.join(columns)} ...", flush=True)
-            r = measure(seq, layers, args.repeats, columns, args.threads)
+            r = measure(seq, layers, args.repeats, columns, args.threads, args.min_seconds)
             cells.append((seq, layers, r, run))
             print("  " + ", ".join(f"{c} {v['step_s'] * 1e3:.0f} ms" for c, v in r.items()), flush=True)
             rows = sorted(kept + cells, key=lambda c: (c[1], c[0]))
