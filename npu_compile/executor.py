@@ -9,8 +9,11 @@ The code is straight-line Python generated once per graph (FX's code generation)
 each node is one call. What that call is, is decided per node in ``_dispatch``, in the graph and in each
 region it calls (a whole model's layers): a target may give a table of
 kernels to call in place of an op (the reference target calls its fused ops' Python kernels directly, without
-the custom-op dispatcher's Python layers around each call), and ``detach``, a no-op in a graph that runs with
-no autograd recording, is dropped where only other nodes read it.
+the custom-op dispatcher's Python layers around each call), ``detach``, a no-op in a graph that runs with
+no autograd recording, is dropped where only other nodes read it, and the commonest aten ops are called through
+torch's own Python bindings (``Tensor.view``, ``torch.mm``: the same operator, parsed in C++) rather than their
+``torch.ops`` OpOverload (a Python ``__call__`` and boxed arguments: about 1 µs more a call, of the 1.5–4 µs a
+view or a small add takes; a transformer layer's forward and backward make about 70 such calls).
 """
 
 from __future__ import annotations
@@ -23,6 +26,26 @@ from torch.fx.graph import _BoxedCodeGen
 from npu_compile import regions
 
 Kernels = Mapping[object, Callable]
+
+_aten = torch.ops.aten
+# OpOverload -> the Python binding that resolves to that same overload for the argument kinds an FX graph passes
+# it (positional tensors, ints and int lists, a bool keepdim), used where the node has no keyword arguments. Each
+# pair is checked against the op in tests/test_backend.py (same values, shape, strides, storage, aliasing).
+BINDINGS: dict[object, Callable] = {
+    _aten.view.default: torch.Tensor.view,
+    _aten.t.default: torch.Tensor.t,
+    _aten.permute.default: torch.Tensor.permute,
+    _aten.transpose.int: torch.Tensor.transpose,
+    _aten.expand.default: torch.Tensor.expand,
+    _aten.detach.default: torch.Tensor.detach,
+    _aten.unsqueeze.default: torch.Tensor.unsqueeze,
+    _aten.squeeze.dim: torch.Tensor.squeeze,
+    _aten.select.int: torch.Tensor.select,
+    _aten.add.Tensor: torch.add,
+    _aten.mul.Tensor: torch.mul,
+    _aten.mm.default: torch.mm,
+    _aten.sum.dim_IntList: torch.sum,
+}
 
 
 def boxed_executor(gm: torch.fx.GraphModule, kernels: Kernels | None = None) -> Callable[[list], object]:
@@ -80,5 +103,7 @@ def _dispatch(graph: torch.fx.Graph, node: torch.fx.Node, kernels: Kernels) -> N
         graph.erase_node(node)
         return
     kernel = kernels.get(node.target)
+    if kernel is None and not node.kwargs:
+        kernel = BINDINGS.get(node.target)
     if kernel is not None:
         node.target = kernel
