@@ -1,7 +1,10 @@
 """CPU training-step time of a megatron-core GPT (hidden 128, 4 heads, batch 2, fp32): eager, Inductor, ascend on
 the whole model (``megatron_glue.adapt()`` + ``torch.compile(gpt_model, backend="ascend")``; adapt()'s default
 groups make each layer a frame of its own) and ascend per layer as the training job compiles it
-(``megatron_glue.training.training.compile_model``), at sequence 128 / 1024 / 2048 and 2 / 8 / 32 layers.
+(``megatron_glue.training.training.compile_model``), at sequence 128 / 1024 / 2048 and 2 / 8 / 32 layers; and
+"regions", the whole model with its layers one nested compile region of the model's one graph
+(``megatron_glue.adapt(groups_for(one_graph=True))``), which needs a process of its own: it is timed in a second
+process per row, beside an eager model of its own, and given as a ratio to that eager.
 
 Each (sequence, layers) cell runs in a fresh process that builds the four models from one seed, compiles them,
 takes two warm-up steps each, then times their steps in turn (eager, Inductor, ascend, job, eager, ...) so that
@@ -31,7 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-COLUMNS = ("eager", "inductor", "ascend", "job")
+COLUMNS = ("eager", "inductor", "ascend", "job", "regions")
+# The process of the "regions" column adapts megatron-core for one graph (a group the other columns cannot share).
+ONE_GRAPH = ("regions",)
 HIDDEN, HEADS, BATCH, VOCAB = 128, 4, 2, 128
 MiB = 2**20
 
@@ -42,10 +47,11 @@ import megatron_glue
 from megatron_glue.capture import models
 from megatron_glue.training.training import compile_model
 from bench.harness import peak_bytes
-megatron_glue.adapt(); models.init_single_process()
+from megatron_glue.capture.adaptations import groups_for
 seq, layers, repeats, columns = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
 hidden, heads, batch, vocab, threads = (int(a) for a in sys.argv[5:10])
 min_seconds = float(sys.argv[10])
+megatron_glue.adapt(groups_for(one_graph="regions" in columns)); models.init_single_process()
 torch.set_num_threads(threads)
 data = models.synthetic_batch(batch, seq, vocab, seed=0)
 runs = {}
@@ -54,7 +60,7 @@ for column in columns:
                                                      num_layers=layers), vocab, seq, seed=0)
     if column == "inductor":
         model = torch.compile(model)
-    elif column == "ascend":
+    elif column in ("ascend", "regions"):
         model = torch.compile(model, backend="ascend")
     elif column == "job":
         compile_model(model, types.SimpleNamespace(npu_compile_options={}))
@@ -120,6 +126,9 @@ def table(cells: list[tuple[int, int, dict]]) -> str:
     def ratio(r, c, base):
         return f"{r[c]['step_s'] / r[base]['step_s']:.2f}" if c in r and base in r else "–"
 
+    def regions(r):  # against the eager of its own process
+        return ratio(r, "regions", "regions_eager")
+
     def peak(r, c):
         return f"{r[c]['peak'] / MiB:.0f}" if c in r else "–"
 
@@ -127,13 +136,14 @@ def table(cells: list[tuple[int, int, dict]]) -> str:
         return str(min(len(v["times"]) for v in r.values()))
 
     head = ["seq", "layers", "eager ms", "inductor ms", "ascend ms", "job ms", "ascend ×eager", "ascend ×inductor",
-            "job ×eager", "job ×inductor", "inductor ×eager", "steps", "peak MiB eager / inductor / ascend / job"]
+            "job ×eager", "job ×inductor", "inductor ×eager", "regions ×eager", "steps",
+            "peak MiB eager / inductor / ascend / job / regions"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for seq, layers, r in cells:
         lines.append("| " + " | ".join([
             str(seq), str(layers), ms(r, "eager"), ms(r, "inductor"), ms(r, "ascend"), ms(r, "job"),
             ratio(r, "ascend", "eager"), ratio(r, "ascend", "inductor"), ratio(r, "job", "eager"),
-            ratio(r, "job", "inductor"), ratio(r, "inductor", "eager"), steps(r),
+            ratio(r, "job", "inductor"), ratio(r, "inductor", "eager"), regions(r), steps(r),
             " / ".join(peak(r, c) for c in COLUMNS)]) + " |")
     return "\n".join(lines)
 
@@ -146,10 +156,11 @@ def plot(cells: list[tuple[int, int, dict]], path: Path) -> None:
 
     labels = [f"s{seq}\nL{layers}" for seq, layers, _ in cells]
     fig, ax = plt.subplots(figsize=(max(8, len(cells) * 1.1), 4.5))
-    shown = ("inductor", "ascend", "job")
+    shown = ("inductor", "ascend", "job", "regions")
     width = 0.8 / len(shown)
     for i, c in enumerate(shown):
-        ys = [r[c]["step_s"] / r["eager"]["step_s"] if c in r and "eager" in r else 0 for _, _, r in cells]
+        base = "regions_eager" if c == "regions" else "eager"
+        ys = [r[c]["step_s"] / r[base]["step_s"] if c in r and base in r else 0 for _, _, r in cells]
         ax.bar([x + i * width for x in range(len(cells))], ys, width, label=c)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + width for x in range(len(cells))], labels, fontsize=8)
@@ -172,9 +183,12 @@ def write(rows: list[tuple[int, int, dict, str]], args: argparse.Namespace, torc
         f"{VOCAB}, fp32; torch {torch_version}, {platform.machine()}, {args.threads} thread(s) on {os.cpu_count()} "
         f"cores. A step is forward, backward and AdamW; median of at least {args.repeats} steps and "
         f"of at least {args.min_seconds:g} s of steps per column (\"steps\": how many), after two warm-up steps, the "
-        f"four columns timed in turn in one process per row. ascend = `torch.compile(gpt_model, "
+        f"first four columns timed in turn in one process per row. ascend = `torch.compile(gpt_model, "
         f"backend=\"ascend\")` after `megatron_glue.adapt()` (its default groups: each layer a frame of its own, "
-        f"group `layer_frames`); job = the training job's per-layer compile (`compile_model`). Peak: profiler CPU "
+        f"group `layer_frames`); job = the training job's per-layer compile (`compile_model`); regions = the same "
+        f"`torch.compile` after `adapt(groups_for(one_graph=True))` (the layers one nested compile region of one "
+        f"graph), timed in a second process per row in turn with an eager model of its own, its ratio to that "
+        f"eager. Peak: profiler CPU "
         f"memory events over one forward+backward. `python -m bench.step_time`"
         + (f" (skipped: {', '.join(args.skip)})" if args.skip else "") + "." + origin + "\n\n" + table(cells) + "\n"
     )
@@ -217,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         for seq in (int(s) for s in args.seqs.split(",")):
             columns = [c for c in COLUMNS if not skipped(args.skip, c, layers, seq)]
             print(f"seq {seq}, {layers} layers: {', '.join(columns)} ...", flush=True)
-            r = measure(seq, layers, args.repeats, columns, args.threads, args.min_seconds)
+            r = measure(seq, layers, args.repeats, [c for c in columns if c not in ONE_GRAPH], args.threads,
+                        args.min_seconds)
+            if any(c in ONE_GRAPH for c in columns):  # its own process, beside an eager of its own
+                second = measure(seq, layers, args.repeats, ["eager", *ONE_GRAPH], args.threads, args.min_seconds)
+                r.update({c: second[c] for c in ONE_GRAPH}, regions_eager=second["eager"])
             cells.append((seq, layers, r, run))
             print("  " + ", ".join(f"{c} {v['step_s'] * 1e3:.0f} ms" for c, v in r.items()), flush=True)
             rows = sorted(kept + cells, key=lambda c: (c[1], c[0]))
