@@ -113,6 +113,31 @@ def test_the_memory_plan_sees_inside_the_region(fresh):
     assert peaks["RegionLayer"] >= 0.85 * peaks["Layer"], peaks  # 0.75 with a call counted as its outputs only
 
 
+def test_the_regions_plan_comes_near_the_measured_peak(fresh):
+    """Each call's outputs laid out as the subgraph has them: a layer's q, k and v, views of one projection, one
+    storage per call (three, each the size of a view's extent, planned 1.55–1.69× the measured peak here), and a
+    parameter a call returns for its backward no saved activation. The inlined layers' plan is the measured peak."""
+    from bench.harness import peak_bytes
+
+    ratios = {}
+    for layer in (Layer, RegionLayer):
+        torch._dynamo.reset()
+        model = _model(layer)
+        compiled = torch.compile(model, backend="ascend", options={"cache": False})
+
+        def step():
+            for p in model.parameters():
+                p.grad = None
+            compiled(torch.arange(48).remainder(64).view(2, 24)).backward()
+
+        with collect() as reports:
+            step(), step()
+        (report,) = reports
+        ratios[layer.__name__] = report.memory["lower_bound_bytes"] / peak_bytes(step)
+    assert ratios["Layer"] == pytest.approx(1.0, abs=0.01), ratios
+    assert 0.95 <= ratios["RegionLayer"] <= 1.35, ratios  # 1.14 alone, 1.24 after this module's other tests
+
+
 def _caller_of(sub: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A graph that calls ``sub`` twice through invoke_subgraph, as Dynamo writes a region's calls."""
     graph = torch.fx.Graph()
@@ -241,8 +266,10 @@ def test_each_region_calls_saved_activations_count_in_the_outer_forward(fresh, m
              for call in calls]  # the activations each call makes and hands the backward
     storages = [{u.meta["val"].untyped_storage()._cdata for u in us} for us in saved]
     assert all(storages) and not set.intersection(*storages)  # no call's activations read as another's
-    held = sum(u.meta["val"].untyped_storage().nbytes() for us in saved for u in us)
-    assert graph_liveness(outer_fw.graph).peak >= held
+    distinct = {u.meta["val"].untyped_storage()._cdata: u.meta["val"].untyped_storage().nbytes()
+                for us in saved for u in us}  # a call's q, k and v: views of one projection, one storage
+    assert len(distinct) < sum(map(len, saved))
+    assert graph_liveness(outer_fw.graph).peak >= sum(distinct.values())
 
 
 def _schema_calls(monkeypatch) -> list[str]:
@@ -383,7 +410,7 @@ def test_a_region_is_analysed_once_not_once_per_call(fresh, monkeypatch):
     # the backward analysed once for the plan and the saved bytes: the same figures as analysing it twice
     t = memory.training_memory(fw.graph, bw.graph)
     assert (t.buffers, t.steps) == memory.training_buffers(fw.graph, bw.graph)
-    assert t.saved_bytes == memory.saved_activation_bytes(bw.graph) > 0
+    assert t.saved_bytes == memory.saved_activation_bytes(bw.graph, fw.graph) > 0
 
 
 def test_the_backward_reads_each_calls_saved_activations_as_its_own(fresh, monkeypatch):

@@ -380,34 +380,70 @@ def unshare_region_outputs(graph: torch.fx.Graph) -> int:
     torch/_functorch/_aot_autograd/graph_compile.py:1090-1109 ``propagate_meta_info``, and 1176-1181 for the saved
     tensors' ``getitem`` nodes), so by storage the later calls' outputs read as
     aliases of the first call's: their bytes (a layer's saved activations) never counted and the ordering saw
-    them as free. An output the subgraph makes itself (not an input returned or viewed) that an earlier node
-    already holds gets a FakeTensor of its own, same shape, stride and dtype, and the ``getitem`` nodes reading
-    it take that value (``realias_views`` then remakes the views of them)."""
-    seen: set = set()
-    returned: dict[int, set[int]] = {}
+    them as free. Those values need not share storage where the subgraph's outputs do either (a layer's q, k and v,
+    views of one projection, come as three storages each the size of its view's extent: the projection counted
+    three times). So each call's outputs the subgraph makes itself (not an input returned or viewed) get values of
+    their own laid out as in the subgraph: one storage, of the subgraph's storage's size, for the outputs that
+    share one there, each output at its offset with its strides (:func:`_output_layout`); the ``getitem`` nodes
+    reading them take those values (``realias_views`` then remakes the views of them)."""
+    layouts: dict[int, dict[int, tuple]] = {}
     remade = 0
     for node in graph.nodes:
         val = node.meta.get("val")
         sub = regions.subgraph(node)
-        if sub is not None and isinstance(val, (tuple, list)):
-            if id(sub) not in returned:  # once per region, not once per call
-                returned[id(sub)] = _returned_inputs(sub)
-            keep = returned[id(sub)]
-            new = {i: t for i, t in enumerate(val) if i not in keep and isinstance(t, torch.Tensor)
-                   and getattr(t, "fake_mode", None) is not None and _storage(t) in seen}
-            for i, t in new.items():
-                with t.fake_mode:
-                    new[i] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            if new:
-                node.meta["val"] = type(val)(new.get(i, t) for i, t in enumerate(val))
-                for user in node.users:
-                    if user.target is operator.getitem and user.args[1] in new:
-                        user.meta["val"] = new[user.args[1]]
-                remade += len(new)
-        for t in pytree.tree_leaves(node.meta.get("val")):
-            if isinstance(t, torch.Tensor):
-                seen.add(_storage(t))
+        if sub is None or not isinstance(val, (tuple, list)):
+            continue
+        if id(sub) not in layouts:  # once per region, not once per call
+            layouts[id(sub)] = _output_layout(sub)
+        new = _laid_out(val, layouts[id(sub)])
+        if new:
+            node.meta["val"] = type(val)(new.get(i, t) for i, t in enumerate(val))
+            for user in node.users:
+                if user.target is operator.getitem and user.args[1] in new:
+                    user.meta["val"] = new[user.args[1]]
+            remade += len(new)
     return remade
+
+
+def _output_layout(sub: torch.fx.GraphModule) -> dict[int, tuple]:
+    """The outputs a region's subgraph makes itself, by position: (the storage they are on, numbered, its bytes,
+    the output's shape, strides and offset on it), as the subgraph's own values have them."""
+    returned = _returned_inputs(sub)
+    nodes = list(sub.graph.nodes)
+    alias = AliasTracker(nodes)
+    (output,) = sub.graph.find_nodes(op="output")
+    outs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    numbered: dict = {}
+    layout = {}
+    for i, o in enumerate(outs):
+        t = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
+        keys = alias.node_to_output_storages.get(o, OrderedSet()) if isinstance(o, torch.fx.Node) else ()
+        if i in returned or not isinstance(t, torch.Tensor) or len(keys) != 1:
+            continue
+        (key,) = keys
+        number = numbered.setdefault(key, len(numbered))
+        layout[i] = (number, t.untyped_storage().nbytes(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+    return layout
+
+
+def _laid_out(val: tuple | list, layout: dict[int, tuple]) -> dict[int, torch.Tensor]:
+    """A call's output values remade per ``layout`` (:func:`_output_layout`) on fresh storages of their own; an
+    output whose value is not a FakeTensor of the subgraph's dtype and rank is left as it is (sizes are not
+    compared: symbolic ones would put guards on the shape environment)."""
+    storages: dict[int, object] = {}
+    fresh = {}
+    for i, (number, nbytes, dtype, shape, stride, offset) in layout.items():
+        t = val[i] if i < len(val) else None
+        if (not isinstance(t, torch.Tensor) or getattr(t, "fake_mode", None) is None or t.dtype != dtype
+                or t.dim() != len(shape)):
+            continue
+        with t.fake_mode:
+            if number not in storages:
+                storages[number] = torch.empty(nbytes // t.element_size(), dtype=dtype, device=t.device
+                                               ).untyped_storage()
+            # on the storage, not views of a base: a graph's cached copy keeps them as they are
+            fresh[i] = torch.empty((0,), dtype=dtype, device=t.device).set_(storages[number], offset, shape, stride)
+    return fresh
 
 
 def realias_views(graph: torch.fx.Graph) -> int:
@@ -472,9 +508,29 @@ def _saved_bytes(bw: GraphBuffers) -> int:
     return sum(b.bytes for b in bw.buffers if b.op == "input")
 
 
-def saved_activation_bytes(bw: torch.fx.Graph) -> int:
-    """Bytes of the distinct storages the forward saves for this backward."""
-    return _saved_bytes(graph_buffers(bw, is_saved_activation))
+def saved_activation_bytes(bw: torch.fx.Graph, fw: torch.fx.Graph | None = None) -> int:
+    """Bytes of the distinct storages the forward saves for this backward; given the forward ``fw``, the
+    backward reads its values and what is on the forward's inputs does not count (:func:`_saved_by`)."""
+    if fw is None:
+        return _saved_bytes(graph_buffers(bw, is_saved_activation))
+    _saved_values_from_forward(fw, bw)
+    return _saved_bytes(graph_buffers(bw, _saved_by(fw)))
+
+
+def _saved_by(fw: torch.fx.Graph) -> Callable[[torch.fx.Node], bool]:
+    """Which backward inputs are activations ``fw`` saved and holds: not a value on one of ``fw``'s own inputs'
+    storages (a parameter a region call returns for its backward), which is the caller's memory, as the forward's
+    inputs are, not the step's."""
+    inputs = frozenset(_storage(n.meta.get("val")) for n in fw.find_nodes(op="placeholder")) - {None}
+    memo = getattr(fw, "_npu_compile_saved_by", None)
+    if memo is not None and memo[0] == inputs:
+        return memo[1]  # the same function: graph_buffers' memo of the backward is keyed by it
+
+    def saved(n: torch.fx.Node) -> bool:
+        return is_saved_activation(n) and _storage(n.meta.get("val")) not in inputs
+
+    fw._npu_compile_saved_by = (inputs, saved)
+    return saved
 
 
 def _saved_values_from_forward(fw: torch.fx.Graph, bw: torch.fx.Graph) -> int:
@@ -508,7 +564,7 @@ def training_memory(fw: torch.fx.Graph, bw: torch.fx.Graph) -> TrainingMemory:
     """:func:`training_buffers` and the saved activations' bytes, each graph analysed once."""
     f = graph_buffers(fw)
     _saved_values_from_forward(fw, bw)
-    b = graph_buffers(bw, is_saved_activation)
+    b = graph_buffers(bw, _saved_by(fw))
     n_f = len(f.steps)
     saved_end: dict[str, int] = {}  # forward buffer name -> last backward step that reads it
     bw_buffers = []
