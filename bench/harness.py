@@ -20,8 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 def one_flat_graph_groups() -> tuple[str, ...]:
     """megatron_glue.adapt()'s groups with the model's layers inlined (neither "layer_frames" nor "regions"): the
     whole step one flat graph, whose memory plan is the step's. Under regions a layer's plan and the model's are
-    made apart (planned / measured 1.02 at budget 1.0 and 0.93 at 0.5 in bench.memory's shape, README), under layer
-    frames each layer is a graph of its own."""
+    made apart (README, "Benchmarks"), under layer frames each layer is a graph of its own."""
     from megatron_glue.capture.adaptations import groups_for
 
     return tuple(g for g in groups_for(one_graph=True) if g != "regions")
