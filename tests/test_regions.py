@@ -113,29 +113,47 @@ def test_the_memory_plan_sees_inside_the_region(fresh):
     assert peaks["RegionLayer"] >= 0.85 * peaks["Layer"], peaks  # 0.75 with a call counted as its outputs only
 
 
-def test_the_regions_plan_comes_near_the_measured_peak(fresh):
-    """Each call's outputs laid out as the subgraph has them: a layer's q, k and v, views of one projection, one
-    storage per call (three, each the size of a view's extent, planned 1.55–1.69× the measured peak here), and a
-    parameter a call returns for its backward no saved activation. The inlined layers' plan is the measured peak."""
-    from bench.harness import peak_bytes
+def test_each_calls_outputs_are_laid_out_as_the_subgraph_has_them(fresh, monkeypatch):
+    """aot_autograd's values for a region call's outputs need not share storage where the subgraph's do (a layer's
+    q, k and v, views of one projection, came as three storages each the size of its view's extent, the plan
+    1.5-1.7x the measured peak of this model); the estimate lays each call's outputs out as the subgraph has them,
+    one storage per call for the outputs that share one there. And a parameter a call returns for its backward is
+    the caller's memory, not a saved activation."""
+    from npu_compile.debug import report as report_mod
+    from npu_compile.passes import memory
 
-    ratios = {}
-    for layer in (Layer, RegionLayer):
-        torch._dynamo.reset()
-        model = _model(layer)
-        compiled = torch.compile(model, backend="ascend", options={"cache": False})
+    graphs = {}
+    done = report_mod.Recorder.graph_done
+    monkeypatch.setattr(report_mod.Recorder, "graph_done", lambda self, kind, gm: graphs.setdefault(kind, gm) and
+                        done(self, kind, gm))
+    model = _model(RegionLayer)
+    _step(torch.compile(model, backend="ascend", options={"cache": False}), model)
+    fw, bw = graphs["forward"], graphs["backward"]
+    memory.unshare_region_outputs(fw.graph)
+    calls = [n for n in fw.graph.nodes if regions.subgraph(n) is not None]
+    assert len(calls) == LAYERS
+    layout = memory._output_layout(regions.subgraph(calls[0]))
+    numbers = [number for number, *_ in layout.values()]
+    assert len(set(numbers)) < len(numbers)  # some outputs share a storage in the subgraph (q, k, v)
+    per_call = []
+    for call in calls:
+        storages = {}
+        for i, (number, nbytes, *_) in layout.items():
+            st = call.meta["val"][i].untyped_storage()
+            assert storages.setdefault(number, st._cdata) == st._cdata and st.nbytes() == nbytes
+        assert len(set(storages.values())) == len(storages)  # apart in the subgraph, apart here
+        per_call.append(set(storages.values()))
+    assert not set.intersection(*per_call)  # no call's outputs read as another's
 
-        def step():
-            for p in model.parameters():
-                p.grad = None
-            compiled(torch.arange(48).remainder(64).view(2, 24)).backward()
-
-        with collect() as reports:
-            step(), step()
-        (report,) = reports
-        ratios[layer.__name__] = report.memory["lower_bound_bytes"] / peak_bytes(step)
-    assert ratios["Layer"] == pytest.approx(1.0, abs=0.01), ratios
-    assert 0.95 <= ratios["RegionLayer"] <= 1.35, ratios  # 1.14 alone, 1.24 after this module's other tests
+    t = memory.training_memory(fw.graph, bw.graph)
+    inputs = {n.meta["val"].untyped_storage()._cdata for n in fw.graph.find_nodes(op="placeholder")
+              if isinstance(n.meta.get("val"), torch.Tensor)}
+    on_inputs = [n for n in bw.graph.find_nodes(op="placeholder") if memory.is_saved_activation(n)
+                 and n.meta["val"].untyped_storage()._cdata in inputs]
+    assert on_inputs  # the parameters the calls return for their backward
+    saved = {n.meta["val"].untyped_storage()._cdata: n.meta["val"].untyped_storage().nbytes()
+             for n in bw.graph.find_nodes(op="placeholder") if memory.is_saved_activation(n) and n not in on_inputs}
+    assert t.saved_bytes == sum(saved.values())
 
 
 def _caller_of(sub: torch.fx.GraphModule) -> torch.fx.GraphModule:
